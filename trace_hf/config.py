@@ -1,0 +1,119 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""`TraceFP4Config`: the quantization config users pass to `from_pretrained`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.quantizers import register_quantization_config
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .fp4 import FORMATS
+
+
+QUANT_METHOD = "trace_fp4"
+HINT_SITES = ("experts_input",)
+ACTIVATIONS = ("fp4", "none")
+
+
+@register_quantization_config(QUANT_METHOD)
+class TraceFP4Config(QuantizationConfigMixin):
+    """FP4 routed experts (and optionally an FP4 KV cache) that both train (QAT) and roll out.
+
+    In `model.train()` the BF16 master weights stay the trainable parameters and the forward fake-quantizes them
+    (straight-through gradients); in `model.eval()` / `generate` the experts run from packed FP4 weights cached
+    from the masters. Both sides use the one format definition in `trace_hf.fp4`.
+
+    Args:
+        fmt (`str`, *optional*, defaults to `"nvfp4"`):
+            FP4 format of expert weights, expert activations and hints: `"nvfp4"` (16-element blocks, E4M3 scales,
+            fp32 global scale) or `"mxfp4"` (32-element blocks, E8M0 scales).
+        activations (`str`, *optional*, defaults to `"fp4"`):
+            `"fp4"` quantizes the experts' input and hidden activation per token (W4A4); `"none"` keeps them in
+            the model dtype (W4A16). Hints need `"fp4"`.
+        kv_cache (`str` or `None`, *optional*, defaults to `"nvfp4"`):
+            Format of the KV cache of full-attention layers (`"nvfp4"`, `"mxfp4"`), or `None` for the model's own
+            cache. Training fake-quantizes K and V with the same function.
+        hint_layers (`int` or `None`, *optional*):
+            How many of the last MoE layers record hints at rollout and apply them in training. Defaults to half
+            of the MoE layers (rounded up); `0` disables hints.
+        hint_sites (`list[str]`, *optional*, defaults to `["experts_input"]`):
+            Where hints are recorded. `"experts_input"` (the routed experts' input, as in the paper) is supported.
+        modules_to_not_convert (`list[str]`, *optional*):
+            Names (or name suffixes) of modules to leave in the model dtype, e.g. `["model.layers.0.mlp.experts"]`.
+        quantize_linears (`bool`, *optional*, defaults to `False`):
+            Reserved opt-in for non-expert linears; only `False` is supported for now.
+    """
+
+    def __init__(
+        self,
+        fmt: str = "nvfp4",
+        activations: str = "fp4",
+        kv_cache: str | None = "nvfp4",
+        hint_layers: int | None = None,
+        hint_sites: list[str] | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        quantize_linears: bool = False,
+        **kwargs,
+    ):
+        self.quant_method = QUANT_METHOD
+        self.fmt = fmt
+        self.activations = activations
+        self.kv_cache = kv_cache
+        self.hint_layers = hint_layers
+        self.hint_sites = list(hint_sites) if hint_sites is not None else ["experts_input"]
+        self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert else []
+        self.quantize_linears = quantize_linears
+        kwargs.pop("quant_method", None)
+        if kwargs:
+            raise ValueError(f"Unknown TraceFP4Config arguments {sorted(kwargs)}.")
+        self.post_init()
+
+    def post_init(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"TraceFP4Config.fmt={self.fmt!r} is not supported: use one of {sorted(FORMATS)}.")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"TraceFP4Config.activations={self.activations!r}: use 'fp4' (W4A4) or 'none' (W4A16)."
+            )
+        if self.kv_cache is not None and self.kv_cache not in FORMATS:
+            raise ValueError(
+                f"TraceFP4Config.kv_cache={self.kv_cache!r}: use one of {sorted(FORMATS)}, or None for a BF16 cache."
+            )
+        if self.hint_layers is not None and (not isinstance(self.hint_layers, int) or self.hint_layers < 0):
+            raise ValueError(
+                f"TraceFP4Config.hint_layers={self.hint_layers!r}: give a number of last MoE layers >= 0, or None "
+                "for half of them."
+            )
+        bad = [s for s in self.hint_sites if s not in HINT_SITES]
+        if bad:
+            raise ValueError(f"TraceFP4Config.hint_sites has unsupported sites {bad}: supported are {list(HINT_SITES)}.")
+        if self.hint_layers and self.activations != "fp4":
+            raise ValueError(
+                "Hints record how FP4 activations were rounded, so they need activations='fp4'; set hint_layers=0 "
+                "for W4A16."
+            )
+        if self.quantize_linears:
+            raise ValueError("quantize_linears=True is not supported yet: only routed experts are quantized.")
+
+    def num_hint_layers(self, num_moe_layers: int) -> int:
+        if self.activations != "fp4":
+            return 0
+        n = (num_moe_layers + 1) // 2 if self.hint_layers is None else self.hint_layers
+        if n > num_moe_layers:
+            raise ValueError(
+                f"hint_layers={n} but the model has only {num_moe_layers} MoE layers; use at most {num_moe_layers}."
+            )
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "fmt": self.fmt,
+            "activations": self.activations,
+            "kv_cache": self.kv_cache,
+            "hint_layers": self.hint_layers,
+            "hint_sites": list(self.hint_sites),
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+            "quantize_linears": self.quantize_linears,
+        }
