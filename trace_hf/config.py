@@ -73,9 +73,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         if self.fmt not in FORMATS:
             raise ValueError(f"TraceFP4Config.fmt={self.fmt!r} is not supported: use one of {sorted(FORMATS)}.")
         if self.activations not in ACTIVATIONS:
-            raise ValueError(
-                f"TraceFP4Config.activations={self.activations!r}: use 'fp4' (W4A4) or 'none' (W4A16)."
-            )
+            raise ValueError(f"TraceFP4Config.activations={self.activations!r}: use 'fp4' (W4A4) or 'none' (W4A16).")
         if self.kv_cache is not None and self.kv_cache not in FORMATS:
             raise ValueError(
                 f"TraceFP4Config.kv_cache={self.kv_cache!r}: use one of {sorted(FORMATS)}, or None for a BF16 cache."
@@ -87,7 +85,9 @@ class TraceFP4Config(QuantizationConfigMixin):
             )
         bad = [s for s in self.hint_sites if s not in HINT_SITES]
         if bad:
-            raise ValueError(f"TraceFP4Config.hint_sites has unsupported sites {bad}: supported are {list(HINT_SITES)}.")
+            raise ValueError(
+                f"TraceFP4Config.hint_sites has unsupported sites {bad}: supported are {list(HINT_SITES)}."
+            )
         if self.hint_layers and self.activations != "fp4":
             raise ValueError(
                 "Hints record how FP4 activations were rounded, so they need activations='fp4'; set hint_layers=0 "

@@ -175,7 +175,9 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 def check_fused_experts(module: nn.Module) -> None:
     if not is_fused_experts(module):
-        raise ValueError(f"{type(module).__name__} is not a supported experts module; trace-hf supports {SUPPORTED_LAYOUTS}.")
+        raise ValueError(
+            f"{type(module).__name__} is not a supported experts module; trace-hf supports {SUPPORTED_LAYOUTS}."
+        )
     e, two_i, h = module.gate_up_proj.shape
     if (
         getattr(module, "is_transposed", False)

@@ -310,7 +310,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", backend: s
     """
     f = check_last_dim(x, fmt)
     if _use_triton(x, backend):
-        from trace_hf.kernels import quantize as triton_quantize
+        from trace_hf.kernels.fp4_quant import quantize as triton_quantize
 
         return triton_quantize(x, fmt=f.name, scale=scale)
     if f.name == "nvfp4":
@@ -338,7 +338,7 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints, backend: str = "auto") -> 
             f"shape {tuple(x.shape)}: hints must be taken at the same site, token and width."
         )
     if _use_triton(x, backend):
-        from trace_hf.kernels import guided_quantize as triton_guided_quantize
+        from trace_hf.kernels.fp4_quant import guided_quantize as triton_guided_quantize
 
         return triton_guided_quantize(x, hints)
     bs = f.block_size
@@ -373,12 +373,31 @@ def e2m1_floor_index(a: torch.Tensor) -> torch.Tensor:
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fmt, scale, hints, backend):
+        if _use_triton(x, backend):
+            from trace_hf.kernels.fp4_quant import fake_quantize as triton_fake_quantize
+
+            return triton_fake_quantize(x, fmt, scale, hints)
         q = quantize(x, fmt, scale, backend) if hints is None else guided_quantize(x, hints, backend)
         return q.dequantize(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None, None, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` in the forward, the gradient of the identity on ``x`` in the backward (for quantized ``y``)."""
+    return _StraightThrough.apply(x, y.detach())
 
 
 def fake_quantize(

@@ -65,8 +65,12 @@ class FP4KVLayer(DynamicLayer):
     def _map(self, fn) -> None:
         if self._k is None:
             return
-        self._k = fp4.FP4Tensor(*(fn(t) for t in (self._k.packed, self._k.block_scale, self._k.global_scale)), self.fmt)
-        self._v = fp4.FP4Tensor(*(fn(t) for t in (self._v.packed, self._v.block_scale, self._v.global_scale)), self.fmt)
+        self._k = fp4.FP4Tensor(
+            *(fn(t) for t in (self._k.packed, self._k.block_scale, self._k.global_scale)), self.fmt
+        )
+        self._v = fp4.FP4Tensor(
+            *(fn(t) for t in (self._v.packed, self._v.block_scale, self._v.global_scale)), self.fmt
+        )
         self.keys, self.values = self._k.packed, self._v.packed
 
     def reset(self) -> None:

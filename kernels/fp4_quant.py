@@ -1,0 +1,571 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Triton kernels for the FP4 formats of `trace_hf.fp4`, bit for bit.
+
+Public: `quantize` (optionally with the hints, in the same pass), `dequantize`, `guided_quantize` and
+`fake_quantize`. They take CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was
+imported (tests). `trace_hf.fp4` calls them for ``backend="triton"`` (and ``"auto"`` on CUDA).
+
+One kernel (`_fp4_kernel`) covers nearest quantization, hint-guided quantization and fused fake quantization,
+for NVFP4 and MXFP4: a program loads a tile of ``ROWS`` rows x ``NBT`` blocks x ``BS`` elements, works out the
+scales, rounds every element once, and writes whatever the caller asked for (packed codes, scale bytes, the
+row's global scale, the mantissa bits of the hints, the dequantized values). `_dequant_kernel` decodes a packed
+tensor and `_row_amax_kernel` feeds the per-expert / per-tensor global scales.
+
+Why the arithmetic looks the way it does (docs: DESIGN.md section 4):
+
+* every fp32 division is ``tl.div_rn``: Triton's ``/`` is not IEEE on the GPU;
+* kernels launch with ``enable_fp_fusion=False`` so that no product is contracted into an FMA;
+* E2M1 and E4M3 rounding, E4M3/E8M0/E2M1 decoding and the bf16 output rounding are integer or comparison logic
+  on the fp32 bits: the interpreter's float casts (fp8, bf16) do not round like the GPU;
+* bf16 inputs are widened from their bits (exact on both), never through a float cast;
+* signs are masked off before right shifts (the interpreter shifts int32 arithmetically for both kinds);
+* NaN payloads are not part of the contract (torch's own differ by device and even by vector width): a NaN
+  stays a NaN wherever the reference has one, every other bit is the reference's.
+"""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError(
+        "kernels/ is the package trace_hf.kernels (installed from this folder via package-dir); import "
+        "trace_hf.kernels.fp4_quant. The top-level name `kernels` belongs to the Hugging Face Kernels package, "
+        "which transformers probes for: run from an install (pip install -e .), and `pytest`, not `python -m pytest`."
+    )
+
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from trace_hf import fp4  # noqa: E402
+from trace_hf.fp4 import FP4Format, FP4Hints, FP4Tensor, check_last_dim, get_format  # noqa: E402
+
+
+# Input and output element kinds (constexpr switches).
+_F32, _BF16, _F16 = 0, 1, 2
+# What a launch of `_fp4_kernel` rounds with.
+_MODE_ROW = 0  # nearest, NVFP4 global scale taken over each row in the kernel (MXFP4: no global scale)
+_MODE_GIVEN_G = 1  # nearest, NVFP4 global scale given per group of rows (expert / tensor)
+_MODE_GUIDED = 2  # guided by hints: block scales, global scale and mantissa bits given
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scalar formats, as bit logic
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bits(v):
+    return v.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _float(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _is_finite(v):
+    # Exponent all ones means Inf or NaN; comparisons against Inf would need NaN care on two backends.
+    return (_bits(v) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr):
+    if IN_KIND == 1:
+        # bf16 arrives as int16 bits: widening by a shift is exact, a float cast is not under the interpreter.
+        b = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return _float(b << 16)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_nearest(a):
+    # Round-to-nearest-even index of a >= 0 on 0, .5, 1, 1.5, 2, 3, 4, 6; `>` / `>=` alternate so ties go even.
+    idx = (a > 0.25).to(tl.int32)
+    idx += (a >= 0.75).to(tl.int32)
+    idx += (a > 1.25).to(tl.int32)
+    idx += (a >= 1.75).to(tl.int32)
+    idx += (a > 2.5).to(tl.int32)
+    idx += (a >= 3.5).to(tl.int32)
+    idx += (a > 5.0).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _e2m1_floor(a):
+    # Index of the largest grid magnitude <= a (0 <= a <= 6).
+    idx = (a >= 0.5).to(tl.int32)
+    idx += (a >= 1.0).to(tl.int32)
+    idx += (a >= 1.5).to(tl.int32)
+    idx += (a >= 2.0).to(tl.int32)
+    idx += (a >= 3.0).to(tl.int32)
+    idx += (a >= 4.0).to(tl.int32)
+    idx += (a >= 6.0).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _e2m1_decode(code):
+    # Index 2..7 is 2^((i >> 1) - 1) * (1 + (i & 1) / 2): build the fp32 bits; 0 and 0.5 by hand; sign in bit 3.
+    i = code & 7
+    mag = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
+    mag = tl.where(i >= 2, mag, tl.where(i == 1, 0x3F000000, 0))
+    return _float(mag | ((code & 8) << 28))
+
+
+@triton.jit
+def _e4m3_encode(v):
+    """RNE E4M3 byte of 0 <= v <= 448 (not NaN)."""
+    u = _bits(v) & 0x7FFFFFFF
+    # Normal: add half an E4M3 ulp minus one, plus the kept lsb (ties to even); a mantissa carry bumps the
+    # exponent by itself. Rebias 127 -> 7.
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal (v < 2^-6): code = v / 2^-9 rounded to an even integer; v * 512 is exact, so is its fraction.
+    t = v * 512.0
+    ti = t.to(tl.int32)
+    frac = t - ti.to(tl.float32)
+    sub = ti + ((frac > 0.5) | ((frac == 0.5) & ((ti & 1) == 1))).to(tl.int32)
+    return tl.where(u < 0x3C800000, sub, normal)
+
+
+@triton.jit
+def _e4m3_decode(b):
+    # fp32 of an E4M3 byte (exact); 0x7F / 0xFF are NaN.
+    e = (b >> 3) & 15
+    m = b & 7
+    sub = _bits(m.to(tl.float32) * 0.001953125)  # m * 2^-9, exact
+    mag = tl.where(e == 0, sub, ((e + 120) << 23) | (m << 20))
+    mag = tl.where((b & 0x7F) == 0x7F, 0x7FF00000, mag)
+    return _float(mag | ((b & 0x80) << 24))
+
+
+@triton.jit
+def _e8m0_decode(b):
+    # 2^(b - 127) exactly (b = 0 is the subnormal 2^-127); 0xFF is NaN.
+    v = tl.where(b == 0, 0x00400000, b << 23)
+    return _float(tl.where(b == 255, 0x7FC00000, v))
+
+
+@triton.jit
+def _store_out(ptr, offs, v, mask, OUT_KIND: tl.constexpr):
+    if OUT_KIND == 1:
+        # fp32 -> bf16 round to nearest even on the bits (the interpreter's cast truncates); NaN stays a quiet NaN
+        # (its payload is not part of the contract: torch's own NaN bits differ by device and vector width).
+        u = _bits(v)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        r = tl.where(v != v, 0x7FC0 | ((u >> 16) & 0x8000), r)
+        tl.store(ptr + offs, r.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, v, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_amax_kernel(x_ptr, amax_ptr, M, K, IN_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """amax |x| of each row, NaN if the row holds a non-finite value (the reference's group policy)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    base = rows.to(tl.int64)[:, None] * K
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    bad = tl.zeros([ROWS], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = _load_f32(x_ptr, base + cols[None, :], mask, IN_KIND)
+        fin = _is_finite(x)
+        # Max over finite values only: NaN handling of max differs between backends, the flag decides.
+        amax = tl.maximum(amax, tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1))
+        bad = tl.maximum(bad, tl.max((~fin).to(tl.int32), axis=1))
+    amax = tl.where(bad > 0, float("nan"), amax)
+    tl.store(amax_ptr + rows, amax, mask=row_ok)
+
+
+@triton.jit
+def _fp4_kernel(
+    x_ptr,
+    g_ptr,  # NVFP4 global scale per group of rows: written in MODE_ROW, read otherwise
+    sb_ptr,  # block-scale bytes [M, K / BS]: written, or read in MODE_GUIDED
+    hb_ptr,  # mantissa bits [M, K / 8]: written if WRITE_BITS, read in MODE_GUIDED
+    q_ptr,  # packed codes [M, K / 2]
+    out_ptr,  # dequantized values [M, K]
+    M,
+    K,
+    rows_per_g,
+    MODE: tl.constexpr,
+    NVFP4: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    WRITE_Q: tl.constexpr,
+    WRITE_BITS: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    ROWS: tl.constexpr,
+    NBT: tl.constexpr,
+    BS: tl.constexpr,
+):
+    # A [ROWS, NBT, BS] tile: rows x blocks x elements of a block. In MODE_ROW a tile spans whole rows.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
+    elems = tl.arange(0, BS)
+    NB = K // BS
+    r3 = rows.to(tl.int64)[:, None, None]
+    b3 = blks[None, :, None]
+    e3 = elems[None, None, :]
+    bmask = (rows < M)[:, None, None] & (b3 < NB)  # [ROWS, NBT, 1]
+    mask = bmask & (e3 < BS)
+
+    x = _load_f32(x_ptr, r3 * K + b3 * BS + e3, mask, IN_KIND)
+    xb = _bits(x)
+    sign = (xb >> 28) & 8  # the code's sign bit: -0, and anything rounding to zero, keep it
+    fin = _is_finite(x)
+    ax = tl.where(fin, tl.abs(x), 0.0)
+    amax_b = tl.max(ax, axis=2, keep_dims=True)  # [ROWS, NBT, 1]
+    bad_b = tl.max((~fin).to(tl.int32), axis=2, keep_dims=True) > 0
+
+    # ---- scales: s (fp32 decoded block scale), g, and the byte written for s --------------------------------
+    if MODE == 2:
+        sbyte = tl.load(sb_ptr + r3 * NB + b3, mask=bmask, other=0).to(tl.int32) & 0xFF
+        g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
+        if NVFP4:
+            s = _e4m3_decode(sbyte)
+        else:
+            s = _e8m0_decode(sbyte)
+        sg = s * g
+        ok = _is_finite(sg) & (sg > 0) & (~bad_b)
+    elif NVFP4:
+        if MODE == 0:
+            # Row global scale: amax over the row, NaN if the row is not finite, over 6 * 448.
+            amax_r = tl.max(amax_b, axis=1, keep_dims=True)
+            bad_r = tl.max(bad_b.to(tl.int32), axis=1, keep_dims=True) > 0
+            g = tl.div_rn(tl.where(bad_r, float("nan"), amax_r), 2688.0)  # [ROWS, 1, 1]
+            if WRITE_Q:
+                tl.store(g_ptr + r3, g, mask=(rows < M)[:, None, None])
+        else:
+            g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
+        v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
+        sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
+        sbyte = tl.where(v != v, 0x7F, sbyte)
+        sbyte = tl.where(g == 0, 0, sbyte)
+        sbyte = tl.where(g != g, 0x7F, sbyte)
+        s = _e4m3_decode(sbyte)
+        sg = s * g
+        ok = _is_finite(sg) & (sg > 0)
+    else:
+        # MXFP4: E8M0 = floor(log2 amax) - 2 from the exponent bits, clamped to [-127, 127]; bad blocks 0xFF.
+        ex = ((_bits(amax_b) >> 23) & 0xFF) - 129
+        ex = tl.minimum(tl.maximum(ex, -127), 127)
+        ex = tl.where(amax_b == 0, -127, ex)
+        sbyte = tl.where(bad_b, 255, ex + 127)
+        s = _e8m0_decode(sbyte)  # 2^ex, or NaN for a bad block (what its dequantized values must be)
+        g = 1.0
+        ok = ~bad_b
+        sg = s
+
+    # ---- round every element ----------------------------------------------------------------------------
+    y = tl.div_rn(x, tl.where(ok, sg, 1.0))  # one IEEE division by the fp32 product (s * g)
+    a = tl.minimum(tl.maximum(y, -6.0), 6.0)
+    a = tl.where(ok & fin, tl.abs(a), 0.0)
+    if MODE == 2:
+        lo = _e2m1_floor(a)
+        on_grid = _e2m1_decode(lo) == a
+        # The recorded mantissa bit picks the neighbour (gathered per element: 8 elements share a byte).
+        hbyte = tl.load(hb_ptr + r3 * (K // 8) + b3 * (BS // 8) + e3 // 8, mask=mask, other=0).to(tl.int32)
+        bit = (hbyte >> (e3 % 8)) & 1
+        idx = tl.where(on_grid | ((lo & 1) == bit), lo, lo + 1)
+    else:
+        idx = _e2m1_nearest(a)
+    code = tl.where(ok, idx, 0) | sign
+
+    # ---- outputs ----------------------------------------------------------------------------------------
+    if WRITE_Q:
+        lo_c, hi_c = tl.split(tl.reshape(code, [ROWS, NBT, BS // 2, 2]))
+        j2 = tl.arange(0, BS // 2)[None, None, :]
+        tl.store(q_ptr + r3 * (K // 2) + b3 * (BS // 2) + j2, (lo_c | (hi_c << 4)).to(tl.uint8), mask=bmask)
+        if MODE != 2:
+            tl.store(sb_ptr + r3 * NB + b3, sbyte.to(tl.uint8), mask=bmask)
+    if WRITE_BITS:
+        m4 = tl.reshape(code & 1, [ROWS, NBT, BS // 8, 8])
+        packed_bits = tl.sum(m4 << tl.arange(0, 8)[None, None, None, :], axis=3)
+        j8 = tl.arange(0, BS // 8)[None, None, :]
+        tl.store(hb_ptr + r3 * (K // 8) + b3 * (BS // 8) + j8, packed_bits.to(tl.uint8), mask=bmask)
+    if WRITE_OUT:
+        # value = (E2M1(code) * s) * g, in this order, as the reference.
+        val = (_e2m1_decode(code) * s) * g
+        _store_out(out_ptr, r3 * K + b3 * BS + e3, val, mask, OUT_KIND)
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr,
+    sb_ptr,
+    g_ptr,
+    out_ptr,
+    M,
+    K,
+    rows_per_g,
+    NVFP4: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    ROWS: tl.constexpr,
+    NBT: tl.constexpr,
+    BS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
+    NB = K // BS
+    r3 = rows.to(tl.int64)[:, None, None]
+    b3 = blks[None, :, None]
+    bmask = (rows < M)[:, None, None] & (b3 < NB)
+    j2 = tl.arange(0, BS // 2)[None, None, :]
+    p = tl.load(q_ptr + r3 * (K // 2) + b3 * (BS // 2) + j2, mask=bmask, other=0).to(tl.int32) & 0xFF
+    # Low nibble is element 2i, high nibble 2i+1: join on a new last axis, then flatten it back in.
+    code = tl.reshape(tl.join(p & 15, p >> 4), [ROWS, NBT, BS])
+    sbyte = tl.load(sb_ptr + r3 * NB + b3, mask=bmask, other=0).to(tl.int32) & 0xFF
+    if NVFP4:
+        s = _e4m3_decode(sbyte)
+    else:
+        s = _e8m0_decode(sbyte)
+    g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
+    val = (_e2m1_decode(code) * s) * g
+    e3 = tl.arange(0, BS)[None, None, :]
+    _store_out(out_ptr, r3 * K + b3 * BS + e3, val, bmask & (e3 < BS), OUT_KIND)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+#: Elements per program. Memory-bound kernels: 8K elements (16 KB of bf16) per program at 8 warps keeps enough
+#: bytes in flight on Hopper; the interpreter runs programs one after another in numpy, so there a program is big.
+#: ``max_row`` is the widest row the row-scale kernel keeps in registers (wider rows take a separate amax pass).
+CONFIG = {"tile": 8192, "tile_interpreted": 1 << 17, "max_row": 16384, "num_warps": 8}
+
+
+def _check_device(x: torch.Tensor) -> None:
+    if x.is_cuda or INTERPRETED:
+        return
+    raise RuntimeError(
+        f"trace_hf.kernels runs Triton kernels and got a tensor on {x.device}: pass a CUDA tensor, or set "
+        "TRITON_INTERPRET=1 before triton is first imported to run the kernels on CPU (slow, for tests)."
+    )
+
+
+def _as_input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Contiguous [M, K] view of ``x`` the kernels can load, and its kind."""
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16), _BF16
+    if x.dtype == torch.float16:
+        return x, _F16
+    # fp32 as is; any other float dtype rounds to fp32 first, as the reference's x.float().
+    return x.float(), _F32
+
+
+def _out_kind(dtype: torch.dtype) -> int:
+    """What the kernel writes for ``dtype``: fp32 and bf16 directly, other dtypes fp32 then torch's cast."""
+    return _BF16 if dtype == torch.bfloat16 else _F32
+
+
+def _tiles(M: int, K: int, bs: int, whole_row: bool) -> tuple[int, int, int, int]:
+    """(ROWS, NBT, grid dim 1, num_warps) for [M, K] in blocks of ``bs``."""
+    nb = K // bs
+    nb_pad = triton.next_power_of_2(nb)
+    nbt = nb_pad if whole_row else min(nb_pad, max(1, 4096 // bs))
+    tile = CONFIG["tile_interpreted"] if INTERPRETED else CONFIG["tile"]
+    rows = 1 << (max(1, tile // (nbt * bs)).bit_length() - 1)  # a power of two at most tile / row elements
+    rows = min(rows, triton.next_power_of_2(max(M, 1)))
+    num_warps = CONFIG["num_warps"] if rows * nbt * bs >= 4096 else 4
+    return rows, nbt, triton.cdiv(nb, nbt), num_warps
+
+
+def _row_amax(x2: torch.Tensor, kind: int) -> torch.Tensor:
+    M, K = x2.shape
+    amax = torch.empty(M, dtype=torch.float32, device=x2.device)
+    block_k = min(triton.next_power_of_2(K), 4096)
+    rows = max(1, min(triton.next_power_of_2(M), (CONFIG["tile_interpreted"] if INTERPRETED else 4096) // block_k))
+    _row_amax_kernel[(triton.cdiv(M, rows),)](x2, amax, M, K, kind, rows, block_k, num_warps=4, enable_fp_fusion=False)
+    return amax
+
+
+def _global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / (6 * 448) with the reference's NaN; an IEEE division on every device (a tensor divisor: torch on
+    CUDA turns a division by a Python scalar into a multiplication by its rounded reciprocal)."""
+    amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("nan")), amax)
+    return amax / torch.full_like(amax, 6.0 * 448.0)
+
+
+def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, mode, nvfp4, out_kind=0, write_q, write_bits):
+    M, K = x2.shape
+    bs = 16 if nvfp4 else 32
+    rows, nbt, n_col, warps = _tiles(M, K, bs, whole_row=mode == _MODE_ROW)
+    dummy = x2  # never touched: its constexpr switch is off
+    _fp4_kernel[(triton.cdiv(M, rows), n_col)](
+        x2,
+        g if g is not None else dummy,
+        sb if sb is not None else dummy,
+        hb if hb is not None else dummy,
+        q if q is not None else dummy,
+        out if out is not None else dummy,
+        M,
+        K,
+        rows_per_g,
+        MODE=mode,
+        NVFP4=nvfp4,
+        IN_KIND=kind,
+        OUT_KIND=out_kind,
+        WRITE_Q=write_q,
+        WRITE_BITS=write_bits,
+        WRITE_OUT=out is not None,
+        ROWS=rows,
+        NBT=nbt,
+        BS=bs,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+
+
+def _nvfp4_global(x: torch.Tensor, x2: torch.Tensor, kind: int, scale: str) -> tuple[int, torch.Tensor, int]:
+    """(mode, global scale shaped as the reference's, rows per global scale) for an NVFP4 launch."""
+    M, K = x2.shape
+    if scale == "row":
+        g = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+        if INTERPRETED or triton.next_power_of_2(K) <= CONFIG["max_row"]:
+            return _MODE_ROW, g, 1  # the kernel takes the row amax in the same pass
+        g.copy_(_global_scale(_row_amax(x2, kind)).view(g.shape))
+        return _MODE_GIVEN_G, g, 1
+    if scale == "tensor":
+        g = _global_scale(_row_amax(x2, kind).amax()).reshape([1] * x.ndim)
+        return _MODE_GIVEN_G, g, M
+    if scale == "expert":
+        if x.ndim < 2:
+            raise ValueError("scale='expert' needs a tensor with a leading expert dimension, e.g. [E, N, K].")
+        E = x.shape[0]
+        g = _global_scale(_row_amax(x2, kind).view(E, -1).amax(dim=1)).reshape([E] + [1] * (x.ndim - 1))
+        return _MODE_GIVEN_G, g, M // E
+    raise ValueError(f"Unknown scale mode {scale!r}: use 'row', 'tensor' or 'expert'.")
+
+
+def _check_hints(x: torch.Tensor, hints: FP4Hints) -> FP4Format:
+    f = check_last_dim(x, hints.fmt)
+    if hints.width != x.shape[-1] or hints.block_scale.shape[:-1] != x.shape[:-1]:
+        raise ValueError(
+            f"Hints of width {hints.width} and rows {tuple(hints.block_scale.shape[:-1])} do not fit an input of "
+            f"shape {tuple(x.shape)}: hints must be taken at the same site, token and width."
+        )
+    return f
+
+
+def _hint_tensors(x: torch.Tensor, hints: FP4Hints) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hints as the kernel reads them: scale bytes [M, K / bs], bits [M, K / 8], one global scale per row."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    sb = hints.block_scale.reshape(-1, hints.block_scale.shape[-1]).contiguous()
+    hb = hints.mantissa_bits.reshape(-1, K // 8).contiguous()
+    g = hints.global_scale.to(torch.float32).expand(lead + (1,)).reshape(-1).contiguous()
+    return sb, hb, g
+
+
+def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hints: bool = False):
+    """`trace_hf.fp4.quantize` in one pass (plus a global amax pass for ``scale`` "tensor" / "expert").
+
+    With ``return_hints`` also returns the `FP4Hints` of the result (mantissa bits written in the same pass).
+    """
+    f = check_last_dim(x, fmt)
+    _check_device(x)
+    if x.numel() == 0:
+        q = fp4.quantize(x, f.name, scale, backend="torch")
+        return (q, fp4.extract_hints(q)) if return_hints else q
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2, kind = _as_input(x)
+    packed = torch.empty(lead + (K // 2,), dtype=torch.uint8, device=x.device)
+    sb = torch.empty(lead + (K // f.block_size,), dtype=torch.uint8, device=x.device)
+    hb = torch.empty(lead + (K // 8,), dtype=torch.uint8, device=x.device) if return_hints else None
+    if f.has_global_scale:
+        mode, g, rows_per_g = _nvfp4_global(x, x2, kind, scale)
+    else:
+        mode, g, rows_per_g = _MODE_ROW, torch.ones(lead + (1,), dtype=torch.float32, device=x.device), 1
+    _launch_fp4(
+        x2, kind, g, sb, hb, packed, None, rows_per_g,
+        mode=mode, nvfp4=f.has_global_scale, write_q=True, write_bits=return_hints,
+    )  # fmt: skip
+    q = FP4Tensor(packed, sb, g, f.name)
+    return (q, FP4Hints(hb, sb, g, f.name)) if return_hints else q
+
+
+def guided_quantize(x: torch.Tensor, hints: FP4Hints) -> FP4Tensor:
+    """`trace_hf.fp4.guided_quantize`: the rollout's scales, and of two neighbours the recorded mantissa bit."""
+    f = _check_hints(x, hints)
+    _check_device(x)
+    if x.numel() == 0:
+        return fp4.guided_quantize(x, hints, backend="torch")
+    x2, kind = _as_input(x)
+    sb, hb, g = _hint_tensors(x, hints)
+    packed = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=torch.uint8, device=x.device)
+    _launch_fp4(
+        x2, kind, g, sb, hb, packed, None, 1,
+        mode=_MODE_GUIDED, nvfp4=f.has_global_scale, write_q=True, write_bits=False,
+    )  # fmt: skip
+    return FP4Tensor(packed, hints.block_scale, hints.global_scale, f.name)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", hints: FP4Hints | None = None):
+    """Quantize and dequantize in one pass, in ``x.dtype``: ``fp4.quantize(x, fmt, scale).dequantize(x.dtype)``,
+    or with ``hints`` ``fp4.guided_quantize(x, hints).dequantize(x.dtype)``, bit for bit. No autograd here:
+    `trace_hf.fp4.fake_quantize` wraps it in the straight-through estimator."""
+    f = _check_hints(x, hints) if hints is not None else check_last_dim(x, fmt)
+    _check_device(x)
+    if x.numel() == 0:
+        return fp4.fake_quantize(x, f.name, scale, hints, backend="torch")
+    x2, kind = _as_input(x)
+    out_kind = _out_kind(x.dtype)
+    if out_kind == _BF16:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        out_arg = out.view(torch.int16)
+    else:
+        out = out_arg = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if hints is not None:
+        sb, hb, g = _hint_tensors(x, hints)
+        mode, rows_per_g = _MODE_GUIDED, 1
+    else:
+        sb = hb = None
+        if f.has_global_scale:
+            mode, g, rows_per_g = _nvfp4_global(x, x2, kind, scale)
+            if mode == _MODE_ROW:
+                g = None  # the kernel computes it in registers and does not write it
+        else:
+            mode, g, rows_per_g = _MODE_ROW, None, 1
+    _launch_fp4(
+        x2, kind, g, sb, hb, None, out_arg, rows_per_g,
+        mode=mode, nvfp4=f.has_global_scale, out_kind=out_kind, write_q=False, write_bits=False,
+    )  # fmt: skip
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`FP4Tensor.dequantize`: ``(E2M1(code) * s) * g`` in fp32, then ``dtype``."""
+    f = get_format(q.fmt)
+    _check_device(q.packed)
+    shape = q.shape
+    if q.packed.numel() == 0:
+        return q.dequantize(dtype)
+    K = shape[-1]
+    M = q.packed.numel() // (K // 2)
+    packed = q.packed.reshape(M, K // 2).contiguous()
+    sb = q.block_scale.reshape(M, K // f.block_size).contiguous()
+    g = q.global_scale.to(torch.float32).expand(shape[:-1] + (1,)).reshape(-1).contiguous()
+    out_kind = _out_kind(dtype)
+    out = torch.empty(shape, dtype=torch.bfloat16 if out_kind == _BF16 else torch.float32, device=q.packed.device)
+    rows, nbt, n_col, warps = _tiles(M, K, f.block_size, whole_row=False)
+    _dequant_kernel[(triton.cdiv(M, rows), n_col)](
+        packed, sb, g, out.view(torch.int16) if out_kind == _BF16 else out, M, K, 1,
+        NVFP4=f.has_global_scale, OUT_KIND=out_kind, ROWS=rows, NBT=nbt, BS=f.block_size,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out if out.dtype == dtype else out.to(dtype)

@@ -1,0 +1,30 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Shared pytest setup."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated: set it before anything imports triton, so that the
+# kernels run on CPU here and compiled on a GPU machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """cuda when there is one, else cpu (Triton kernels then run under TRITON_INTERPRET=1)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

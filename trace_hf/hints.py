@@ -1,0 +1,453 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Record hints and routing at rollout, replay them in training, and measure the mismatch that is left.
+
+Usable from any RL loop::
+
+    with HintRecorder(model) as rec:                       # model.eval(), FP4 rollout path
+        out = model.generate(**prompts, max_new_tokens=...)
+    hints = rec.collect(attention_mask)                    # keyed by (sample, token position)
+    ...
+    with use_hints(model, hints[rows], attention_mask[rows]) as report:   # model.train()
+        loss = compute_loss(model(...)); loss.backward()   # keep backward inside: checkpointing recomputes
+
+A hint row is what `trace_hf.fp4.extract_hints` keeps of one token's quantized experts input: its mantissa bits,
+block-scale bytes and fp32 row scale (DESIGN/docs: numerics.md, hints section).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from . import fp4
+from .experts import TraceFP4Experts, fp4_experts, router_of
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HintBatch: per-row tensors keyed by sample and token position
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HintBatch:
+    """Hints and routing of a batch of samples, padded per row to the longest sample.
+
+    Row ``b``, position ``t`` is token ``t`` of sample ``b`` counted over its real (unpadded) tokens, prompt
+    first. Every tensor has the samples on dim 0, so ``batch[idx]`` takes any subset or permutation of rows, and
+    the tensors can travel as separate columns of a trainer's inputs (`to_inputs` / `from_inputs`).
+
+    Attributes:
+        mantissa_bits: uint8 [B, L, n_hint_layers, H/8].
+        block_scale: uint8 [B, L, n_hint_layers, H/block].
+        global_scale: fp32 [B, L, n_hint_layers] (ones for MXFP4).
+        routing: int16 [B, L, n_moe_layers, top_k], the rollout's routed experts of every MoE layer.
+        lengths: int64 [B], positions recorded per sample.
+    """
+
+    mantissa_bits: torch.Tensor
+    block_scale: torch.Tensor
+    global_scale: torch.Tensor
+    routing: torch.Tensor
+    lengths: torch.Tensor
+    fmt: str = "nvfp4"
+    hint_layers: tuple[int, ...] = ()
+
+    _TENSORS = ("mantissa_bits", "block_scale", "global_scale", "routing", "lengths")
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+    def __getitem__(self, idx) -> HintBatch:
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1)
+        return self._replace(lambda t: t[idx])
+
+    def _replace(self, fn) -> HintBatch:
+        return HintBatch(*(fn(getattr(self, n)) for n in self._TENSORS), fmt=self.fmt, hint_layers=self.hint_layers)
+
+    def to(self, device, non_blocking: bool = False) -> HintBatch:
+        return self._replace(lambda t: t.to(device, non_blocking=non_blocking))
+
+    @property
+    def width(self) -> int:
+        return self.mantissa_bits.shape[-1] * 8
+
+    def bytes_per_token(self) -> int:
+        """Hint bytes per token over all hinted layers (DESIGN section 3: H/8 + H/block + 4 per layer)."""
+        return len(self.hint_layers) * fp4.hint_bytes_per_row(self.width, self.fmt)
+
+    def to_inputs(self, prefix: str = "trace_") -> dict[str, torch.Tensor]:
+        return {prefix + n: getattr(self, n) for n in self._TENSORS}
+
+    @classmethod
+    def from_inputs(cls, inputs: dict, fmt: str, hint_layers, prefix: str = "trace_") -> HintBatch:
+        return cls(*(inputs[prefix + n] for n in cls._TENSORS), fmt=fmt, hint_layers=tuple(hint_layers))
+
+    @staticmethod
+    def input_keys(prefix: str = "trace_") -> list[str]:
+        return [prefix + n for n in HintBatch._TENSORS]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recording
+# ----------------------------------------------------------------------------------------------------------
+
+
+class HintRecorder:
+    """Records, during `generate` (or any eval forward), the hints of every token the rollout computed at the
+    hinted MoE layers, and the routed top-k expert ids of every MoE layer.
+
+    Args:
+        model: a model loaded with `TraceFP4Config` (its experts are `TraceFP4Experts`), in eval mode.
+        storage: ``"device"`` keeps records where they were computed; ``"cpu"`` moves them to (pinned, when CUDA
+            is present) CPU memory as they are made.
+    """
+
+    def __init__(self, model: torch.nn.Module, storage: str = "device"):
+        if storage not in ("device", "cpu"):
+            raise ValueError(f"HintRecorder storage={storage!r}: use 'device' or 'cpu'.")
+        self.model = model
+        self.storage = storage
+        self.experts = fp4_experts(model)
+        if not self.experts:
+            raise ValueError(
+                "HintRecorder needs a model loaded with quantization_config=TraceFP4Config(); this one has no FP4 "
+                "experts."
+            )
+        self.fmt = self.experts[0].fmt
+        self.hint_layers = tuple(m.moe_index for m in self.experts if m.hinted)
+        self._steps: list[tuple[int, int]] = []
+        self._inputs: dict[int, list] = {}
+        self._routing: dict[int, list] = {}
+        self._hook = None
+
+    def __enter__(self) -> HintRecorder:
+        if self.model.training:
+            raise RuntimeError("HintRecorder records the FP4 rollout path: call model.eval() before recording.")
+        self._steps.clear()
+        self._inputs = {i: [] for i in self.hint_layers}
+        self._routing = {m.moe_index: [] for m in self.experts}
+        self._hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        for m in self.experts:
+            m._trace_recorder = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        for m in self.experts:
+            m._trace_recorder = None
+
+    def _on_forward(self, module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs["inputs_embeds"]
+        self._steps.append((x.shape[0], x.shape[1]))
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        if self.storage == "cpu" and t.device.type != "cpu":
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+        return t
+
+    def _shape(self, t: torch.Tensor) -> torch.Tensor:
+        b, s = self._steps[-1]
+        if t.shape[0] != b * s:
+            raise RuntimeError(
+                f"HintRecorder saw {t.shape[0]} tokens at an MoE layer but the forward had batch {b} x {s}; "
+                "record only forwards of the recorded model."
+            )
+        return t.reshape(b, s, *t.shape[1:])
+
+    def record_input(self, module: TraceFP4Experts, q: fp4.FP4Tensor) -> None:
+        if not module.hinted:
+            return
+        h = fp4.extract_hints(q)
+        rec = (h.mantissa_bits, h.block_scale, h.global_scale.reshape(-1))
+        self._inputs[module.moe_index].append(tuple(self._store(self._shape(t)) for t in rec))
+
+    def record_routing(self, module: TraceFP4Experts, top_k_index: torch.Tensor) -> None:
+        self._routing[module.moe_index].append(self._store(self._shape(top_k_index.to(torch.int16))))
+
+    def collect(self, attention_mask: torch.Tensor) -> HintBatch:
+        """Turn the recorded forwards into a `HintBatch`.
+
+        Args:
+            attention_mask: [B, N] mask of the whole sequences (prompt and completion, left-padded prompts), e.g.
+                the prompt mask concatenated with the completion mask. Column ``j`` with mask 1 is the next
+                position of its sample. Columns the rollout never fed through the model (the last generated token)
+                get no hint.
+        """
+        if not self._steps:
+            raise RuntimeError("HintRecorder recorded nothing: run generate (or a forward) inside the `with` block.")
+        b = self._steps[0][0]
+        if attention_mask.shape[0] != b:
+            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the rollout had {b}.")
+
+        def cat(parts):
+            return torch.cat(parts, dim=1)
+
+        cols = sum(s for _, s in self._steps)
+        mask = attention_mask[:, :cols].to(torch.bool).cpu()
+        lengths = mask.sum(1)
+        lmax = int(lengths.max())
+
+        def compact(x: torch.Tensor) -> torch.Tensor:
+            """[B, cols, ...] by padded column -> [B, lmax, ...] by position."""
+            out = x.new_zeros((b, lmax, *x.shape[2:]))
+            for r in range(b):
+                out[r, : lengths[r]] = x[r, mask[r].to(x.device)]
+            return out
+
+        def stack(per_layer: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([compact(t) for t in per_layer], dim=2)
+
+        bits = stack([cat([p[0] for p in self._inputs[i]]) for i in self.hint_layers]) if self.hint_layers else None
+        scales = stack([cat([p[1] for p in self._inputs[i]]) for i in self.hint_layers]) if self.hint_layers else None
+        gscale = stack([cat([p[2] for p in self._inputs[i]]) for i in self.hint_layers]) if self.hint_layers else None
+        routing = stack([cat(self._routing[m.moe_index]) for m in self.experts])
+        if bits is None:  # no hinted layers: empty hint tensors keep the batch layout uniform
+            h = self.experts[0].hidden_dim
+            bs = fp4.get_format(self.fmt).block_size
+            bits = routing.new_zeros((b, lmax, 0, h // 8), dtype=torch.uint8)
+            scales = routing.new_zeros((b, lmax, 0, h // bs), dtype=torch.uint8)
+            gscale = routing.new_zeros((b, lmax, 0), dtype=torch.float32)
+        return HintBatch(bits, scales, gscale, routing, lengths.to(bits.device), self.fmt, self.hint_layers)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Replaying
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MismatchReport:
+    """What the hints corrected in one `use_hints` block (counts accumulate over its forwards).
+
+    ``hint_flip_rate``: at hinted sites and tokens, the fraction of elements whose nearest rounding (training
+    scales) differs from the hint-guided value, i.e. the flips the hints corrected. ``routing_mismatch``: the
+    fraction of (token, MoE layer) pairs whose own top-k set differs from the rollout's. ``hint_coverage``: the
+    fraction of real tokens that had hints.
+    """
+
+    flips: dict[int, int] = field(default_factory=dict)
+    elements: dict[int, int] = field(default_factory=dict)
+    routing_diff: int = 0
+    routing_total: int = 0
+    hinted_tokens: int = 0
+    real_tokens: int = 0
+    hint_bytes_per_token: int = 0
+
+    @property
+    def hint_flip_rate(self) -> float:
+        n = sum(self.elements.values())
+        return float(sum(self.flips.values())) / n if n else 0.0
+
+    def flip_rate_by_layer(self) -> dict[int, float]:
+        return {k: float(self.flips[k]) / max(self.elements[k], 1) for k in sorted(self.flips)}
+
+    @property
+    def routing_mismatch(self) -> float:
+        return float(self.routing_diff) / self.routing_total if self.routing_total else 0.0
+
+    @property
+    def hint_coverage(self) -> float:
+        return self.hinted_tokens / self.real_tokens if self.real_tokens else 0.0
+
+    def as_metrics(self, prefix: str = "trace/") -> dict[str, float]:
+        return {
+            f"{prefix}hint_flip_rate": self.hint_flip_rate,
+            f"{prefix}routing_mismatch": self.routing_mismatch,
+            f"{prefix}hint_coverage": self.hint_coverage,
+            f"{prefix}hint_bytes_per_token": float(self.hint_bytes_per_token),
+        }
+
+    def merge(self, other: MismatchReport) -> None:
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, dict):
+                for k, v in b.items():
+                    a[k] = a.get(k, 0) + v
+            elif f.name != "hint_bytes_per_token":
+                setattr(self, f.name, a + b)
+        self.hint_bytes_per_token = other.hint_bytes_per_token or self.hint_bytes_per_token
+
+
+class _Guide:
+    """Hints of one hinted layer laid out like the flattened [B * S, H] experts input of the batch."""
+
+    def __init__(self, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report: MismatchReport):
+        self.hints, self.has, self.layer, self.report = hints, has, layer, report
+        self.n_has = int(has.sum())
+
+    def fake_quantize(self, module: TraceFP4Experts, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != self.has.shape[0]:
+            raise ValueError(
+                f"use_hints: the experts of MoE layer {self.layer} got {x.shape[0]} tokens but the hints were laid "
+                f"out for {self.has.shape[0]} (batch x sequence of the attention_mask); pass the mask of this forward."
+            )
+        with torch.no_grad():
+            near = fp4.quantize(x, module.fmt, "row")
+            guided = fp4.guided_quantize(x, self.hints)
+            has = self.has.unsqueeze(-1)
+            # A flip: the nearest code (training scales) is not the code the rollout's hint selects (+-0 agree).
+            cn, cg = near.codes(), guided.codes()
+            flips = ((cn != cg) & (((cn | cg) & 7) != 0) & has).sum()
+            y = torch.where(has, guided.dequantize(x.dtype), near.dequantize(x.dtype))
+        # Counted again when checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
+        self.report.flips[self.layer] = self.report.flips.get(self.layer, 0) + flips
+        self.report.elements[self.layer] = self.report.elements.get(self.layer, 0) + self.n_has * x.shape[1]
+        return fp4.straight_through(x, y)
+
+
+def _positions(hint_batch: HintBatch, attention_mask: torch.Tensor):
+    """Per padded column: the sample position it holds, and whether a hint exists there."""
+    mask = attention_mask.to(torch.bool)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    lengths = hint_batch.lengths.to(pos.device).unsqueeze(1)
+    has = mask & (pos < lengths)
+    return pos.clamp(max=max(hint_batch.routing.shape[1] - 1, 0)), has, mask
+
+
+def _gather(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """t [B, L, ...], pos [B, S] -> [B * S, ...]."""
+    idx = pos.to(t.device).reshape(*pos.shape, *([1] * (t.ndim - 2))).expand(*pos.shape, *t.shape[2:])
+    return torch.gather(t, 1, idx).flatten(0, 1)
+
+
+@contextlib.contextmanager
+def use_hints(
+    model: torch.nn.Module,
+    hint_batch: HintBatch,
+    attention_mask: torch.Tensor,
+    routing_replay: bool = True,
+    align_positions: bool = True,
+):
+    """Apply hints (and optionally routing replay) to the training forwards inside the block.
+
+    At hinted layers, tokens with a hint are quantized with the rollout's scales and recorded mantissa bits
+    (`trace_hf.fp4.guided_quantize`); other tokens round to nearest. With ``routing_replay`` every MoE router
+    takes the rollout's top-k ids, with weights from the training logits at those ids (so the router still
+    learns). Keep the backward pass inside the block: gradient checkpointing recomputes the forward there.
+
+    With ``align_positions`` a forward that passes no ``position_ids`` gets them from the attention mask
+    (``cumsum - 1``), as `generate` computes them for left-padded prompts; TRL's training forward passes none,
+    and the shifted rotary positions alone change the activations enough to flip many FP4 codes.
+
+    Yields a `MismatchReport` that fills as forwards run.
+    """
+    experts = fp4_experts(model)
+    hinted = [m for m in experts if m.hinted]
+    b, s = attention_mask.shape
+    if len(hint_batch) != b:
+        raise ValueError(f"use_hints: {len(hint_batch)} hint rows for an attention_mask of {b} rows.")
+    if tuple(m.moe_index for m in hinted) != tuple(hint_batch.hint_layers):
+        raise ValueError(
+            f"use_hints: hints were recorded at MoE layers {list(hint_batch.hint_layers)} but this model hints "
+            f"{[m.moe_index for m in hinted]}; record and train with the same TraceFP4Config.hint_layers."
+        )
+    if hinted and hint_batch.width != hinted[0].hidden_dim:
+        raise ValueError(f"use_hints: hints of width {hint_batch.width} for experts of width {hinted[0].hidden_dim}.")
+    if hint_batch.routing.shape[2] != len(experts):
+        raise ValueError(
+            f"use_hints: routing recorded for {hint_batch.routing.shape[2]} MoE layers, the model has {len(experts)}."
+        )
+    pos, has, mask = _positions(hint_batch, attention_mask)
+    report = MismatchReport(
+        hinted_tokens=int(has.sum()) if hinted else 0,
+        real_tokens=int(mask.sum()),
+        hint_bytes_per_token=hint_batch.bytes_per_token(),
+    )
+    has_flat = has.flatten()
+    handles = []
+    try:
+        for j, m in enumerate(hinted):
+            hints = fp4.FP4Hints(
+                _gather(hint_batch.mantissa_bits[:, :, j], pos),
+                _gather(hint_batch.block_scale[:, :, j], pos),
+                _gather(hint_batch.global_scale[:, :, j], pos).unsqueeze(-1),
+                hint_batch.fmt,
+            )
+            m._trace_guide = _Guide(hints, has_flat.to(hints.mantissa_bits.device), m.moe_index, report)
+        if align_positions:
+            handles.append(model.register_forward_pre_hook(_position_hook(attention_mask), with_kwargs=True))
+        for m in experts:
+            recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
+            hook = _routing_hook(recorded, has_flat, routing_replay, report)
+            handles.append(router_of(model, m).register_forward_hook(hook))
+        yield report
+    finally:
+        for m in hinted:
+            m._trace_guide = None
+        for h in handles:
+            h.remove()
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as `generate` makes them for left-padded prompts: ``cumsum(mask) - 1``, pads at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _position_hook(attention_mask: torch.Tensor):
+    def hook(module, args, kwargs):
+        if kwargs.get("position_ids") is None:
+            mask = kwargs.get("attention_mask")
+            mask = attention_mask if mask is None else mask
+            kwargs["position_ids"] = position_ids_from_mask(mask).to(mask.device)
+        return args, kwargs
+
+    return hook
+
+
+def _routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report: MismatchReport):
+    n_has = int(has.sum())
+
+    def hook(router, args, output):
+        logits, scores, indices = output
+        if indices.shape != recorded.shape:
+            raise ValueError(
+                f"use_hints: the router saw {tuple(indices.shape)} (tokens, top_k) but routing was recorded as "
+                f"{tuple(recorded.shape)} for this batch."
+            )
+        rec = recorded.to(indices.device)
+        mask = has.to(indices.device)
+        with torch.no_grad():
+            same = (indices.sort(-1).values == rec.sort(-1).values).all(-1)
+            report.routing_diff += (~same & mask).sum()
+            report.routing_total += n_has
+        if not replay:
+            return output
+        idx = torch.where(mask.unsqueeze(-1), rec, indices)
+        probs = torch.softmax(logits.float(), dim=-1)
+        w = probs.gather(-1, idx)
+        if getattr(router, "norm_topk_prob", True):
+            w = w / w.sum(-1, keepdim=True)
+        return logits, w.to(scores.dtype), idx
+
+    return hook
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sizes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def num_moe_layers(config) -> int:
+    """MoE layers of a Qwen-style config, computed from the config alone."""
+    text = config.get_text_config(decoder=True)
+    n = text.num_hidden_layers
+    if getattr(text, "num_experts", 0) in (0, None):
+        return 0
+    step = getattr(text, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(text, "mlp_only_layers", None) or [])
+    return sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+
+
+def hint_bytes_per_token(config, fmt: str = "nvfp4", hint_layers: int | None = None) -> int:
+    """Hint bytes one token costs for a model config (no weights needed): per hinted layer H/8 mantissa bytes,
+    H/block scale bytes and a 4-byte row scale (NVFP4)."""
+    text = config.get_text_config(decoder=True)
+    n_moe = num_moe_layers(config)
+    n = (n_moe + 1) // 2 if hint_layers is None else hint_layers
+    return n * fp4.hint_bytes_per_row(text.hidden_size, fmt)
