@@ -235,12 +235,13 @@ def _fp4_kernel(
     if MODE == 2:
         sbyte = tl.load(sb_ptr + r3 * NB + b3, mask=bmask, other=0).to(tl.int32) & 0xFF
         g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
+        # A non-finite training value poisons its block: NaN scale byte, so it dequantizes to NaN.
         if NVFP4:
-            s = _e4m3_decode(sbyte)
+            s = _e4m3_decode(tl.where(bad_b, 0x7F, sbyte))
         else:
-            s = _e8m0_decode(sbyte)
+            s = _e8m0_decode(tl.where(bad_b, 0xFF, sbyte))
         sg = s * g
-        ok = _is_finite(sg) & (sg > 0) & (~bad_b)
+        ok = _is_finite(sg) & (sg > 0)
     elif NVFP4:
         if MODE == 0:
             # Row global scale: amax over the row, NaN if the row is not finite, over 6 * 448.
@@ -512,7 +513,10 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints) -> FP4Tensor:
         x2, kind, g, sb, hb, packed, None, 1,
         mode=_MODE_GUIDED, nvfp4=f.has_global_scale, write_q=True, write_bits=False,
     )  # fmt: skip
-    return FP4Tensor(packed, hints.block_scale, hints.global_scale, f.name)
+    # Blocks with a non-finite value carry the NaN scale byte (the kernel already zeroed their codes).
+    bad = ~torch.isfinite(x).unflatten(-1, (-1, f.block_size)).all(dim=-1)
+    block_scale = torch.where(bad, 0x7F if f.has_global_scale else 0xFF, hints.block_scale)
+    return FP4Tensor(packed, block_scale.to(torch.uint8), hints.global_scale, f.name)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", hints: FP4Hints | None = None):

@@ -226,20 +226,44 @@ def test_import_trace_hf():
     assert callable(trace_hf.testing.tiny_model) and callable(trace_hf.fp4.quantize)
 
 
-def test_kernels_folder_is_not_a_top_level_module(tmp_path):
-    """kernels/ installs as trace_hf.kernels; a top-level `kernels` would shadow the Hugging Face Kernels
-    package that transformers probes for (and import our kernels under the wrong name)."""
+def _run_python(code: str, cwd) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+def test_kernels_install_as_trace_hf_kernels(tmp_path):
+    """kernels/ installs as trace_hf.kernels, and outside the repository no top-level `kernels` resolves into
+    this project (that name belongs to the Hugging Face Kernels package, which transformers probes for)."""
     code = (
         "import importlib.util, os\n"
+        "spec = importlib.util.find_spec('trace_hf.kernels.fp4_quant')\n"
+        "print(os.path.realpath(spec.origin) if spec is not None else 'MISSING')\n"
         "spec = importlib.util.find_spec('kernels')\n"
-        "origin = os.path.realpath(spec.origin) if spec is not None and spec.origin else ''\n"
-        "print(origin)\n"
-        "import trace_hf.kernels\n"
+        "print(os.path.realpath(spec.origin) if spec is not None and spec.origin else 'NONE')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    kernel_module, top_level = _run_python(code, tmp_path).splitlines()
+    assert kernel_module.endswith(os.path.join("kernels", "fp4_quant.py")), kernel_module
+    assert not top_level.startswith(os.path.realpath(PROJECT_ROOT) + os.sep), top_level
+
+
+def test_kernels_folder_is_ignored_by_transformers_from_the_repo_root():
+    """From the repository root (cwd on sys.path, as with `python -c` or `python -m pytest`) kernels/ must stay a
+    bare namespace folder: with an __init__.py transformers would import it as the Kernels package."""
+    code = (
+        "import importlib.metadata, importlib.util\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(repr(spec.origin) if spec is not None else 'None')\n"
+        "try:\n"
+        "    importlib.metadata.version('kernels')\n"
+        "    print('hf-kernels-installed')\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    from transformers.utils import import_utils\n"
+        "    print(import_utils.is_kernels_available())\n"
     )
-    assert res.returncode == 0, res.stderr
-    origin = res.stdout.strip()
-    assert not origin.startswith(os.path.realpath(PROJECT_ROOT) + os.sep), origin
+    origin, available = _run_python(code, PROJECT_ROOT).splitlines()
+    assert not os.path.exists(os.path.join(PROJECT_ROOT, "kernels", "__init__.py"))
+    assert origin in ("None", "''") or PROJECT_ROOT not in origin, origin
+    if available != "hf-kernels-installed":
+        assert available == "False"

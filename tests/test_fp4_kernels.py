@@ -9,6 +9,7 @@ different NaN bits on CPU and CUDA, and on CPU even for the same product dependi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from trace_hf.kernels import fp4_quant as K
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The interpreter runs the kernels in numpy, which warns about the NaN/Inf lanes the kernels mask out.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
@@ -332,3 +335,19 @@ def test_reference_same_on_cuda_and_cpu():
             a = fp4.quantize(x, fmt, scale, backend="torch")
             b = fp4.quantize(x.cuda(), fmt, scale, backend="torch")
             same_fp4(fp4.FP4Tensor(b.packed.cpu(), b.block_scale.cpu(), b.global_scale.cpu(), fmt), a, "cuda vs cpu")
+
+
+def test_benchmark_smoke(tmp_path):
+    out = tmp_path / "fp4_quant.json"
+    script = os.path.join(ROOT, "benchmarks", "fp4_quant.py")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    res = subprocess.run(
+        [sys.executable, script, "--smoke", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["kernels"]) == {"quantize_with_hints", "guided_fake_quantize", "fake_quantize"}
+    for fmt in ("nvfp4", "mxfp4"):
+        assert not any(v for k, v in data["bit_exact"][fmt]["mismatches"].items() if not k.startswith("vs_cpu"))

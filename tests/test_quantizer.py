@@ -37,7 +37,9 @@ def test_load_replaces_every_routed_experts_module(checkpoints, family):
     model = load(checkpoints[family])
     experts = fp4_experts(model)
     assert len(experts) == model.config.num_hidden_layers
-    assert not any(type(m).__name__.endswith("Experts") and not isinstance(m, TraceFP4Experts) for m in model.modules())
+    assert not any(
+        type(m).__name__.endswith("Experts") and not isinstance(m, TraceFP4Experts) for m in model.modules()
+    )
     # Default: the last half of the MoE layers record hints.
     assert [m.hinted for m in experts] == [False, False, True, True]
     # Other linears stay as they were.
@@ -101,7 +103,9 @@ def test_fp4_kv_cache_bytes_and_effect(checkpoints):
     fp4_model, bf16_kv = load(path, kv_cache="nvfp4"), load(path, kv_cache=None)
     cfg = fp4_model.config
     ratio = kv_bytes_per_token(cfg, "nvfp4") / kv_bytes_per_token(cfg, None)
-    print(f"FP4 KV bytes/token {kv_bytes_per_token(cfg, 'nvfp4')} vs BF16 {kv_bytes_per_token(cfg, None)}: {ratio:.3f}x")
+    print(
+        f"FP4 KV bytes/token {kv_bytes_per_token(cfg, 'nvfp4')} vs BF16 {kv_bytes_per_token(cfg, None)}: {ratio:.3f}x"
+    )
     d = cfg.head_dim  # per token and head: D/2 code bytes + D/16 scale bytes + a 4-byte row scale, vs 2D
     assert ratio == pytest.approx((d / 2 + d / 16 + 4) / (2 * d))
     big = tiny_config("qwen3_moe", head_dim=128)
@@ -204,7 +208,12 @@ def test_too_many_hint_layers_and_unsupported_models(checkpoints, tmp_path):
 
 
 def test_modules_to_not_convert_and_w4a16(checkpoints):
-    model = load(checkpoints["qwen3_moe"], modules_to_not_convert=["model.layers.0.mlp.experts"], activations="none", hint_layers=0)
+    model = load(
+        checkpoints["qwen3_moe"],
+        modules_to_not_convert=["model.layers.0.mlp.experts"],
+        activations="none",
+        hint_layers=0,
+    )
     assert not isinstance(model.model.layers[0].mlp.experts, TraceFP4Experts)
     assert all(isinstance(model.model.layers[i].mlp.experts, TraceFP4Experts) for i in (1, 2, 3))
     model.eval()

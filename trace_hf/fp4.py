@@ -109,8 +109,15 @@ def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
     return b.view(torch.float8_e4m3fn).to(torch.float32)
 
 
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2 ** e`` for integer ``e`` in [-127, 127], built from the bits (``exp2`` need not be exact)."""
+    e = e.to(torch.int32)
+    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    return torch.where(e == -127, torch.full_like(normal, 2.0**-127), normal)
+
+
 def e8m0_decode(b: torch.Tensor) -> torch.Tensor:
-    v = torch.exp2(b.to(torch.float32) - 127.0)
+    v = pow2(b.to(torch.int32) - 127)
     return torch.where(b == E8M0_NAN_BYTE, torch.full_like(v, float("nan")), v)
 
 
@@ -238,7 +245,9 @@ def _group_amax(x: torch.Tensor, scale: str) -> torch.Tensor:
 
 
 def _nvfp4_global_scale(x: torch.Tensor, scale: str) -> torch.Tensor:
-    return _group_amax(x.float(), scale) / (E2M1_MAX * E4M3_MAX)
+    amax = _group_amax(x.float(), scale)
+    # A tensor divisor: CUDA torch divides by a Python scalar through its rounded reciprocal, not IEEE division.
+    return amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)
 
 
 def _encode_with_scales(xb: torch.Tensor, sg: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -256,7 +265,7 @@ def _quantize_nvfp4(x: torch.Tensor, scale: str) -> FP4Tensor:
     xb = x.unflatten(-1, (-1, bs))
     g_b = g.unsqueeze(-1)  # broadcast vs [..., nb, bs]
     amax_b = xb.abs().amax(dim=-1, keepdim=True)
-    s_bytes = e4m3_encode((amax_b / E2M1_MAX) / g_b)  # g == 0 gives NaN here; fixed below
+    s_bytes = e4m3_encode((amax_b / torch.full_like(amax_b, E2M1_MAX)) / g_b)  # g == 0 gives NaN; fixed below
     zero_group = g_b == 0
     s_bytes = torch.where(zero_group, torch.zeros_like(s_bytes), s_bytes)
     s_bytes = torch.where(torch.isnan(g_b), torch.full_like(s_bytes, E4M3_NAN_BYTE), s_bytes)
@@ -281,7 +290,7 @@ def _quantize_mxfp4(x: torch.Tensor) -> FP4Tensor:
     e = _e8m0_exponent(torch.where(bad, torch.zeros_like(amax_b), amax_b))
     e = torch.where(amax_b == 0, torch.full_like(e, -127), e)
     s_bytes = torch.where(bad, torch.full_like(e, E8M0_NAN_BYTE), e + 127).to(torch.uint8)
-    s = torch.exp2(e.to(torch.float32))
+    s = pow2(e)
     codes = _encode_with_scales(xb, s, ~bad).flatten(-2)
     g = torch.ones(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
     return FP4Tensor(pack_codes(codes), s_bytes.squeeze(-1), g, "mxfp4")
@@ -343,8 +352,12 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints, backend: str = "auto") -> 
         return triton_guided_quantize(x, hints)
     bs = f.block_size
     xb = x.float().unflatten(-1, (-1, bs))
-    sg = (block_scale_decode(hints.block_scale, f.name) * hints.global_scale).unsqueeze(-1)
-    ok = torch.isfinite(sg) & (sg > 0) & torch.isfinite(xb).all(dim=-1, keepdim=True)
+    # A non-finite training value poisons its block (NaN scale byte), as in `quantize`.
+    bad = ~torch.isfinite(xb).all(dim=-1)
+    nan_byte = E4M3_NAN_BYTE if f.has_global_scale else E8M0_NAN_BYTE
+    block_scale = torch.where(bad, torch.full_like(hints.block_scale, nan_byte), hints.block_scale)
+    sg = (block_scale_decode(block_scale, f.name) * hints.global_scale).unsqueeze(-1)
+    ok = torch.isfinite(sg) & (sg > 0)
     y = torch.clamp(xb / sg, -E2M1_MAX, E2M1_MAX)
     a = y.abs()
     lo = e2m1_floor_index(a)
@@ -354,7 +367,7 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints, backend: str = "auto") -> 
     idx = torch.where(on_grid | ((lo & 1) == bit), lo, lo + 1)
     sign = torch.signbit(xb).to(torch.uint8) << 3
     codes = (torch.where(ok, idx, torch.zeros_like(idx)) | sign).flatten(-2)
-    return FP4Tensor(pack_codes(codes), hints.block_scale, hints.global_scale, f.name)
+    return FP4Tensor(pack_codes(codes), block_scale, hints.global_scale, f.name)
 
 
 def e2m1_floor_index(a: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,659 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""`TraceGRPOTrainer`: TRL's GRPO with an FP4 rollout, rollout hints, routing replay and IS correction.
+
+What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
+
+* `_generate_single_turn`: the model generates in ``eval()`` (the packed-FP4 experts and the FP4 KV cache) inside a
+  `HintRecorder`, with ``output_logits=True`` so the sampler's own log-probs come back (TRL's plain-HF path returns
+  none). The hints are kept per generated row, in generation order.
+* `_generate_and_score_completions`: attaches the hints as per-row ``trace_*`` tensors (so TRL's shuffle and split
+  carry them with their rows), computes ``old_per_token_logps`` under the hint-guided forward, the importance-sampling
+  ratio against the sampler's log-probs, and the ``trace/*`` metrics.
+* `_get_per_token_logps_and_entropies`: every row chunk runs inside `use_hints` for exactly its rows, and in every
+  regime with position ids from the attention mask, as `generate` makes them for left-padded prompts.
+* `training_step`: keeps the hint context open until backward is done, because gradient checkpointing recomputes
+  the forward there.
+* `_compute_loss`: applies the IS ratio through TRL's support for per-token advantages.
+
+Packed rollout weights need no explicit sync: `TraceFP4Experts.packed_weights` re-quantizes from the master weights
+whenever their version counter moved, which every optimizer step does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import GRPOConfig, GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad
+
+from .experts import TraceFP4Experts, fp4_experts
+from .hints import HintBatch, HintRecorder, MismatchReport, position_ids_from_mask, use_hints
+
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_PRECISIONS = ("fp4", "bf16")
+HINT_PREFIX = "trace_"
+
+
+@dataclass
+class TraceGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for the [`TraceGRPOTrainer`]: [`~trl.GRPOConfig`] plus the TRACE options.
+
+    Rollouts run through the model's own FP4 path (`model.generate` in eval mode), never vLLM, so `use_vllm` must stay
+    `False`. The `vllm_importance_sampling_*` options have a counterpart here, `rollout_importance_sampling_*`, that
+    corrects for the FP4 sampler instead.
+
+    Parameters:
+        > Parameters that control the rollout
+
+        rollout_precision (`str`, *optional*, defaults to `"fp4"`):
+            `"fp4"`: roll out with the packed FP4 experts (and FP4 KV cache) of a model loaded with
+            [`TraceFP4Config`]. `"bf16"`: roll out with the model's unquantized weights; needs a plain model (no
+            `TraceFP4Config`) and `trace_hints=False`, `routing_replay=False`. This is the unquantized baseline.
+        trace_hints (`bool`, *optional*, defaults to `True`):
+            Record the rollout's FP4 rounding hints at the hinted MoE layers and apply them in every training-side
+            forward (old, reference and current log-probs). With `False` the trainer still rolls out in FP4 and trains
+            with QAT (the "no hints" baseline).
+        routing_replay (`bool`, *optional*, defaults to `True`):
+            Replay the rollout's routed experts (top-k ids) in the training forwards; the router weights still come
+            from the training logits, so the router keeps learning.
+        trace_hint_storage (`str`, *optional*, defaults to `"device"`):
+            Where recorded hints live between rollout and training: `"device"` or `"cpu"` (pinned when CUDA exists).
+
+        > Parameters that control the importance-sampling correction against the FP4 sampler
+
+        rollout_importance_sampling (`bool`, *optional*, defaults to `True`):
+            Weight the per-token loss by the ratio of the trainer's (hint-guided) probability to the sampler's, as
+            TRL does for vLLM rollouts.
+        rollout_importance_sampling_mode (`str`, *optional*, defaults to `"token_truncate"`):
+            One of `"token_truncate"`, `"token_mask"`, `"sequence_truncate"`, `"sequence_mask"`, with the meaning of
+            [`~trl.GRPOConfig.vllm_importance_sampling_mode`].
+        rollout_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
+            Upper bound of the ratio: truncated to it (`*_truncate`) or masked above it (`*_mask`).
+        rollout_importance_sampling_clip_min (`float`, *optional*):
+            Lower bound of the ratio, as `rollout_importance_sampling_clip_max`; `None` for no lower bound.
+
+        > Parameters that control logging
+
+        trace_metrics (`bool`, *optional*, defaults to `True`):
+            Log the `trace/*` metrics: hint flip rate, routing mismatch, hint coverage and bytes, rollout/train
+            log-prob difference and KL, and the IS ratio.
+    """
+
+    rollout_precision: str = field(
+        default="fp4",
+        metadata={
+            "help": "'fp4': roll out with the packed FP4 experts of a TraceFP4Config model. 'bf16': roll out with the "
+            "unquantized weights of a plain model (the baseline; needs trace_hints=False, routing_replay=False).",
+            "choices": list(ROLLOUT_PRECISIONS),
+        },
+    )
+    trace_hints: bool = field(
+        default=True,
+        metadata={"help": "Record FP4 rounding hints at rollout and apply them in every training-side forward."},
+    )
+    routing_replay: bool = field(
+        default=True,
+        metadata={"help": "Replay the rollout's routed experts (top-k ids) in the training forwards."},
+    )
+    trace_hint_storage: str = field(
+        default="device",
+        metadata={
+            "help": "Where recorded hints live until training: 'device' or 'cpu'.",
+            "choices": ["device", "cpu"],
+        },
+    )
+    rollout_importance_sampling: bool = field(
+        default=True,
+        metadata={"help": "Correct the loss with the importance-sampling ratio trainer/sampler probability."},
+    )
+    rollout_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "How the ratio is formed and bounded: token_truncate, token_mask, sequence_truncate, "
+            "sequence_mask (as vllm_importance_sampling_mode).",
+            "choices": list(IS_MODES),
+        },
+    )
+    rollout_importance_sampling_clip_max: float | None = field(
+        default=3.0,
+        metadata={"help": "Upper bound of the IS ratio (truncated to it, or masked above it)."},
+    )
+    rollout_importance_sampling_clip_min: float | None = field(
+        default=None,
+        metadata={"help": "Lower bound of the IS ratio (truncated to it, or masked below it); None for none."},
+    )
+    trace_metrics: bool = field(
+        default=True,
+        metadata={"help": "Log the trace/* metrics (hint flips, routing mismatch, rollout/train log-prob gap)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.use_vllm:
+            raise ValueError(
+                "TraceGRPOConfig(use_vllm=True) is not supported: TraceGRPOTrainer generates through the model's own "
+                "FP4 path (packed experts, FP4 KV cache), which is what the hints are recorded from. Set use_vllm=False."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "TraceGRPOConfig(use_transformers_continuous_batching=True) is not supported: rollouts must go through "
+                "model.generate so that hints and sampler log-probs can be recorded. Set it to False."
+            )
+        if self.rollout_precision not in ROLLOUT_PRECISIONS:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_precision={self.rollout_precision!r}: use 'fp4' (TraceFP4Config model) or "
+                "'bf16' (plain model)."
+            )
+        if self.rollout_precision == "bf16" and (self.trace_hints or self.routing_replay):
+            raise ValueError(
+                "rollout_precision='bf16' rolls out without FP4, so there are no hints or recorded routing to replay: "
+                "set trace_hints=False and routing_replay=False."
+            )
+        if self.trace_hint_storage not in ("device", "cpu"):
+            raise ValueError(f"TraceGRPOConfig.trace_hint_storage={self.trace_hint_storage!r}: use 'device' or 'cpu'.")
+        if self.rollout_importance_sampling_mode not in IS_MODES:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_importance_sampling_mode={self.rollout_importance_sampling_mode!r}: use one "
+                f"of {list(IS_MODES)}."
+            )
+        lo, hi = self.rollout_importance_sampling_clip_min, self.rollout_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"rollout_importance_sampling_clip_min={lo} is above rollout_importance_sampling_clip_max={hi}."
+            )
+
+
+class TraceGRPOTrainer(GRPOTrainer):
+    """[`~trl.GRPOTrainer`] whose rollouts run in FP4 and whose training forwards replay the rollout's hints.
+
+    Takes the arguments of [`~trl.GRPOTrainer`]; `args` must be a [`TraceGRPOConfig`]. The model is a Qwen3 MoE /
+    Qwen3.5 MoE (any fused-experts MoE) loaded with `quantization_config=TraceFP4Config()`, or a plain model with
+    `rollout_precision="bf16"`.
+
+    PEFT: LoRA on non-expert linears (e.g. `q_proj`, `v_proj`) is supported; the FP4 experts are then frozen and keep
+    their QAT forward. LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout weights are
+    quantized from the base parameters and would not contain the adapter.
+    """
+
+    _tag_names = ["trl", "grpo", "trace-hf"]
+    _name = "TRACE-GRPO"
+
+    def __init__(self, model, reward_funcs=None, args: TraceGRPOConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or type(model).__name__
+            args = TraceGRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-TRACE")
+        if not isinstance(args, TraceGRPOConfig):
+            raise TypeError(
+                f"TraceGRPOTrainer needs args=TraceGRPOConfig(...), got {type(args).__name__}; TraceGRPOConfig takes "
+                "every GRPOConfig argument plus the TRACE options."
+            )
+        peft_config = kwargs.get("peft_config")
+        if peft_config is not None and not isinstance(model, str):
+            _check_peft(model, peft_config)
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._trace_validate_model()
+        self._trace_rows: HintBatch | None = None  # hints of the rows passed to the next log-prob forwards
+        self._trace_pending: HintBatch | None = None  # hints of the rollout, generation (pre-shuffle) order
+        self._trace_reports: list[MismatchReport] | None = None  # collects reports of the old-logp forwards
+        self._trace_stack: contextlib.ExitStack | None = None  # keeps the training forward's context to backward
+        self._trace_train_reports: list[MismatchReport] = []
+        self._trace_gen_config = copy.deepcopy(self.generation_config)
+        self._trace_gen_config.output_logits = True
+        self._trace_gen_config.return_dict_in_generate = True
+
+    # ------------------------------------------------------------------------------------------------------
+    # Model checks
+    # ------------------------------------------------------------------------------------------------------
+
+    def _trace_validate_model(self) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(model):
+            _check_peft(model, model.peft_config.get("default"))
+        experts = fp4_experts(model)
+        args = self.args
+        if args.rollout_precision == "fp4" and not experts:
+            raise ValueError(
+                "rollout_precision='fp4' needs a model loaded with quantization_config=TraceFP4Config() (its routed "
+                "experts become TraceFP4Experts); this model has none. Load it with TraceFP4Config, or set "
+                "rollout_precision='bf16', trace_hints=False, routing_replay=False for the unquantized baseline."
+            )
+        if args.rollout_precision == "bf16" and experts:
+            raise ValueError(
+                "rollout_precision='bf16' is the unquantized baseline, but this model was loaded with TraceFP4Config "
+                "(FP4 experts). Load the plain model (no quantization_config), or use rollout_precision='fp4'."
+            )
+        if args.trace_hints and not any(m.hinted for m in experts):
+            raise ValueError(
+                "trace_hints=True but the model has no hinted MoE layers (TraceFP4Config(hint_layers=0) or "
+                "activations='none'). Load it with hint_layers > 0 (default: half of the MoE layers) and "
+                "activations='fp4', or set trace_hints=False."
+            )
+        self._trace_fp4 = bool(experts)
+        self._trace_fmt = experts[0].fmt if experts else None
+
+    def _trace_core(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The transformer backbone inside any wrapper (DDP, PEFT, the CausalLM head): the module whose `__call__`
+        every forward goes through (PEFT calls the CausalLM's `forward` directly, so hooks there would not fire)."""
+        model = self.accelerator.unwrap_model(model)
+        if is_peft_model(model):
+            model = model.get_base_model()
+        return getattr(model, "base_model", model)
+
+    @property
+    def _trace_records(self) -> bool:
+        """Whether rollouts record routing (and hints): needed for hints, replay, or the mismatch metrics."""
+        a = self.args
+        return self._trace_fp4 and (a.trace_hints or a.routing_replay or a.trace_metrics)
+
+    @property
+    def _trace_replays(self) -> bool:
+        """Whether the training forward itself needs the recorded hints/routing."""
+        return self._trace_fp4 and (self.args.trace_hints or self.args.routing_replay)
+
+    @contextlib.contextmanager
+    def _trace_hints_off(self, core: torch.nn.Module):
+        """With trace_hints=False, no layer records or applies hints (routing is still recorded and measured)."""
+        if self.args.trace_hints:
+            yield
+            return
+        saved = [(m, m.hinted) for m in fp4_experts(core)]
+        try:
+            for m, _ in saved:
+                m.hinted = False
+            yield
+        finally:
+            for m, hinted in saved:
+                m.hinted = hinted
+
+    @contextlib.contextmanager
+    def _trace_forward(self, model, hints: HintBatch | None, attention_mask: torch.Tensor):
+        """The context of one training-side forward: hints and routing replay for its rows, position ids always."""
+        core = self._trace_core(model)
+        if hints is None or not fp4_experts(core):  # no hints, or a plain reference model
+            with _aligned_positions(core, attention_mask):
+                yield None
+            return
+        with (
+            self._trace_hints_off(core),
+            use_hints(core, hints, attention_mask, routing_replay=self.args.routing_replay) as report,
+        ):
+            yield report
+
+    # ------------------------------------------------------------------------------------------------------
+    # Rollout
+    # ------------------------------------------------------------------------------------------------------
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("TraceGRPOTrainer supports text-only models; got images or multimodal inputs.")
+        device = self.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(
+            prompts,
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        prompt_mask = pad(
+            [torch.ones_like(t) for t in prompts],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
+
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            core = self._trace_core(unwrapped)
+            was_training = unwrapped.training
+            unwrapped.eval()  # the FP4 rollout path: packed experts, FP4 KV cache
+            try:
+                with self._trace_hints_off(core):
+                    recorder = (
+                        HintRecorder(core, storage=self.args.trace_hint_storage)
+                        if self._trace_records
+                        else contextlib.nullcontext()
+                    )
+                    with recorder:
+                        out = unwrapped.generate(
+                            input_ids=input_ids, attention_mask=prompt_mask, generation_config=self._trace_gen_config
+                        )
+            finally:
+                unwrapped.train(was_training)
+
+        completion = out.sequences[:, input_ids.size(1) :]
+        # Cut after the first EOS, as TRL does.
+        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=completion.device))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion.device)
+        eos_idx[is_eos.any(1)] = is_eos.int().argmax(1)[is_eos.any(1)]
+        completion_mask = torch.arange(is_eos.size(1), device=completion.device)[None] <= eos_idx[:, None]
+        # The sampler's log-probs, scaled by the trainer's temperature exactly as TRL's log-prob forward scales them.
+        logits = torch.stack(out.logits, dim=1).float()
+        del out
+        logps = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        del logits
+
+        self._trace_pending = None
+        if self._trace_records:
+            full_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+            self._trace_pending = recorder.collect(full_mask)
+        completion_ids = [c[m].tolist() for c, m in zip(completion.cpu(), completion_mask.cpu(), strict=True)]
+        logprobs = [lp[m].tolist() for lp, m in zip(logps.cpu(), completion_mask.cpu(), strict=True)]
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        mode = "train" if self.model.training else "eval"
+        self._trace_pending = None
+        # TRL's own old/ref log-prob forwards (inside super) see the rollout's rows in generation order.
+        self._trace_rows = _Pending(self)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._trace_rows = None
+        hints = self._trace_pending
+        self._trace_pending = None
+        if hints is not None and len(hints) != output["prompt_ids"].size(0):
+            raise RuntimeError(
+                f"TraceGRPOTrainer recorded hints for {len(hints)} rows but the batch has {output['prompt_ids'].size(0)}."
+            )
+
+        args = self.args
+        sampling = output["sampling_per_token_logps"]
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+
+        reports: list[MismatchReport] = []
+        if args.rollout_importance_sampling or args.trace_metrics:
+            self._trace_rows, self._trace_reports = hints, reports
+            try:
+                with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                    old, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model,
+                        input_ids,
+                        attention_mask,
+                        input_ids.size(1) - output["prompt_ids"].size(1),
+                        batch_size=batch_size,
+                    )
+            finally:
+                self._trace_rows, self._trace_reports = None, None
+            if args.rollout_importance_sampling or "old_per_token_logps" in output:
+                output["old_per_token_logps"] = old
+            if args.rollout_importance_sampling:
+                output["importance_sampling_ratio"] = self._trace_is_ratio(old, sampling, mask)
+            if args.trace_metrics:
+                self._trace_log_metrics(mode, old, sampling, mask, reports, output.get("importance_sampling_ratio"))
+
+        if hints is not None and self._trace_replays:
+            output.update(hints.to_inputs(HINT_PREFIX))
+        return output
+
+    # ------------------------------------------------------------------------------------------------------
+    # Importance sampling and metrics
+    # ------------------------------------------------------------------------------------------------------
+
+    def _trace_is_ratio(self, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """exp(trainer logp - sampler logp), per token [B, T] or per sequence [B, 1], bounded as in TRL's vLLM IS."""
+        args = self.args
+        diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+        if args.rollout_importance_sampling_mode.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        ratio = torch.exp(diff)
+        lo, hi = args.rollout_importance_sampling_clip_min, args.rollout_importance_sampling_clip_max
+        if args.rollout_importance_sampling_mode.endswith("truncate"):
+            return torch.clamp(ratio, min=lo, max=hi)
+        lo = -math.inf if lo is None else lo
+        hi = math.inf if hi is None else hi
+        return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+    def _trace_log_metrics(self, mode, old, sampling, mask, reports, ratio) -> None:
+        """`trace/*` metrics, reduced over processes as sums and counts (token-weighted, not mean of means)."""
+        device = old.device
+        m = mask.bool() & ~torch.isnan(sampling)
+        d = (old - sampling)[m]
+        k3 = torch.expm1(d) - d  # KL(sampler || trainer) estimator on the sampler's own tokens
+        report = MismatchReport()
+        for r in reports:
+            report.merge(r)
+        flips = sum(int(v) for v in report.flips.values())
+        elements = sum(int(v) for v in report.elements.values())
+        if ratio is not None:
+            r = ratio.flatten() if ratio.size(-1) == 1 else ratio[m]
+            is_sum, is_n = r.sum(), r.numel()
+        else:
+            is_sum, is_n = 0.0, 0
+        sums = torch.tensor(
+            [
+                d.abs().sum(),
+                d.numel(),
+                k3.sum(),
+                flips,
+                elements,
+                int(report.routing_diff),
+                report.routing_total,
+                report.hinted_tokens,
+                report.real_tokens,
+                is_sum,
+                is_n,
+                report.hint_bytes_per_token,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        sums = self.accelerator.reduce(sums, reduction="sum")
+        dmax = self.accelerator.gather(d.abs().max() if d.numel() else torch.zeros((), device=device)).max()
+        s = sums.tolist()
+        n_proc = self.accelerator.num_processes
+
+        def ratio_of(a, b):
+            return a / b if b else 0.0
+
+        metrics = self._metrics[mode]
+        metrics["trace/logp_diff/mean"].append(ratio_of(s[0], s[1]))
+        metrics["trace/logp_diff/max"].append(dmax.item())
+        metrics["trace/kl_rollout_train"].append(ratio_of(s[2], s[1]))
+        if self._trace_fp4:
+            metrics["trace/hint_flip_rate"].append(ratio_of(s[3], s[4]))
+            metrics["trace/routing_mismatch"].append(ratio_of(s[5], s[6]))
+            metrics["trace/hint_coverage"].append(ratio_of(s[7], s[8]))
+            metrics["trace/hint_bytes_per_token"].append(s[11] / n_proc)
+        if ratio is not None:
+            metrics["trace/is_ratio/mean"].append(ratio_of(s[9], s[10]))
+
+    # ------------------------------------------------------------------------------------------------------
+    # Training-side forwards
+    # ------------------------------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **kwargs,
+    ):
+        if any(v is not None for v in kwargs.values()):
+            raise NotImplementedError(
+                f"TraceGRPOTrainer supports text-only models; got multimodal inputs {sorted(kwargs)}."
+            )
+        rows = self._trace_rows
+        if isinstance(rows, _Pending):
+            rows = rows.get()
+        if rows is not None and len(rows) != input_ids.size(0):
+            raise RuntimeError(
+                f"TraceGRPOTrainer: {len(rows)} hint rows for a log-prob forward over {input_ids.size(0)} rows."
+            )
+        n = input_ids.size(0)
+        keep_open = self._trace_stack is not None and torch.is_grad_enabled()
+        # A training forward keeps its context until backward: one chunk, so one set of hooks is installed.
+        batch_size = n if keep_open else (batch_size or n)
+        logps, entropies, aux = [], [], []
+        for start in range(0, n, batch_size):
+            end = min(start + batch_size, n)
+            ctx = self._trace_forward(model, None if rows is None else rows[start:end], attention_mask[start:end])
+            if keep_open:
+                report = self._trace_stack.enter_context(ctx)
+                if report is not None:
+                    self._trace_train_reports.append(report)
+                out = super()._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids[start:end],
+                    attention_mask[start:end],
+                    logits_to_keep,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                )
+            else:
+                with ctx as report:
+                    out = super()._get_per_token_logps_and_entropies(
+                        model,
+                        input_ids[start:end],
+                        attention_mask[start:end],
+                        logits_to_keep,
+                        compute_entropy=compute_entropy,
+                        compute_aux_loss=compute_aux_loss,
+                    )
+            if report is not None and self._trace_reports is not None:
+                self._trace_reports.append(report)
+            logps.append(out[0])
+            entropies.append(out[1])
+            aux.append(out[2])
+        return (
+            torch.cat(logps, dim=0),
+            torch.cat(entropies, dim=0) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        # Backward runs inside Trainer.training_step; the hint context entered by the training forward stays open
+        # until it returns, so checkpointed layers recompute with the same hints and routing.
+        self._trace_train_reports = []
+        with contextlib.ExitStack() as stack:
+            self._trace_stack = stack
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._trace_stack = None
+        if self.args.trace_metrics and self._trace_replays:
+            self._trace_log_train_reports(self._trace_train_reports)
+        self._trace_train_reports = []
+        return loss
+
+    def _trace_log_train_reports(self, reports: list[MismatchReport]) -> None:
+        """What the hints corrected in the gradient forward itself (after TRL's shuffle and split): a live check
+        that every row met its own hints (misaligned hints would disagree with nearest rounding about half the time).
+        """
+        report = MismatchReport()
+        for r in reports:
+            report.merge(r)
+        sums = torch.tensor(
+            [
+                sum(int(v) for v in report.flips.values()),
+                sum(int(v) for v in report.elements.values()),
+                int(report.routing_diff),
+                report.routing_total,
+            ],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
+        flips, elements, diff, total = self.accelerator.reduce(sums, reduction="sum").tolist()
+        self._metrics["train"]["trace/train/hint_flip_rate"].append(flips / elements if elements else 0.0)
+        self._metrics["train"]["trace/train/routing_mismatch"].append(diff / total if total else 0.0)
+
+    def _compute_loss(self, model, inputs):
+        keys = HintBatch.input_keys(HINT_PREFIX)
+        if self._trace_replays and all(k in inputs for k in keys):
+            self._trace_rows = HintBatch.from_inputs(inputs, self._trace_fmt, self._trace_hint_layers(), HINT_PREFIX)
+        ratio = inputs.get("importance_sampling_ratio")
+        if ratio is not None and self.loss_type != "vespo":
+            # per_token_loss * r == loss computed with advantages * r for every TRL loss here (r >= 0 keeps the sign
+            # that clipping looks at), and TRL accepts [B, T] advantages from subclasses; VESPO reads the ratio itself.
+            advantages = inputs["advantages"]
+            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+            inputs = {**inputs, "advantages": advantages * ratio}
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._trace_rows = None
+
+    def _trace_hint_layers(self) -> tuple[int, ...]:
+        if not self.args.trace_hints:
+            return ()
+        return tuple(m.moe_index for m in fp4_experts(self._trace_core(self.model)) if m.hinted)
+
+
+class _Pending:
+    """Placeholder for "the hints of the rollout in progress": they exist only once generation has run."""
+
+    def __init__(self, trainer: TraceGRPOTrainer):
+        self.trainer = trainer
+
+    def get(self) -> HintBatch | None:
+        return self.trainer._trace_pending
+
+
+@contextlib.contextmanager
+def _aligned_positions(core: torch.nn.Module, attention_mask: torch.Tensor):
+    """Position ids from the mask (``cumsum - 1``) for forwards that pass none, as `generate` makes them: without
+    this, left-padded rows get shifted rotary positions in training, in every regime (BF16 included)."""
+
+    def hook(module, args, kwargs):
+        if kwargs.get("position_ids") is None:
+            mask = kwargs.get("attention_mask")
+            mask = attention_mask if mask is None else mask
+            kwargs["position_ids"] = position_ids_from_mask(mask).to(mask.device)
+        return args, kwargs
+
+    handle = core.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _check_peft(model, peft_config) -> None:
+    """Refuse adapters on the FP4 experts: the packed rollout weights are quantized from the base parameters only."""
+    if peft_config is None or not isinstance(model, torch.nn.Module):
+        return
+    experts = {name for name, m in model.named_modules() if isinstance(m, TraceFP4Experts)}
+    if not experts:
+        return
+    targets = list(getattr(peft_config, "target_parameters", None) or [])
+    hit = [t for t in targets if t.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")]
+    wrapped = [
+        name for name, m in model.named_modules() if isinstance(getattr(m, "base_layer", None), TraceFP4Experts)
+    ]
+    if hit or wrapped:
+        raise ValueError(
+            f"PEFT adapters on the FP4 routed experts ({hit or wrapped}) are not supported: rollouts run from packed "
+            "FP4 weights quantized from the base expert parameters, which would not include the adapter, so rollout "
+            "and training would compute different functions. Target non-expert linears instead (e.g. "
+            "target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train the experts fully (no PEFT)."
+        )
+    if getattr(peft_config, "target_modules", None) and any(
+        isinstance(t, str) and t.endswith("experts") for t in peft_config.target_modules
+    ):
+        warnings.warn("target_modules names an experts module; PEFT cannot wrap TraceFP4Experts.", stacklevel=3)
