@@ -4,7 +4,8 @@
     python examples/grpo.py                                  # offline: tiny Qwen3 MoE, SFT warm-up, TRACE
     python examples/grpo.py --rollout fp4                    # FP4 rollout + QAT, no hints, no routing replay
     python examples/grpo.py --rollout bf16                   # unquantized baseline
-    python examples/grpo.py --model /path/Qwen3-30B-A3B --dataset openai/gsm8k --dtype bf16 --max-completion-length 512
+    python examples/grpo.py --model /path/Qwen3-30B-A3B --dataset openai/gsm8k --dtype bf16 \
+        --max-completion-length 512 --gradient-checkpointing
 
 With no `--model`, a tiny Qwen3 MoE from `trace_hf.testing` is built and warmed up with a short supervised run on
 the offline task (so that rewards are not all zero and can move), and cached under `<output-dir>/sft-warm` so that
@@ -39,19 +40,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="trace",
         help="bf16: unquantized; fp4: FP4 rollout + QAT, no hints/replay; trace: FP4 + hints + routing replay",
     )
-    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--max-steps", type=int, default=80)
     p.add_argument("--output-dir", default="outputs/grpo")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the model's weights")
-    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default="fp32", help="weights dtype (fp32: faster and steadier on CPU)"
+    )
+    p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=8, help="distinct prompts per optimizer step")
+    p.add_argument("--prompts-per-step", type=int, default=16, help="distinct prompts per optimizer step")
     p.add_argument("--max-completion-length", type=int, default=4)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-importance-sampling", action="store_true", help="turn off the IS correction")
     p.add_argument("--hint-layers", type=int, default=None, help="TraceFP4Config.hint_layers (default: half)")
     p.add_argument("--kv-cache", default="nvfp4", help="TraceFP4Config.kv_cache: nvfp4, mxfp4 or none")
-    p.add_argument("--sft-steps", type=int, default=150, help="warm-up steps for the default tiny model")
+    p.add_argument("--sft-steps", type=int, default=100, help="warm-up steps for the default tiny model")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="on for large models; off by default")
     return p.parse_args(argv)
@@ -69,7 +72,10 @@ def addition_dataset(seed: int = 0, max_operand: int = 9):
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     random.Random(seed).shuffle(pairs)
     return Dataset.from_dict(
-        {"question": [f"{a}+{b}" for a, b in pairs], "answer": [f"{a}+{b}=<<{a}+{b}={a + b}>>\n#### {a + b}" for a, b in pairs]}
+        {
+            "question": [f"{a}+{b}" for a, b in pairs],
+            "answer": [f"{a}+{b}=<<{a}+{b}={a + b}>>\n#### {a + b}" for a, b in pairs],
+        }
     )
 
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from trace_hf import HintBatch, HintRecorder, TraceFP4Config, fp4, use_hints
-from trace_hf.experts import fp4_experts
+from trace_hf.experts import TraceFP4Experts
 from trace_hf.hints import _Guide, hint_bytes_per_token, position_ids_from_mask
 from trace_hf.testing import (
     arithmetic_dataset,
@@ -175,7 +175,9 @@ def logp_gaps(model, enc, hints_mode):
 
 def test_hints_reduce_the_logp_gap(warmed, tokenizer):
     enc = prompts(tokenizer, n=8)
-    fp4_model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.bfloat16)
+    fp4_model = AutoModelForCausalLM.from_pretrained(
+        warmed, quantization_config=TraceFP4Config(), dtype=torch.bfloat16
+    )
     bf16_model = AutoModelForCausalLM.from_pretrained(warmed, dtype=torch.bfloat16)
     results = {"bf16": logp_gaps_plain(bf16_model, enc)}
     for mode in (None, "hints", "replay"):
@@ -203,3 +205,95 @@ def logp_gaps_plain(model, enc):
     train = logits[:, p - 1 : -1].float().log_softmax(-1).gather(-1, seq[:, p:, None]).squeeze(-1)
     d = (train - roll).abs()
     return d.mean().item(), d.max().item()
+
+
+def test_routing_replay_gives_the_rollout_top_k(warmed, tokenizer, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.bfloat16)
+    enc = prompts(tokenizer, n=8)
+    rec, seq, mask, _ = rollout(model, enc, recorder_cls=HintRecorder, new_tokens=24)
+    hints = rec.collect(mask)
+    seen = {}
+    original = TraceFP4Experts.forward
+
+    def spy(self, hidden_states, top_k_index, top_k_weights):
+        seen[self.moe_index] = top_k_index.clone()
+        return original(self, hidden_states, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(TraceFP4Experts, "forward", spy)
+    model.train()
+    for replay in (False, True):
+        with torch.no_grad(), use_hints(model, hints, mask, routing_replay=replay) as report:
+            model(input_ids=seq, attention_mask=mask)
+        pos = position_ids_from_mask(mask)
+        has = (mask.bool() & (pos < hints.lengths[:, None])).flatten()
+        pos = pos.clamp(max=hints.routing.shape[1] - 1)  # columns past the recorded range have no hint
+        same = total = 0
+        for layer, topk in seen.items():
+            want = torch.gather(hints.routing[:, :, layer], 1, pos[..., None].expand(-1, -1, topk.shape[-1]))
+            eq = (topk.sort(-1).values == want.flatten(0, 1).long().sort(-1).values).all(-1)
+            same += int(eq[has].sum())
+            total += int(has.sum())
+        print(
+            f"replay={replay}: training top-k == rollout top-k for {same / total:.4f} of {total} (token, layer); "
+            f"own routing differs for {report.routing_mismatch:.4f}"
+        )
+        if replay:
+            assert same == total
+    assert report.routing_mismatch > 0
+
+
+def test_gradient_checkpointing_sees_the_hints(warmed, tokenizer):
+    enc = prompts(tokenizer, n=3)
+    grads, losses = [], []
+    for ckpt in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.float32)
+        rec, seq, mask, _ = rollout(model, enc, recorder_cls=HintRecorder, new_tokens=8)
+        hints = rec.collect(mask)
+        model.train()
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with use_hints(model, hints, mask) as report:
+            loss = model(input_ids=seq, attention_mask=mask, labels=seq).loss
+            loss.backward()  # the recompute under checkpointing happens here, inside the block
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert report.hint_coverage > 0.8
+    assert losses[0] == losses[1]
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_hints_that_do_not_fit_raise(warmed, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.float32)
+    enc = prompts(tokenizer, n=2)
+    rec, seq, mask, _ = rollout(model, enc, recorder_cls=HintRecorder, new_tokens=4)
+    hints = rec.collect(mask)
+    model.train()
+    with pytest.raises(ValueError, match="hint rows"), use_hints(model, hints[:1], mask):
+        pass
+    shifted = HintBatch(*(getattr(hints, n) for n in HintBatch._TENSORS), hints.fmt, (3,))
+    with pytest.raises(ValueError, match="MoE layers"), use_hints(model, shifted, mask):
+        pass
+    with pytest.raises(ValueError, match="tokens"), use_hints(model, hints, mask):
+        model(input_ids=seq[:, :-2], attention_mask=mask[:, :-2])  # a forward the hints were not laid out for
+    other = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(hint_layers=1))
+    with pytest.raises(ValueError, match="hint_layers"), use_hints(other, hints, mask):
+        pass
+    model.train()
+    with pytest.raises(RuntimeError, match="eval"), HintRecorder(model):
+        pass
+
+
+def test_hint_batch_rows_and_storage(warmed, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.float32)
+    enc = prompts(tokenizer, n=4)
+    rec, seq, mask, _ = rollout(model, enc, recorder_cls=lambda m: HintRecorder(m, storage="cpu"), new_tokens=4)
+    hints = rec.collect(mask)
+    perm = torch.tensor([3, 1, 0, 2])
+    sub = hints[perm]
+    assert torch.equal(sub.lengths, hints.lengths[perm]) and torch.equal(sub.mantissa_bits[0], hints.mantissa_bits[3])
+    inputs = hints.to_inputs()
+    assert all(t.shape[0] == 4 for t in inputs.values())
+    again = HintBatch.from_inputs(inputs, hints.fmt, hints.hint_layers)
+    assert again.bytes_per_token() == hints.bytes_per_token() == 2 * (64 // 8 + 64 // 16 + 4)
+    with pytest.raises(ValueError, match="storage"):
+        HintRecorder(model, storage="disk")

@@ -15,8 +15,8 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   the forward there.
 * `_compute_loss`: applies the IS ratio through TRL's support for per-token advantages.
 
-Packed rollout weights need no explicit sync: `TraceFP4Experts.packed_weights` re-quantizes from the master weights
-whenever their version counter moved, which every optimizer step does.
+Packed rollout weights are re-quantized from the master weights after every optimizer step (`RefreshPackedWeights`;
+the parameters' version counters that `TraceFP4Experts.packed_weights` watches do not move under fused AdamW).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.models.utils import disable_gradient_checkpointing
@@ -202,6 +203,7 @@ class TraceGRPOTrainer(GRPOTrainer):
             _check_peft(model, peft_config)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._trace_validate_model()
+        self.add_callback(RefreshPackedWeights())
         self._trace_rows: HintBatch | None = None  # hints of the rows passed to the next log-prob forwards
         self._trace_pending: HintBatch | None = None  # hints of the rollout, generation (pre-shuffle) order
         self._trace_reports: list[MismatchReport] | None = None  # collects reports of the old-logp forwards
@@ -603,6 +605,21 @@ class TraceGRPOTrainer(GRPOTrainer):
         if not self.args.trace_hints:
             return ()
         return tuple(m.moe_index for m in fp4_experts(self._trace_core(self.model)) if m.hinted)
+
+
+class RefreshPackedWeights(TrainerCallback):
+    """Drops the FP4 experts' packed rollout weights after every optimizer step, so the next rollout re-quantizes
+    them from the updated masters.
+
+    `TraceFP4Experts.packed_weights` also watches the parameters' version counters, but the fused AdamW kernel
+    (transformers' default optimizer with torch >= 2.8) updates parameters without bumping them, so the counters
+    alone would leave rollouts on the weights of the first step.
+    """
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            for m in fp4_experts(model):
+                m._packed = None
 
 
 class _Pending:

@@ -1,0 +1,408 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""FP4 KV cache for decode: the cache write and a split-K decode attention that reads packed FP4 K/V.
+
+Layout (static, preallocated, so that a CUDA graph can capture the decode step): per layer
+``K/V codes [B, Hkv, Tmax, D/2]`` uint8, ``block scales [B, Hkv, Tmax, D/16]`` uint8 (E4M3), ``row scales
+[B, Hkv, Tmax]`` fp32. A token's K (and V) of one head is quantized exactly as ``fp4.quantize(k, "nvfp4",
+"row")`` (what `trace_hf.kv_cache.FP4KVLayer` stores and the training side fake-quantizes), bit for bit.
+
+`qkv_post` is the write: it takes the fused QKV projection of the decode tokens, applies Qwen3's per-head
+q/k RMSNorm and RoPE, writes the post-RoPE Q (for the attention) and stores K and V in the cache at each
+sequence's position, in one launch. `decode_attention` is flash-decoding: the sequence is cut into splits, each
+program handles one (sequence, KV head, split) with all the query heads of its GQA group as the rows of one
+``tl.dot``, decodes K and V in registers (``E2M1 * s`` exact, the per-token row scale applied to the scores and
+to the probabilities), and `_combine_kernel` merges the splits by their log-sum-exp. The same kernels take a
+BF16 cache (``KV_FP4=False``): the BF16 baseline.
+"""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError("Import trace_hf.kernels.fp4_attention (see kernels/README.md), not kernels.fp4_attention.")
+
+import math  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from trace_hf.kernels.fp4_moe import DOT_BF16, INTERPRETED, load_fp4_rows  # noqa: E402
+from trace_hf.kernels.fp4_quant import _e2m1_nearest, _e4m3_decode, _e4m3_encode, _is_finite  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """One layer's static K/V cache. FP4: ``k``/``v`` codes [B, Hkv, T, D/2] uint8, ``k_scale``/``v_scale``
+    [B, Hkv, T, D/16] uint8, ``k_g``/``v_g`` [B, Hkv, T] fp32. Dense: ``k``/``v`` [B, Hkv, T, D], scales None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    k_g: torch.Tensor | None = None
+    v_g: torch.Tensor | None = None
+
+    @property
+    def fp4(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3] * (2 if self.fp4 else 1)
+
+    def nbytes(self) -> int:
+        ts = [self.k, self.v, self.k_scale, self.v_scale, self.k_g, self.v_g]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale, self.k_g, self.v_g) if t is not None]
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, fp4: bool, dtype_bytes: int = 2) -> int:
+    """Bytes one token adds to one layer's cache (K and V)."""
+    per_row = head_dim // 2 + head_dim // 16 + 4 if fp4 else head_dim * dtype_bytes
+    return 2 * num_kv_heads * per_row
+
+
+def allocate_kv_cache(
+    batch: int, num_kv_heads: int, max_len: int, head_dim: int, fp4: bool, dtype=torch.bfloat16, device="cuda"
+) -> KVCache:
+    shape = (batch, num_kv_heads, max_len)
+    if not fp4:
+        return KVCache(torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+                       torch.zeros(*shape, head_dim, dtype=dtype, device=device))  # fmt: skip
+    u8 = dict(dtype=torch.uint8, device=device)
+    return KVCache(
+        torch.zeros(*shape, head_dim // 2, **u8), torch.zeros(*shape, head_dim // 2, **u8),
+        torch.zeros(*shape, head_dim // 16, **u8), torch.zeros(*shape, head_dim // 16, **u8),
+        torch.zeros(shape, dtype=torch.float32, device=device), torch.zeros(shape, dtype=torch.float32, device=device),
+    )  # fmt: skip
+
+
+def fill_random(cache: KVCache, generator: torch.Generator | None = None) -> None:
+    """Random content (benchmarks: a decode step costs the same whatever the values are). FP4 scales get sane
+    E4M3 bytes (no NaN encoding) and row scales around 1e-2."""
+    if cache.fp4:
+        for t in (cache.k, cache.v):
+            t.random_(0, 256, generator=generator)
+        for t in (cache.k_scale, cache.v_scale):
+            t.random_(0x30, 0x48, generator=generator)
+        for t in (cache.k_g, cache.v_g):
+            t.uniform_(0.005, 0.02, generator=generator)
+    else:
+        for t in (cache.k, cache.v):
+            t.normal_(generator=generator)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_row_store(x, q_ptr, s_ptr, g_ptr, D: tl.constexpr):
+    """Quantize one row ``x`` [D] (fp32) to NVFP4 with its own global scale, as `trace_hf.fp4.quantize` with
+    ``scale="row"`` (the same bit logic as `trace_hf.kernels.fp4_quant`), and store codes, scale bytes and g."""
+    NB: tl.constexpr = D // 16
+    xb = tl.reshape(x, [NB, 16])
+    sign = ((xb.to(tl.int32, bitcast=True) >> 28) & 8).to(tl.int32)
+    fin = _is_finite(xb)
+    ax = tl.where(fin, tl.abs(xb), 0.0)
+    amax_b = tl.max(ax, axis=1)  # [NB]
+    bad_b = tl.max((~fin).to(tl.int32), axis=1) > 0
+    amax_r = tl.max(amax_b, axis=0)
+    bad_r = tl.max(bad_b.to(tl.int32), axis=0) > 0
+    g = tl.div_rn(tl.where(bad_r, float("nan"), amax_r) + tl.zeros([NB], tl.float32), 2688.0)  # [NB], all equal
+    v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
+    sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
+    sbyte = tl.where(v != v, 0x7F, sbyte)
+    sbyte = tl.where(g == 0, 0, sbyte)
+    sbyte = tl.where(g != g, 0x7F, sbyte)
+    s = _e4m3_decode(sbyte)
+    sg = s * g
+    ok = _is_finite(sg) & (sg > 0)
+    y = tl.div_rn(xb, tl.where(ok, sg, 1.0)[:, None])
+    a = tl.minimum(tl.maximum(y, -6.0), 6.0)
+    a = tl.where(ok[:, None] & fin, tl.abs(a), 0.0)
+    code = tl.where(ok[:, None], _e2m1_nearest(a), 0) | sign
+    lo, hi = tl.split(tl.reshape(code, [D // 2, 2]))
+    tl.store(q_ptr + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
+    tl.store(s_ptr + tl.arange(0, NB), sbyte.to(tl.uint8))
+    tl.store(g_ptr + tl.arange(0, 1), tl.max(g, axis=0) + tl.zeros([1], tl.float32))
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+    """One head's row: RMSNorm over D (Qwen3's q_norm / k_norm), then rotate-half RoPE at position ``pos``."""
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + d).to(tl.float32)
+    if ROPE:
+        pd = (d + D // 2) % D
+        xp = tl.load(x_ptr + pd).to(tl.float32)
+    if NORM:
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = (x * r) * tl.load(w_ptr + d).to(tl.float32)
+        if ROPE:
+            xp = (xp * r) * tl.load(w_ptr + pd).to(tl.float32)
+    if ROPE:
+        c = tl.load(cos_ptr + pos * D + d)
+        s = tl.load(sin_ptr + pos * D + d)
+        x = x * c + tl.where(d < D // 2, -xp, xp) * s
+    return x
+
+
+@triton.jit
+def _qkv_post_kernel(
+    qkv_ptr,  # [B, (HQ + 2 HKV) * D] fused projection output
+    qn_ptr,  # q_norm weight [D]
+    kn_ptr,  # k_norm weight [D]
+    cos_ptr,  # [Tpos, D] fp32
+    sin_ptr,
+    pos_ptr,  # [B] int: position of the token = where it goes in the cache
+    q_out_ptr,  # [B, HQ, D]
+    k_ptr,  # cache: codes [B, HKV, T, D/2] (FP4) or dense [B, HKV, T, D]
+    ks_ptr,
+    kg_ptr,
+    v_ptr,
+    vs_ptr,
+    vg_ptr,
+    T,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+    KV_FP4: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    row = qkv_ptr + b.to(tl.int64) * ((HQ + 2 * HKV) * D)
+    d = tl.arange(0, D)
+    if h < HQ:
+        q = _norm_rope(row + h * D, qn_ptr, cos_ptr, sin_ptr, pos, eps, D, NORM, ROPE)
+        tl.store(q_out_ptr + (b * HQ + h).to(tl.int64) * D + d, q.to(q_out_ptr.dtype.element_ty))
+    else:
+        j = h - HQ
+        k = _norm_rope(row + h * D, kn_ptr, cos_ptr, sin_ptr, pos, eps, D, NORM, ROPE)
+        v = tl.load(row + (HQ + HKV + j) * D + d).to(tl.float32)
+        t = (b * HKV + j).to(tl.int64) * T + pos  # cache row of this token and head
+        if KV_FP4:
+            _quantize_row_store(k, k_ptr + t * (D // 2), ks_ptr + t * (D // 16), kg_ptr + t, D)
+            _quantize_row_store(v, v_ptr + t * (D // 2), vs_ptr + t * (D // 16), vg_ptr + t, D)
+        else:
+            tl.store(k_ptr + t * D + d, k.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + t * D + d, v.to(v_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr,  # [B, HQ, D]
+    k_ptr,
+    ks_ptr,
+    kg_ptr,
+    v_ptr,
+    vs_ptr,
+    vg_ptr,
+    len_ptr,  # [B] int: tokens in the cache (the new one included)
+    o_ptr,  # [B, HQ, S, D] fp32 partial outputs
+    lse_ptr,  # [B, HQ, S] fp32 log-sum-exp of each split (-inf if empty)
+    sm_scale,
+    T,
+    chunk,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    S: tl.constexpr,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    KV_FP4: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(len_ptr + b)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    g = tl.arange(0, G_PAD)
+    g_ok = g < GROUP
+    qh = kvh * GROUP + g
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * HQ + qh).to(tl.int64)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * sm_scale
+    if DOT_BF16:
+        q = q.to(tl.bfloat16)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    base = (b * HKV + kvh).to(tl.int64) * T
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < end
+        rows = base + t
+        if KV_FP4:
+            k = load_fp4_rows(k_ptr, ks_ptr, rows, t_ok, 0, D, BLOCK_T, D)
+            v = load_fp4_rows(v_ptr, vs_ptr, rows, t_ok, 0, D, BLOCK_T, D)
+        else:
+            k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        if DOT_BF16:
+            s = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if KV_FP4:
+            s = s * tl.load(kg_ptr + rows, mask=t_ok, other=0.0)[None, :]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_FP4:
+            p = p * tl.load(vg_ptr + rows, mask=t_ok, other=0.0)[None, :]
+        if DOT_BF16:
+            acc = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16), acc * alpha[:, None])
+        else:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        m_i = m_new
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = (b * HQ + qh).to(tl.int64) * S + split
+    tl.store(o_ptr + out[:, None] * D + d[None, :], o, mask=g_ok[:, None])
+    tl.store(lse_ptr + out, lse, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr):
+    """Merge the splits of one (sequence, query head) by their log-sum-exp."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, S_PAD)
+    d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + r * S + sp, mask=sp < S, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
+    o = tl.load(o_ptr + (r * S + sp)[:, None] * D + d[None, :], mask=(sp < S)[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+CONFIG = {"block_t": 64, "target_programs": 264, "min_chunk": 256, "num_warps": 4, "num_stages": 2}
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if not (t.is_cuda or INTERPRETED):
+        raise RuntimeError(
+            f"trace_hf.kernels.fp4_attention got a tensor on {t.device}: pass CUDA tensors, or set TRITON_INTERPRET=1 "
+            "before triton is first imported (CPU tests)."
+        )
+
+
+def _cache_args(cache: KVCache):
+    if cache.fp4:
+        return cache.k, cache.k_scale, cache.k_g, cache.v, cache.v_scale, cache.v_g
+    return cache.k, cache.k, cache.k, cache.v, cache.v, cache.v
+
+
+def qkv_post(
+    qkv: torch.Tensor,
+    cache: KVCache,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Normalize and rotate Q and K of the decode tokens, write K and V at ``positions`` (one per sequence).
+
+    ``qkv`` [B, (Hq + 2 Hkv) * D] (q, k, v heads in that order); ``cos``/``sin`` [Tpos, D] fp32 tables (RoPE off
+    if None); ``q_norm``/``k_norm`` [D] (norm off if None). Returns Q [B, Hq, D] in ``qkv.dtype``.
+    """
+    _check_device(qkv)
+    B = qkv.shape[0]
+    D = cache.head_dim
+    qkv = qkv.contiguous()
+    q_out = torch.empty(B, num_heads, D, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    norm, rope = q_norm is not None, cos is not None
+    dummy = qkv
+    _qkv_post_kernel[(B, num_heads + num_kv_heads)](
+        qkv, q_norm if norm else dummy, k_norm if norm else dummy, cos if rope else dummy, sin if rope else dummy,
+        positions, q_out, *_cache_args(cache), cache.max_len, eps,
+        HQ=num_heads, HKV=num_kv_heads, D=D, NORM=norm, ROPE=rope, KV_FP4=cache.fp4,
+        num_warps=1, enable_fp_fusion=False,
+    )  # fmt: skip
+    return q_out
+
+
+def num_splits(batch: int, num_kv_heads: int, max_len: int) -> tuple[int, int]:
+    """(splits, chunk) for a cache of ``max_len`` tokens: enough programs to fill the GPU, chunks of at least
+    ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it."""
+    bt = CONFIG["block_t"]
+    want = max(1, CONFIG["target_programs"] // max(1, batch * num_kv_heads))
+    chunk = max(CONFIG["min_chunk"], triton.cdiv(max_len, want))
+    chunk = triton.cdiv(chunk, bt) * bt
+    return triton.cdiv(max_len, chunk), chunk
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    lengths: torch.Tensor,
+    sm_scale: float | None = None,
+    splits: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its cache: ``q`` [B, Hq, D], ``lengths`` [B] (valid cache
+    tokens, the current one included) -> [B, Hq, D] in ``q.dtype``. GQA: query head h reads KV head h // (Hq/Hkv).
+    """
+    _check_device(q)
+    B, HQ, D = q.shape
+    HKV, T = cache.k.shape[1], cache.max_len
+    group = HQ // HKV
+    S, chunk = splits or num_splits(B, HKV, T)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(B, HKV, S)](
+        q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
+        HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_T=CONFIG["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
+        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+    )  # fmt: skip
+    out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
+    _combine_kernel[(B * HQ,)](o, lse, out, S=S, S_PAD=max(2, triton.next_power_of_2(S)), D=D, num_warps=4)
+    return out
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, sm_scale=None):
+    """fp32 torch reference: ``q`` [B, Hq, D], ``k``/``v`` [B, Hkv, T, D] (already dequantized values)."""
+    B, HQ, D = q.shape
+    group = HQ // k.shape[1]
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("bhd,bhtd->bht", q.float(), k) * sm_scale
+    t = torch.arange(k.shape[2], device=q.device)
+    s = s.masked_fill(t[None, None, :] >= lengths.to(q.device)[:, None, None], float("-inf"))
+    return torch.einsum("bht,bhtd->bhd", torch.softmax(s, dim=-1), v)

@@ -1,0 +1,452 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Routed experts in Triton with packed NVFP4 weights (W4A4), for rollout decode and prefill.
+
+Hopper has no FP4 tensor cores, so the speed comes from bytes: the kernels stream packed E2M1 codes (half a
+byte per weight) plus E4M3 block scales, decode them in registers to exact operands (``E2M1 * s`` has at most
+6 significant bits, so it is exact in bf16) and accumulate in fp32 with ``tl.dot``; the fp32 global scales
+(``g_x`` per token row, ``g_w`` per expert) are applied once in the epilogue.
+
+Pipeline of `fp4_moe_experts` (the same function as `TraceFP4Experts`' eval path, computed numerically, not bit
+for bit: the dot products sum in another order than torch's matmul, so the hidden activation can differ in its
+last fp32 bits and, rarely, round to a neighbouring FP4 code):
+
+1. the input ``x`` is quantized per token (NVFP4 row scale) by `trace_hf.kernels.fp4_quant.quantize`, which
+   also gives the hints of the token in the same pass;
+2. `moe_align`: (token, slot) pairs sorted by expert, each expert's segment padded to ``BLOCK_M`` rows (as
+   vLLM's ``moe_align_block_size``), so every row block of the GEMMs belongs to one expert;
+3. `_gate_up_kernel`: gate and up projections of a row block in one pass over the input, then SiLU(gate) * up;
+4. the hidden activation is quantized per (token, expert) row, exactly as ``fp4.quantize(h, "nvfp4", "row")``;
+5. `_down_kernel`: down projection, times the routing weight, written per slot; the caller sums the top-k
+   slots of a token (the decode step fuses that sum into its next RMSNorm).
+
+The same kernels take dense (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline
+of the rollout benchmark runs the same code and differs only in the bytes it reads.
+
+Dot operands: bf16 on the GPU; fp32 under ``TRITON_INTERPRET=1``, where bf16 ``tl.dot`` is wrong (bf16 is raw
+uint16 there), with ``input_precision="ieee"``.
+"""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError("Import trace_hf.kernels.fp4_moe (see kernels/README.md), not kernels.fp4_moe.")
+
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from trace_hf import fp4  # noqa: E402
+from trace_hf.fp4 import FP4Tensor  # noqa: E402
+from trace_hf.kernels import fp4_quant  # noqa: E402
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: bf16 dot operands on the GPU; fp32 in the interpreter (its bf16 arithmetic is wrong).
+DOT_BF16 = not INTERPRETED
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding, shared with the attention kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of E2M1 codes (int32, 0..15): indices 2..7 are 2^((i >> 1) - 1) * (1 + (i & 1) / 2)."""
+    i = code & 7
+    mag = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
+    mag = tl.where(i >= 2, mag, tl.where(i == 1, 0x3F000000, 0))
+    return (mag | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(b):
+    """fp32 value of E4M3 bytes (int32, 0..255), exact; 0x7F / 0xFF are NaN."""
+    e = (b >> 3) & 15
+    m = b & 7
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9, exact
+    mag = tl.where(e == 0, sub, ((e + 120) << 23) | (m << 20))
+    mag = tl.where((b & 0x7F) == 0x7F, 0x7FF00000, mag)
+    return (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_fp4_rows(q_ptr, s_ptr, rows, row_mask, k0, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``E2M1(code) * s`` (fp32, exact) of columns ``k0 .. k0 + BLOCK_K`` of rows ``rows`` of a packed NVFP4
+    matrix with ``K`` columns (codes [*, K / 2], E4M3 scale bytes [*, K / 16]); masked rows read as 0."""
+    r = rows.to(tl.int64)[:, None]
+    kk = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
+    p = tl.load(q_ptr + r * (K // 2) + kk, mask=row_mask[:, None], other=0).to(tl.int32) & 0xFF
+    # Element 2i sits in the low nibble, 2i + 1 in the high one: join on a new last axis and flatten it in.
+    code = tl.reshape(tl.join(p & 15, p >> 4), [ROWS, BLOCK_K])
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+    sb = tl.load(s_ptr + r * (K // 16) + ks, mask=row_mask[:, None], other=0).to(tl.int32) & 0xFF
+    s = tl.reshape(tl.broadcast_to(e4m3_value(sb)[:, :, None], [ROWS, BLOCK_K // 16, 16]), [ROWS, BLOCK_K])
+    return e2m1_value(code) * s
+
+
+@triton.jit
+def _load_rows(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    if FP4:
+        return load_fp4_rows(ptr, q_s_ptr, rows, row_mask, k0, K, ROWS, BLOCK_K)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+        return tl.load(ptr + rows.to(tl.int64)[:, None] * K + kk, mask=row_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _dot_nt(a, b, acc, DOT_BF16: tl.constexpr):
+    """acc + a @ b.T with fp32 accumulation (bf16 operands on the GPU, exact fp32 in the interpreter)."""
+    if DOT_BF16:
+        return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
+    else:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_up_kernel(
+    a_ptr,  # x: packed [M, H/2] (A_FP4) or dense [M, H]
+    as_ptr,  # x block scales [M, H/16] (A_FP4)
+    ag_ptr,  # x row scales [M] fp32 (A_FP4)
+    w_ptr,  # W_gate_up: packed [E, 2I, H/2] (W_FP4) or dense [E, 2I, H]
+    ws_ptr,  # [E, 2I, H/16]
+    wg_ptr,  # [E] fp32
+    h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position
+    sorted_ptr,  # [P] int32 slot ids (token * top_k + k), num_slots for padding
+    expert_ptr,  # [P / BLOCK_M] int32 expert of each row block, -1 past the end
+    num_slots,
+    top_k,
+    H,
+    I,
+    A_FP4: tl.constexpr,
+    W_FP4: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + offs_p)
+    valid = slot < num_slots
+    row = tl.where(valid, slot // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    gate_rows = e.to(tl.int64) * (2 * I) + offs_n
+    up_rows = gate_rows + I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a = _load_rows(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_M, BLOCK_K)
+        wg = _load_rows(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
+        wu = _load_rows(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
+        acc_g = _dot_nt(a, wg, acc_g, DOT_BF16)
+        acc_u = _dot_nt(a, wu, acc_u, DOT_BF16)
+    if A_FP4:
+        gx = tl.load(ag_ptr + row, mask=valid, other=0.0)
+        acc_g = acc_g * gx[:, None]
+        acc_u = acc_u * gx[:, None]
+    if W_FP4:
+        gw = tl.load(wg_ptr + e)
+        acc_g = acc_g * gw
+        acc_u = acc_u * gw
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    h = tl.where(valid[:, None], h, 0.0)
+    tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,  # h: packed [P, I/2] (A_FP4) or dense [P, I], by sorted position
+    as_ptr,  # [P, I/16]
+    ag_ptr,  # [P] fp32
+    w_ptr,  # W_down: packed [E, H, I/2] (W_FP4) or dense [E, H, I]
+    ws_ptr,  # [E, H, I/16]
+    wg_ptr,  # [E] fp32
+    tw_ptr,  # routing weights [num_slots] fp32
+    y_ptr,  # out: fp32 [num_slots, H], weighted expert outputs by slot
+    sorted_ptr,
+    expert_ptr,
+    num_slots,
+    H,
+    I,
+    A_FP4: tl.constexpr,
+    W_FP4: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + offs_p)
+    valid = slot < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    w_rows = e.to(tl.int64) * H + offs_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, I, A_FP4, BLOCK_M, BLOCK_K)
+        w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, I, W_FP4, BLOCK_N, BLOCK_K)
+        acc = _dot_nt(a, w, acc, DOT_BF16)
+    if A_FP4:
+        acc = acc * tl.load(ag_ptr + offs_p, mask=valid, other=0.0)[:, None]
+    if W_FP4:
+        acc = acc * tl.load(wg_ptr + e)
+    tw = tl.load(tw_ptr + slot, mask=valid, other=0.0)
+    acc = acc * tw[:, None]
+    out = y_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * H + offs_n[None, :]
+    tl.store(out, acc, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,  # [N] int32 expert id of each slot
+    sorted_ptr,  # out [P] int32
+    expert_ptr,  # out [P / BLOCK_M] int32
+    N,
+    E,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    N_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """Program ``e < E`` places expert e's slots (in slot order) and its padding; program ``E`` marks the row
+    blocks past the last segment with expert -1. Every program recounts all experts (N is a decode batch)."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, N_PAD)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E_PAD)
+    ex = tl.arange(0, E_PAD)
+    counts = tl.sum((ids[None, :] == ex[:, None]).to(tl.int32), axis=1)  # [E_PAD]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    if e < E:
+        end = tl.sum(tl.where(ex == e, ends, 0), axis=0)
+        pad_e = tl.sum(tl.where(ex == e, padded, 0), axis=0)
+        cnt = tl.sum(tl.where(ex == e, counts, 0), axis=0)
+        start = end - pad_e
+        mine = ids == e
+        rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        tl.store(sorted_ptr + start + rank, offs, mask=mine)
+        j = tl.arange(0, BLOCK_M)
+        # Padding rows of the segment (cnt .. pad_e) get the sentinel N; row blocks of the segment get e.
+        for p0 in range(0, pad_e, BLOCK_M):
+            pos = p0 + j
+            tl.store(sorted_ptr + start + pos, tl.full([BLOCK_M], 0, tl.int32) + N, mask=pos >= cnt)
+            tl.store(expert_ptr + (start + p0) // BLOCK_M, e)
+    else:
+        for b0 in range(total // BLOCK_M, num_blocks, BLOCK_M):
+            b = b0 + tl.arange(0, BLOCK_M)
+            tl.store(expert_ptr + b, tl.full([BLOCK_M], -1, tl.int32), mask=b < num_blocks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+#: Tiles. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels are bound by weight bytes.
+CONFIG = {"block_m": 16, "block_n_gate_up": 32, "block_n_down": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+#: Largest number of (token, slot) pairs the one-launch alignment kernel handles; above it, torch ops.
+ALIGN_KERNEL_MAX = 4096
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.is_cuda or INTERPRETED:
+        return
+    raise RuntimeError(
+        f"trace_hf.kernels.fp4_moe runs Triton kernels and got a tensor on {t.device}: pass CUDA tensors, or set "
+        "TRITON_INTERPRET=1 before triton is first imported (CPU tests)."
+    )
+
+
+def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted, padded layout: every expert that is hit pads at most block_m - 1 rows; a static bound
+    (no host sync), so that a CUDA graph can capture the layout."""
+    rows = num_slots + min(num_experts, num_slots) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots (token * top_k + k) sorted by expert and padded per expert to ``block_m`` rows.
+
+    Returns ``sorted_ids`` [P] int32 (padding holds ``num_slots``) and ``expert_ids`` [P / block_m] int32 (the
+    expert of each row block, -1 for blocks past the last segment). Static shapes, no host sync.
+    ``backend``: ``"triton"`` (one launch; up to `ALIGN_KERNEL_MAX` slots), ``"torch"``, or ``"auto"``.
+    """
+    block_m = block_m or CONFIG["block_m"]
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    P = max_padded_rows(n, num_experts, block_m)
+    dev = flat.device
+    use_kernel = backend == "triton" or (backend == "auto" and n <= ALIGN_KERNEL_MAX and (dev.type == "cuda"))
+    if use_kernel:
+        sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(P // block_m, dtype=torch.int32, device=dev)
+        _align_kernel[(num_experts + 1,)](
+            flat.to(torch.int32), sorted_ids, expert_ids, n, num_experts, P // block_m,
+            BLOCK_M=block_m, N_PAD=triton.next_power_of_2(max(n, 16)),
+            E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4,
+        )  # fmt: skip
+        return sorted_ids, expert_ids
+    flat = flat.to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    dest = (ends - padded)[sorted_e] + rank
+    sorted_ids = torch.full((P,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    blocks = torch.arange(0, P, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, blocks, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids
+
+
+def _pick(n: int, preferred: int) -> int:
+    """Largest power of two <= preferred that divides n (at least 16: NVFP4 blocks, tl.dot minimum)."""
+    b = preferred
+    while b > 16 and n % b:
+        b //= 2
+    if n % b:
+        raise ValueError(f"Dimension {n} is not a multiple of 16.")
+    return b
+
+
+def _fp4_args(q: FP4Tensor | torch.Tensor):
+    """(values or codes, block scales, global scales) as the kernels read them; dense tensors get dummies."""
+    if isinstance(q, FP4Tensor):
+        if q.fmt != "nvfp4":
+            raise ValueError(f"The FP4 MoE kernels take NVFP4 tensors, got {q.fmt}.")
+        return q.packed, q.block_scale, q.global_scale.reshape(-1).to(torch.float32).contiguous(), True
+    return q.contiguous(), q, q, False
+
+
+def experts_from_quantized(
+    xq: FP4Tensor | torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: FP4Tensor | torch.Tensor,
+    w_down: FP4Tensor | torch.Tensor,
+    hidden_fp4: bool | None = None,
+    align_backend: str = "auto",
+) -> torch.Tensor:
+    """Routed experts on an already quantized input (`FP4Tensor` [M, H], or a dense [M, H] tensor).
+
+    Weights are `FP4Tensor` (NVFP4, per-expert global scale: ``[E, 2I, H]`` and ``[E, H, I]``) or dense tensors
+    of those shapes. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
+    (token, expert) row. Returns fp32 ``[M, top_k, H]``: each slot's expert output times its routing weight; the
+    token's output is the sum over dim 1.
+    """
+    x_arg, xs, xg, a_fp4 = _fp4_args(xq)
+    wgu, wgus, wgug, w_fp4 = _fp4_args(w_gate_up)
+    wd, wds, wdg, wd_fp4 = _fp4_args(w_down)
+    if wd_fp4 != w_fp4:
+        raise ValueError("Give both expert weights packed (FP4Tensor) or both dense.")
+    hidden_fp4 = w_fp4 if hidden_fp4 is None else hidden_fp4
+    _check_device(x_arg)
+    E, two_i, H = w_gate_up.shape
+    I = two_i // 2
+    M, K = topk_ids.shape
+    n = M * K
+    bm = CONFIG["block_m"]
+    sorted_ids, expert_ids = moe_align(topk_ids, E, bm, align_backend)
+    P = sorted_ids.numel()
+    dev = x_arg.device
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)
+    bk_h, bk_i = _pick(H, CONFIG["block_k"]), _pick(I, CONFIG["block_k"])
+    bn_gu, bn_d = CONFIG["block_n_gate_up"], CONFIG["block_n_down"]
+    common = dict(DOT_BF16=DOT_BF16, BLOCK_M=bm, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+    _gate_up_kernel[(P // bm, triton.cdiv(I, bn_gu))](
+        x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, I,
+        A_FP4=a_fp4, W_FP4=w_fp4, BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
+    )  # fmt: skip
+    if hidden_fp4:
+        hq = fp4_quant.quantize(h, "nvfp4", "row")
+        h_arg, hs, hg, h_is_fp4 = hq.packed, hq.block_scale, hq.global_scale.reshape(-1), True
+    else:
+        h_arg, hs, hg, h_is_fp4 = h, h, h, False
+    y = torch.empty(M, K, H, dtype=torch.float32, device=dev)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _down_kernel[(P // bm, triton.cdiv(H, bn_d))](
+        h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, I,
+        A_FP4=h_is_fp4, W_FP4=w_fp4, BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
+    )  # fmt: skip
+    return y
+
+
+def fp4_moe_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: FP4Tensor,
+    w_down: FP4Tensor,
+    activations: str = "fp4",
+    return_hints: bool = False,
+):
+    """`TraceFP4Experts`' eval path in Triton: ``x`` [M, H] -> [M, H] in ``x.dtype``.
+
+    ``activations="fp4"`` quantizes the input per token and the hidden per (token, expert) row (W4A4);
+    ``"none"`` keeps them dense (W4A16). With ``return_hints`` also returns the input's `FP4Hints` (written in the
+    quantization pass), what `trace_hf.hints.HintRecorder` keeps.
+    """
+    hints = None
+    if activations == "fp4":
+        if return_hints:
+            xq, hints = fp4_quant.quantize(x, "nvfp4", "row", return_hints=True)
+        else:
+            xq = fp4_quant.quantize(x, "nvfp4", "row")
+    elif activations == "none":
+        xq = x
+    else:
+        raise ValueError(f"activations={activations!r}: use 'fp4' or 'none'.")
+    y = experts_from_quantized(xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_fp4=activations == "fp4")
+    out = y.sum(1).to(x.dtype)
+    return (out, hints) if return_hints else out
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: FP4Tensor | torch.Tensor,
+    w_down: FP4Tensor | torch.Tensor,
+    activations: str = "fp4",
+) -> torch.Tensor:
+    """The torch fallback and reference: the math of `TraceFP4Experts._routed` (eval path), computed in fp32 by
+    gathering each slot's expert weights (fine for tests and small batches, not fast)."""
+    xf = x.float()
+    if activations == "fp4":
+        xf = fp4.quantize(xf, "nvfp4", "row", backend="torch").dequantize()
+    gu = w_gate_up.dequantize() if isinstance(w_gate_up, FP4Tensor) else w_gate_up.float()
+    d = w_down.dequantize() if isinstance(w_down, FP4Tensor) else w_down.float()
+    M, K = topk_ids.shape
+    out = torch.zeros(M, x.shape[-1], dtype=torch.float32, device=x.device)
+    for k in range(K):
+        e = topk_ids[:, k].long()
+        gate, up = torch.einsum("mh,mnh->mn", xf, gu[e]).chunk(2, dim=-1)
+        h = torch.nn.functional.silu(gate) * up
+        if activations == "fp4":
+            h = fp4.quantize(h, "nvfp4", "row", backend="torch").dequantize()
+        out += torch.einsum("mi,mhi->mh", h, d[e]) * topk_weights[:, k, None].float()
+    return out.to(x.dtype)

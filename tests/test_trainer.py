@@ -1,0 +1,286 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""TraceGRPOTrainer on the tiny Qwen3 MoE: config checks, hints on/off, packed-weight refresh, IS ratio, PEFT."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trace_hf import TraceFP4Config, fp4
+from trace_hf import testing as T
+from trace_hf.experts import fp4_experts
+from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+
+
+METRICS = (
+    "trace/hint_flip_rate",
+    "trace/routing_mismatch",
+    "trace/logp_diff/mean",
+    "trace/logp_diff/max",
+    "trace/kl_rollout_train",
+    "trace/hint_bytes_per_token",
+    "trace/is_ratio/mean",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny tensors: one thread is several times faster than two on a shared 2-core machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return T.save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    rows = [(a, b) for a in range(4) for b in range(4)]
+    return Dataset.from_dict(
+        {"prompt": [T.format_prompt(f"{a}+{b}") for a, b in rows], "answer": [f"#### {a + b}" for a, b in rows]}
+    )
+
+
+def load(path, dtype=torch.float32, **quant):
+    quant = {"hint_layers": 4, **quant}  # every MoE layer hinted
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=TraceFP4Config(**quant))
+
+
+def perturb_rollout(model, scale=1e-2, seed=0):
+    """Stand in for the rollout kernels' own rounding: small noise on the MoE blocks' input in eval mode only.
+
+    On CPU the rollout and training forwards are often bit-identical (fp32, or bf16 GEMMs that happen to pick the
+    same blocking), so there would be no mismatch to correct. This noise moves some experts-input values across
+    FP4 rounding boundaries and some routing decisions, exactly what hints and routing replay record and undo.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(module, args, output):
+        if module.training:
+            return output
+        noise = torch.randn(output.shape, generator=gen).to(output.dtype)
+        return output * (1 + scale * noise)
+
+    for layer in model.model.layers:
+        layer.post_attention_layernorm.register_forward_hook(hook)
+    return model
+
+
+def config(tmp_path, **kw):
+    base = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,  # steps_per_generation=2: rows are shuffled and split across micro-steps
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "max_steps": 2,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "seed": 0,
+        "bf16": False,
+        "use_cpu": True,
+        "dataloader_pin_memory": False,
+        "disable_tqdm": True,
+    }
+    base.update(kw)
+    return TraceGRPOConfig(**base)
+
+
+def varied_reward(completions, **kwargs):
+    """A reward that differs within every group, so the random tiny model gets a policy gradient everywhere (with
+    the arithmetic reward it scores 0 throughout and only the router aux loss would train anything)."""
+    return [float(sum(map(ord, c)) % 7) / 7 for c in completions]
+
+
+def make(model, tmp_path, dataset, peft_config=None, **kw):
+    return TraceGRPOTrainer(
+        model,
+        [T.arithmetic_reward, varied_reward],
+        args=config(tmp_path, **kw),
+        train_dataset=dataset,
+        processing_class=T.build_char_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def history(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config and model checks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="use_vllm"):
+        config(tmp_path, use_vllm=True)
+    with pytest.raises(ValueError, match="rollout_importance_sampling_mode"):
+        config(tmp_path, rollout_importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="trace_hints=False and routing_replay=False"):
+        config(tmp_path, rollout_precision="bf16")
+    with pytest.raises(ValueError, match="rollout_precision"):
+        config(tmp_path, rollout_precision="fp8")
+    with pytest.raises(ValueError, match="trace_hint_storage"):
+        config(tmp_path, trace_hint_storage="disk")
+    with pytest.raises(ValueError, match="clip_min"):
+        config(tmp_path, rollout_importance_sampling_clip_min=4.0)
+
+
+def test_trainer_refuses_mismatched_models(tmp_path, model_dir, dataset):
+    plain = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="TraceFP4Config"):
+        make(plain, tmp_path, dataset)
+    with pytest.raises(ValueError, match="no hinted MoE layers"):
+        make(load(model_dir, hint_layers=0), tmp_path, dataset)
+    with pytest.raises(ValueError, match="unquantized baseline"):
+        make(load(model_dir), tmp_path, dataset, rollout_precision="bf16", trace_hints=False, routing_replay=False)
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="TraceGRPOConfig"):
+        TraceGRPOTrainer(
+            plain,
+            T.arithmetic_reward,
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
+            train_dataset=dataset,
+        )
+
+
+def test_is_ratio_modes():
+    old = torch.tensor([[0.0, -1.0, -2.0], [-1.0, -1.0, 0.0]])
+    sampling = torch.tensor([[0.0, -2.0, -1.0], [-1.0, -3.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+    def ratio(mode, lo=None, hi=3.0):
+        args = types.SimpleNamespace(
+            rollout_importance_sampling_mode=mode,
+            rollout_importance_sampling_clip_min=lo,
+            rollout_importance_sampling_clip_max=hi,
+        )
+        return TraceGRPOTrainer._trace_is_ratio(types.SimpleNamespace(args=args), old, sampling, mask)
+
+    e = torch.exp(torch.tensor(1.0))
+    torch.testing.assert_close(ratio("token_truncate"), torch.tensor([[1.0, e, 1 / e], [1.0, 3.0, 1.0]]))
+    torch.testing.assert_close(ratio("token_mask"), torch.tensor([[1.0, e, 1 / e], [1.0, 0.0, 1.0]]))
+    torch.testing.assert_close(ratio("token_truncate", lo=0.5), torch.tensor([[1.0, e, 0.5], [1.0, 3.0, 1.0]]))
+    torch.testing.assert_close(ratio("sequence_truncate"), torch.tensor([[1.0], [3.0]]))
+    torch.testing.assert_close(ratio("sequence_mask"), torch.tensor([[1.0], [0.0]]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------
+
+
+def run_steps(model, tmp_path, dataset, **kw):
+    experts = fp4_experts(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    packed_before = [m.packed_weights()[0].dequantize(torch.float32) for m in experts]
+    trainer = make(model, tmp_path, dataset, **kw)
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    return trainer, experts, packed_before, changed
+
+
+def test_train_hints_on_and_off(tmp_path, model_dir, dataset):
+    gaps = {}
+    for hints in (True, False):
+        model = perturb_rollout(load(model_dir))
+        # With hints: gradient checkpointing on (TRL's default), so backward recomputes under the hints.
+        trainer, experts, packed_before, changed = run_steps(
+            model,
+            tmp_path / str(hints),
+            dataset,
+            trace_hints=hints,
+            routing_replay=hints,
+            gradient_checkpointing=hints,
+            max_steps=3,
+        )
+        for key in METRICS:
+            values = history(trainer, key)
+            assert len(values) == 3 and all(v == v for v in values), (key, values)
+        assert history(trainer, "trace/hint_bytes_per_token")[0] == (4 * (64 // 8 + 64 // 16 + 4) if hints else 0)
+        # Every parameter trained, the experts' master weights included.
+        assert any(".experts.gate_up_proj" in n for n in changed) and any(".experts.down_proj" in n for n in changed)
+        assert any("q_proj" in n for n in changed)
+        # The packed rollout weights follow the masters after the optimizer steps.
+        for m, old in zip(experts, packed_before, strict=True):
+            new = m.packed_weights()[0].dequantize(torch.float32)
+            assert not torch.equal(new, old)
+            fresh = fp4.quantize(m.gate_up_proj.detach(), m.fmt, scale="expert").dequantize(torch.float32)
+            assert torch.equal(new, fresh)
+        if hints:
+            # The gradient forward, after TRL's shuffle and split, met its own rows' hints: misaligned hints would
+            # disagree with nearest rounding on a large fraction of elements.
+            assert max(history(trainer, "trace/train/hint_flip_rate")) < 0.2
+        gaps[hints] = sum(history(trainer, "trace/logp_diff/mean")) / 3
+    print("mean logp gap rollout/train, hints on/off:", gaps)
+    assert gaps[True] < 0.5 * gaps[False], gaps
+
+
+def test_bf16_rollout_baseline(tmp_path, model_dir, dataset):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    before = model.lm_head.weight.detach().clone()
+    trainer = make(model, tmp_path, dataset, rollout_precision="bf16", trace_hints=False, routing_replay=False)
+    trainer.train()
+    assert not torch.equal(before, model.lm_head.weight)
+    assert len(history(trainer, "trace/logp_diff/mean")) == 2
+    assert "trace/hint_flip_rate" not in trainer.state.log_history[0]
+
+
+def test_sequence_is_and_cpu_storage(tmp_path, model_dir, dataset):
+    trainer = make(
+        load(model_dir, hint_layers=None, kv_cache="nvfp4"),
+        tmp_path,
+        dataset,
+        trace_hint_storage="cpu",
+        rollout_importance_sampling_mode="sequence_mask",
+        max_steps=1,
+    )
+    trainer.train()
+    assert len(history(trainer, "trace/is_ratio/mean")) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PEFT
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_peft_lora_on_attention_trains(tmp_path, model_dir, dataset):
+    from peft import LoraConfig
+
+    model = load(model_dir)
+    experts_before = [m.gate_up_proj.detach().clone() for m in fp4_experts(model)]
+    trainer = make(
+        model,
+        tmp_path,
+        dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        max_steps=1,
+        gradient_checkpointing=False,
+    )
+    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert lora
+    trainer.train()
+    assert any(not torch.equal(v, dict(trainer.model.named_parameters())[n]) for n, v in lora.items())
+    for m, old in zip(fp4_experts(trainer.model), experts_before, strict=True):
+        assert torch.equal(m.gate_up_proj, old)  # frozen base: the packed rollout weights stay valid
+    assert len(history(trainer, "trace/hint_flip_rate")) == 1
+
+
+def test_peft_on_experts_is_refused(tmp_path, model_dir, dataset):
+    from peft import LoraConfig
+
+    cfg = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    with pytest.raises(ValueError, match="FP4 routed experts"):
+        make(load(model_dir), tmp_path, dataset, peft_config=cfg)

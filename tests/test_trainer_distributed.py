@@ -1,0 +1,39 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""TraceGRPOTrainer with two CPU processes (torchrun, gloo): hints per process, metrics gathered."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_grpo.py")
+
+
+def test_two_process_cpu_run(tmp_path):
+    # torchrun: `accelerate launch --num_processes 2 --cpu` starts a single process on a machine without an
+    # accelerate config (its multi-CPU path goes through MPI); with torchrun's env vars Accelerate picks MULTI_CPU/gloo.
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        SCRIPT,
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # cwd outside the repository: `python -m` puts the cwd on sys.path, and the repo root holds a folder `kernels/`.
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    with open(tmp_path / "log_history.json") as f:
+        logged = json.load(f)
+    assert logged["num_processes"] == 2
+    steps = [h for h in logged["history"] if "reward" in h]
+    assert len(steps) == 2
+    for key in ("trace/logp_diff/mean", "trace/hint_flip_rate", "trace/routing_mismatch", "trace/is_ratio/mean"):
+        assert all(key in h and h[key] == h[key] for h in steps), key
+    assert all(h["trace/train/hint_flip_rate"] < 0.2 for h in steps)
