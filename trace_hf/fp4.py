@@ -23,6 +23,7 @@ Formats (docs/numerics.md says why each rule is what it is):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -92,11 +93,16 @@ def e2m1_index(a: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+@functools.cache
+def _e2m1_signed_table(device: torch.device) -> torch.Tensor:
+    """fp32 value of each code 0..15 (codes 8..15 are the negatives, 8 being -0)."""
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    return torch.cat([mags, -mags]).to(device)
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """fp32 value of uint8 E2M1 codes (sign in bit 3)."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mag, mag)
+    return _e2m1_signed_table(codes.device)[codes.long()]
 
 
 def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
@@ -361,8 +367,7 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints, backend: str = "auto") -> 
     y = torch.clamp(xb / sg, -E2M1_MAX, E2M1_MAX)
     a = y.abs()
     lo = e2m1_floor_index(a)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    on_grid = table[lo.long()] == a
+    on_grid = _e2m1_signed_table(x.device)[lo.long()] == a
     bit = unpack_bits(hints.mantissa_bits).unflatten(-1, (-1, bs))
     idx = torch.where(on_grid | ((lo & 1) == bit), lo, lo + 1)
     sign = torch.signbit(xb).to(torch.uint8) << 3
