@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from trace_hf import TraceFP4Config
+from trace_hf import TraceFP4Config, fp4
 from trace_hf.experts import TraceFP4Experts, fp4_experts
 from trace_hf.export import export_fp4, load_fp4
 from trace_hf.kv_cache import FP4KVLayer, kv_bytes_per_token
@@ -132,16 +132,21 @@ def test_packed_expert_bytes(checkpoints):
     assert packed <= 0.3 * bf16
 
 
-def test_packed_weights_follow_optimizer_steps(checkpoints):
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_packed_weights_follow_optimizer_steps(checkpoints, optimizer):
     model = load(checkpoints["qwen3_moe"])
     m = fp4_experts(model)[0]
     before = m.packed_weights()[0].packed.clone()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    else:  # fused kernels update parameters without bumping their version counters
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-1, fused=True)
     model.train()
     model(batch(), labels=batch()).loss.backward()
     opt.step()
     after = m.packed_weights()[0].packed
     assert not torch.equal(before, after)
+    assert torch.equal(after, fp4.quantize(m.gate_up_proj.detach(), m.fmt, "expert").packed)
 
 
 def test_save_and_reload_roundtrip(checkpoints, tmp_path):
