@@ -32,7 +32,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 def _invalidate_after_step(optimizer, args, kwargs) -> None:
     for m in list(_LIVE):
-        m._packed = None
+        m.invalidate_packed()
 
 
 register_optimizer_step_post_hook(_invalidate_after_step)
@@ -94,6 +94,10 @@ class TraceFP4Experts(nn.Module):
                 d = fp4.quantize(self.down_proj.detach(), self.fmt, scale="expert")
             self._packed = (version, gu, d)
         return self._packed[1], self._packed[2]
+
+    def invalidate_packed(self) -> None:
+        """Drop the packed weights; the next rollout forward re-quantizes them from the masters."""
+        self._packed = None
 
     def load_packed_weights(self, gate_up: fp4.FP4Tensor, down: fp4.FP4Tensor) -> None:
         """Install exported packed weights; the masters become their dequantized values."""

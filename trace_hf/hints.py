@@ -277,9 +277,10 @@ class MismatchReport:
 class _Guide:
     """Hints of one hinted layer laid out like the flattened [B * S, H] experts input of the batch."""
 
-    def __init__(self, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report: MismatchReport):
+    def __init__(self, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report: MismatchReport, apply: bool):
         self.hints, self.has, self.layer, self.report = hints, has, layer, report
         self.n_has = int(has.sum())
+        self.apply = apply
 
     def fake_quantize(self, module: TraceFP4Experts, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != self.has.shape[0]:
@@ -294,7 +295,11 @@ class _Guide:
             # A flip: the nearest code (training scales) is not the code the rollout's hint selects (+-0 agree).
             cn, cg = near.codes(), guided.codes()
             flips = ((cn != cg) & (((cn | cg) & 7) != 0) & has).sum()
-            y = torch.where(has, guided.dequantize(x.dtype), near.dequantize(x.dtype))
+            y = (
+                torch.where(has, guided.dequantize(x.dtype), near.dequantize(x.dtype))
+                if self.apply
+                else near.dequantize(x.dtype)
+            )
         # Counted again when checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
         self.report.flips[self.layer] = self.report.flips.get(self.layer, 0) + flips
         self.report.elements[self.layer] = self.report.elements.get(self.layer, 0) + self.n_has * x.shape[1]
@@ -322,6 +327,7 @@ def use_hints(
     hint_batch: HintBatch,
     attention_mask: torch.Tensor,
     routing_replay: bool = True,
+    apply_hints: bool = True,
     align_positions: bool = True,
 ):
     """Apply hints (and optionally routing replay) to the training forwards inside the block.
@@ -331,7 +337,9 @@ def use_hints(
     takes the rollout's top-k ids, with weights from the training logits at those ids (so the router still
     learns). Keep the backward pass inside the block: gradient checkpointing recomputes the forward there.
 
-    With ``align_positions`` a forward that passes no ``position_ids`` gets them from the attention mask
+    With ``apply_hints=False`` every token rounds to nearest (the "no hints" baseline) while the report still
+    counts the flips the hints would have corrected. With ``align_positions`` a forward that passes no
+    ``position_ids`` gets them from the attention mask
     (``cumsum - 1``), as `generate` computes them for left-padded prompts; TRL's training forward passes none,
     and the shifted rotary positions alone change the activations enough to flip many FP4 codes.
 
@@ -369,9 +377,9 @@ def use_hints(
                 _gather(hint_batch.global_scale[:, :, j], pos).unsqueeze(-1),
                 hint_batch.fmt,
             )
-            m._trace_guide = _Guide(hints, has_flat.to(hints.mantissa_bits.device), m.moe_index, report)
+            m._trace_guide = _Guide(hints, has_flat.to(hints.mantissa_bits.device), m.moe_index, report, apply_hints)
         if align_positions:
-            handles.append(model.register_forward_pre_hook(_position_hook(attention_mask), with_kwargs=True))
+            handles.append(_register_position_hook(model, attention_mask))
         for m in experts:
             recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
             hook = _routing_hook(recorded, has_flat, routing_replay, report)
@@ -389,7 +397,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _position_hook(attention_mask: torch.Tensor):
+def _register_position_hook(model: torch.nn.Module, attention_mask: torch.Tensor):
     def hook(module, args, kwargs):
         if kwargs.get("position_ids") is None:
             mask = kwargs.get("attention_mask")
@@ -397,7 +405,21 @@ def _position_hook(attention_mask: torch.Tensor):
             kwargs["position_ids"] = position_ids_from_mask(mask).to(mask.device)
         return args, kwargs
 
-    return hook
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def aligned_positions(model: torch.nn.Module, attention_mask: torch.Tensor):
+    """Forwards inside get ``position_ids`` from the attention mask when they pass none, as `generate` does.
+
+    TRL's training forward passes none, so left-padded rows would otherwise see rotary positions shifted by their
+    padding, in every regime (BF16 included), and compute other activations than the rollout did.
+    """
+    handle = _register_position_hook(model, attention_mask)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report: MismatchReport):

@@ -15,8 +15,8 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   the forward there.
 * `_compute_loss`: applies the IS ratio through TRL's support for per-token advantages.
 
-Packed rollout weights are re-quantized from the master weights after every optimizer step (`RefreshPackedWeights`;
-the parameters' version counters that `TraceFP4Experts.packed_weights` watches do not move under fused AdamW).
+Packed rollout weights are re-quantized from the master weights after every optimizer step: `trace_hf.experts`
+drops them from a global optimizer step hook (fused AdamW does not bump the parameters' version counters).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad
 
 from .experts import TraceFP4Experts, fp4_experts
-from .hints import HintBatch, HintRecorder, MismatchReport, position_ids_from_mask, use_hints
+from .hints import HintBatch, HintRecorder, MismatchReport, aligned_positions, use_hints
 
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -203,7 +202,6 @@ class TraceGRPOTrainer(GRPOTrainer):
             _check_peft(model, peft_config)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._trace_validate_model()
-        self.add_callback(RefreshPackedWeights())
         self._trace_rows: HintBatch | None = None  # hints of the rows passed to the next log-prob forwards
         self._trace_pending: HintBatch | None = None  # hints of the rollout, generation (pre-shuffle) order
         self._trace_reports: list[MismatchReport] | None = None  # collects reports of the old-logp forwards
@@ -263,32 +261,15 @@ class TraceGRPOTrainer(GRPOTrainer):
         return self._trace_fp4 and (self.args.trace_hints or self.args.routing_replay)
 
     @contextlib.contextmanager
-    def _trace_hints_off(self, core: torch.nn.Module):
-        """With trace_hints=False, no layer records or applies hints (routing is still recorded and measured)."""
-        if self.args.trace_hints:
-            yield
-            return
-        saved = [(m, m.hinted) for m in fp4_experts(core)]
-        try:
-            for m, _ in saved:
-                m.hinted = False
-            yield
-        finally:
-            for m, hinted in saved:
-                m.hinted = hinted
-
-    @contextlib.contextmanager
     def _trace_forward(self, model, hints: HintBatch | None, attention_mask: torch.Tensor):
         """The context of one training-side forward: hints and routing replay for its rows, position ids always."""
         core = self._trace_core(model)
         if hints is None or not fp4_experts(core):  # no hints, or a plain reference model
-            with _aligned_positions(core, attention_mask):
+            with aligned_positions(core, attention_mask):
                 yield None
             return
-        with (
-            self._trace_hints_off(core),
-            use_hints(core, hints, attention_mask, routing_replay=self.args.routing_replay) as report,
-        ):
+        replay, apply = self.args.routing_replay, self.args.trace_hints
+        with use_hints(core, hints, attention_mask, routing_replay=replay, apply_hints=apply) as report:
             yield report
 
     # ------------------------------------------------------------------------------------------------------
@@ -329,16 +310,15 @@ class TraceGRPOTrainer(GRPOTrainer):
             was_training = unwrapped.training
             unwrapped.eval()  # the FP4 rollout path: packed experts, FP4 KV cache
             try:
-                with self._trace_hints_off(core):
-                    recorder = (
-                        HintRecorder(core, storage=self.args.trace_hint_storage)
-                        if self._trace_records
-                        else contextlib.nullcontext()
+                recorder = (
+                    HintRecorder(core, storage=self.args.trace_hint_storage)
+                    if self._trace_records
+                    else contextlib.nullcontext()
+                )
+                with recorder:
+                    out = unwrapped.generate(
+                        input_ids=input_ids, attention_mask=prompt_mask, generation_config=self._trace_gen_config
                     )
-                    with recorder:
-                        out = unwrapped.generate(
-                            input_ids=input_ids, attention_mask=prompt_mask, generation_config=self._trace_gen_config
-                        )
             finally:
                 unwrapped.train(was_training)
 
@@ -478,7 +458,8 @@ class TraceGRPOTrainer(GRPOTrainer):
             metrics["trace/hint_flip_rate"].append(ratio_of(s[3], s[4]))
             metrics["trace/routing_mismatch"].append(ratio_of(s[5], s[6]))
             metrics["trace/hint_coverage"].append(ratio_of(s[7], s[8]))
-            metrics["trace/hint_bytes_per_token"].append(s[11] / n_proc)
+            # Bytes a rollout must keep for training; without trace_hints they are recorded only to measure flips.
+            metrics["trace/hint_bytes_per_token"].append(s[11] / n_proc if self.args.trace_hints else 0.0)
         if ratio is not None:
             metrics["trace/is_ratio/mean"].append(ratio_of(s[9], s[10]))
 
@@ -602,24 +583,7 @@ class TraceGRPOTrainer(GRPOTrainer):
             self._trace_rows = None
 
     def _trace_hint_layers(self) -> tuple[int, ...]:
-        if not self.args.trace_hints:
-            return ()
         return tuple(m.moe_index for m in fp4_experts(self._trace_core(self.model)) if m.hinted)
-
-
-class RefreshPackedWeights(TrainerCallback):
-    """Drops the FP4 experts' packed rollout weights after every optimizer step, so the next rollout re-quantizes
-    them from the updated masters.
-
-    `TraceFP4Experts.packed_weights` also watches the parameters' version counters, but the fused AdamW kernel
-    (transformers' default optimizer with torch >= 2.8) updates parameters without bumping them, so the counters
-    alone would leave rollouts on the weights of the first step.
-    """
-
-    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if model is not None:
-            for m in fp4_experts(model):
-                m._packed = None
 
 
 class _Pending:
@@ -630,25 +594,6 @@ class _Pending:
 
     def get(self) -> HintBatch | None:
         return self.trainer._trace_pending
-
-
-@contextlib.contextmanager
-def _aligned_positions(core: torch.nn.Module, attention_mask: torch.Tensor):
-    """Position ids from the mask (``cumsum - 1``) for forwards that pass none, as `generate` makes them: without
-    this, left-padded rows get shifted rotary positions in training, in every regime (BF16 included)."""
-
-    def hook(module, args, kwargs):
-        if kwargs.get("position_ids") is None:
-            mask = kwargs.get("attention_mask")
-            mask = attention_mask if mask is None else mask
-            kwargs["position_ids"] = position_ids_from_mask(mask).to(mask.device)
-        return args, kwargs
-
-    handle = core.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _check_peft(model, peft_config) -> None:
