@@ -242,3 +242,17 @@ def test_trainer_accepts_the_model_for_full_finetuning(checkpoints, tmp_path):
     model = load(checkpoints["qwen3_moe"])
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     Trainer(model=model, args=args)  # raises for quantized models unless is_trainable and is_qat_trainable
+
+
+def test_qat_off_trains_in_the_model_dtype_but_rolls_out_in_fp4(checkpoints):
+    path = checkpoints["qwen3_moe"]
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    naive = load(path, qat=False)
+    ids = batch()
+    with torch.no_grad():
+        plain.train()
+        naive.train()
+        assert torch.allclose(plain(ids).logits, naive(ids).logits, atol=1e-5)  # no fake quantization in training
+        naive.eval()
+        assert not torch.allclose(plain(ids).logits, naive(ids).logits, atol=1e-3)  # FP4 rollout path
+    assert TraceFP4Config.from_dict(TraceFP4Config(qat=False).to_dict()).qat is False

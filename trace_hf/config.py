@@ -41,6 +41,9 @@ class TraceFP4Config(QuantizationConfigMixin):
             Where hints are recorded. `"experts_input"` (the routed experts' input, as in the paper) is supported.
         modules_to_not_convert (`list[str]`, *optional*):
             Names (or name suffixes) of modules to leave in the model dtype, e.g. `["model.layers.0.mlp.experts"]`.
+        qat (`bool`, *optional*, defaults to `True`):
+            Fake-quantize in training (QAT). `False` trains the BF16 masters with no fake quantization while the
+            rollout stays FP4: the "naive FP4 rollout, BF16 training" baseline.
         quantize_linears (`bool`, *optional*, defaults to `False`):
             Reserved opt-in for non-expert linears; only `False` is supported for now.
     """
@@ -53,6 +56,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         hint_layers: int | None = None,
         hint_sites: list[str] | None = None,
         modules_to_not_convert: list[str] | None = None,
+        qat: bool = True,
         quantize_linears: bool = False,
         **kwargs,
     ):
@@ -63,6 +67,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         self.hint_layers = hint_layers
         self.hint_sites = list(hint_sites) if hint_sites is not None else ["experts_input"]
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert else []
+        self.qat = qat
         self.quantize_linears = quantize_linears
         kwargs.pop("quant_method", None)
         if kwargs:
@@ -93,6 +98,8 @@ class TraceFP4Config(QuantizationConfigMixin):
                 "Hints record how FP4 activations were rounded, so they need activations='fp4'; set hint_layers=0 "
                 "for W4A16."
             )
+        if not isinstance(self.qat, bool):
+            raise ValueError(f"TraceFP4Config.qat={self.qat!r}: give True (QAT) or False (BF16 training).")
         if self.quantize_linears:
             raise ValueError("quantize_linears=True is not supported yet: only routed experts are quantized.")
 
@@ -115,5 +122,6 @@ class TraceFP4Config(QuantizationConfigMixin):
             "hint_layers": self.hint_layers,
             "hint_sites": list(self.hint_sites),
             "modules_to_not_convert": list(self.modules_to_not_convert),
+            "qat": self.qat,
             "quantize_linears": self.quantize_linears,
         }

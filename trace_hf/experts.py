@@ -41,7 +41,9 @@ register_optimizer_step_post_hook(_invalidate_after_step)
 class TraceFP4Experts(nn.Module):
     """Routed experts computed in FP4. Built from an existing fused experts module by `from_experts`."""
 
-    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn, fmt: str, activations: str):
+    def __init__(
+        self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn, fmt: str, activations: str, qat: bool = True
+    ):
         super().__init__()
         e, two_i, h = gate_up_proj.shape
         self.num_experts, self.hidden_dim, self.intermediate_dim = e, h, two_i // 2
@@ -57,6 +59,7 @@ class TraceFP4Experts(nn.Module):
         self.act_fn = act_fn
         self.fmt = fmt
         self.activations = activations
+        self.qat = qat  # False: train in the model dtype (the naive FP4-rollout baseline); rollout stays FP4
         # Set by assign_hint_layers and by trace_hf.hints.
         self.moe_index = 0
         self.hinted = False
@@ -66,14 +69,14 @@ class TraceFP4Experts(nn.Module):
         _LIVE.add(self)
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, fmt: str, activations: str) -> TraceFP4Experts:
+    def from_experts(cls, experts: nn.Module, fmt: str, activations: str, qat: bool = True) -> TraceFP4Experts:
         check_fused_experts(experts)
-        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, fmt, activations)
+        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, fmt, activations, qat)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-            f"fmt={self.fmt}, activations={self.activations}, moe_index={self.moe_index}, hinted={self.hinted}"
+            f"fmt={self.fmt}, activations={self.activations}, qat={self.qat}, moe_index={self.moe_index}, hinted={self.hinted}"
         )
 
     # ------------------------------------------------------------------------------------------------------
@@ -130,6 +133,10 @@ class TraceFP4Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self._trace_recorder is not None and not self.training:
             self._trace_recorder.record_routing(self, top_k_index)
+        if self.training and not self.qat:
+            return self._routed(
+                hidden_states, top_k_index, top_k_weights, lambda e: (self.gate_up_proj[e], self.down_proj[e])
+            )
         x = self._quantize_input(hidden_states, top_k_index)
         if self.training:
             w_gu = fp4.fake_quantize(self.gate_up_proj, self.fmt, "expert")
@@ -169,7 +176,7 @@ class TraceFP4Experts(nn.Module):
             w_gu, w_d = weights(e)
             gate, up = nn.functional.linear(x[tok], w_gu).chunk(2, dim=-1)
             h = self.act_fn(gate) * up
-            if self.activations == "fp4":
+            if self.activations == "fp4" and (self.qat or not self.training):
                 h = fp4.fake_quantize(h, self.fmt, "row")
             y = nn.functional.linear(h, w_d) * top_k_weights.reshape(-1)[sel, None]
             out.index_add_(0, tok, y.float())
@@ -219,7 +226,9 @@ def _skipped(name: str, modules_to_not_convert: list[str]) -> bool:
     return any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in modules_to_not_convert)
 
 
-def replace_experts(model: nn.Module, fmt: str, activations: str, modules_to_not_convert: list[str]) -> list[str]:
+def replace_experts(
+    model: nn.Module, fmt: str, activations: str, modules_to_not_convert: list[str], qat: bool = True
+) -> list[str]:
     """Swap every fused experts module for a `TraceFP4Experts`; returns the names replaced (in layer order)."""
     names = [n for n, m in model.named_modules() if is_fused_experts(m)]
     if not names:
@@ -231,7 +240,7 @@ def replace_experts(model: nn.Module, fmt: str, activations: str, modules_to_not
     for name in names:
         if _skipped(name, modules_to_not_convert):
             continue
-        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), fmt, activations))
+        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), fmt, activations, qat))
         replaced.append(name)
     return replaced
 

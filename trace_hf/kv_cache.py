@@ -140,11 +140,11 @@ def install_fp4_generate_cache(model, fmt: str) -> None:
 _PREFIX = "trace_fp4_kv"
 
 
-def _kv_attention(base: str, fmt: str):
+def _kv_attention(base: str, fmt: str, qat: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         # Quantization is per token and head, so quantizing every K/V row here gives exactly the values an FP4
-        # cache would hold; K/V that come out of an FP4KVLayer are FP4 already.
-        if not getattr(key, "_trace_fp4_kv", False):
+        # cache would hold; K/V that come out of an FP4KVLayer are FP4 already. Without QAT training keeps BF16.
+        if not getattr(key, "_trace_fp4_kv", False) and (qat or not module.training):
             key = fp4.fake_quantize(key, fmt, "row")
             value = fp4.fake_quantize(value, fmt, "row")
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(base, None)
@@ -157,7 +157,7 @@ def _kv_attention(base: str, fmt: str):
     return attention
 
 
-def install_kv_fake_quant(model, fmt: str) -> None:
+def install_kv_fake_quant(model, fmt: str, qat: bool = True) -> None:
     """Route attention through a wrapper that fake-quantizes K and V unless they come from an FP4 cache.
 
     The wrapper is registered as `trace_fp4_kv:<fmt>:<base>` in transformers' attention and mask registries and
@@ -166,9 +166,9 @@ def install_kv_fake_quant(model, fmt: str) -> None:
     base = model.config._attn_implementation or "eager"
     if base.startswith(_PREFIX):
         return
-    name = f"{_PREFIX}:{fmt}:{base}"
+    name = f"{_PREFIX}:{fmt}:{base}" + ("" if qat else ":noqat")
     if name not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS.register(name, _kv_attention(base, fmt))
+        ALL_ATTENTION_FUNCTIONS.register(name, _kv_attention(base, fmt, qat))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     model.config._attn_implementation = name
     for m in model.modules():

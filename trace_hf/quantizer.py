@@ -16,7 +16,7 @@ def convert_experts(model, config: TraceFP4Config) -> list[str]:
     """Swap the routed experts for FP4 ones and mark the hinted layers (works on a meta skeleton too)."""
     from .experts import assign_hint_layers, replace_experts
 
-    replaced = replace_experts(model, config.fmt, config.activations, config.modules_to_not_convert)
+    replaced = replace_experts(model, config.fmt, config.activations, config.modules_to_not_convert, config.qat)
     if not replaced:
         logger.warning("TraceFP4Config: every experts module is in modules_to_not_convert; nothing is quantized.")
     assign_hint_layers(model, config.num_hint_layers(len(replaced)))
@@ -28,7 +28,7 @@ def install_kv_cache(model, config: TraceFP4Config) -> None:
     from .kv_cache import install_fp4_generate_cache, install_kv_fake_quant
 
     if config.kv_cache is not None:
-        install_kv_fake_quant(model, config.kv_cache)
+        install_kv_fake_quant(model, config.kv_cache, config.qat)
         install_fp4_generate_cache(model, config.kv_cache)
 
 

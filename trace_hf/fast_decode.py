@@ -1,0 +1,591 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""A static-shape decode step for the Qwen3 MoE architecture, captured in one CUDA graph.
+
+Why: on Hopper the FP4 rollout wins only by reading fewer bytes (packed FP4 experts, FP4 KV cache), and a
+decode step of a 48-layer MoE model moves a few GB in about a millisecond; `model.generate` spends more than
+that in Python and kernel launches. This module computes the same function as the transformers model's eval
+path (with `TraceFP4Config`: W4A4 FP4 experts, FP4 KV cache, hints) with a fixed set of kernels per layer
+(~14) over static buffers, so that the whole step replays from one CUDA graph.
+
+Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM), q/k RMSNorm + RoPE + KV-cache write
+(`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm, router GEMM, softmax + top-k,
+experts input quantized per token (writing the hints of hinted layers straight into a static buffer), routed
+experts (`fp4_moe`), whose per-slot outputs the next norm sums. Then the final norm, lm_head and the greedy next
+token, which becomes the next step's input.
+
+The kernels are also registered as torch custom ops (``torch.ops.trace_hf.*``, with fake implementations) so
+that `torch.compile` can trace code that calls them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import fp4
+from .fp4 import FP4Tensor
+
+
+def _kernels():
+    from trace_hf.kernels import decode_ops, fp4_attention, fp4_moe, fp4_quant
+
+    return decode_ops, fp4_attention, fp4_moe, fp4_quant
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dims:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    vocab: int
+    num_layers: int
+    eps: float = 1e-6
+    rope_theta: float = 1e6
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def qwen3_30b_a3b(cls, num_layers: int = 48) -> Dims:
+        return cls(2048, 32, 4, 128, 128, 8, 768, 151936, num_layers)
+
+    @classmethod
+    def from_config(cls, config) -> Dims:
+        c = config.get_text_config(decoder=True)
+        if getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1:
+            raise ValueError("fast_decode handles Qwen3 MoE models whose every layer is MoE.")
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"fast_decode implements default RoPE, not {rope.get('rope_type')!r}.")
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, c.num_experts,
+            c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size, c.num_hidden_layers, c.rms_norm_eps,
+            float(theta), bool(getattr(c, "norm_topk_prob", True)),
+        )  # fmt: skip
+
+
+@dataclass
+class LayerWeights:
+    ln_in: torch.Tensor
+    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    w_o: torch.Tensor
+    ln_post: torch.Tensor
+    w_router: torch.Tensor  # [E, H]
+    gate_up: FP4Tensor | torch.Tensor  # [E, 2I, H]
+    down: FP4Tensor | torch.Tensor  # [E, H, NI]
+    hinted: bool = False
+
+    def nbytes_dense(self) -> int:
+        ts = (self.ln_in, self.w_qkv, self.q_norm, self.k_norm, self.w_o, self.ln_post, self.w_router)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+@dataclass
+class DecodeWeights:
+    dims: Dims
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    @property
+    def fp4_experts(self) -> bool:
+        return isinstance(self.layers[0].gate_up, FP4Tensor)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate_up + down) as stored."""
+        lw = self.layers[0]
+        E = self.dims.num_experts
+        if isinstance(lw.gate_up, FP4Tensor):
+            return (lw.gate_up.nbytes() + lw.down.nbytes()) // E
+        return (lw.gate_up.numel() * lw.gate_up.element_size() + lw.down.numel() * lw.down.element_size()) // E
+
+
+def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[FP4Tensor, FP4Tensor]:
+    """NVFP4 expert weights with one global scale per expert, as `TraceFP4Experts.packed_weights`."""
+    with torch.no_grad():
+        return fp4.quantize(gate_up, "nvfp4", "expert"), fp4.quantize(down, "nvfp4", "expert")
+
+
+def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
+    """Take the weights of a transformers Qwen3 MoE causal LM (plain, or loaded with `TraceFP4Config`).
+
+    FP4 experts (`TraceFP4Experts`) give their cached packed weights and hinted flags; plain experts stay dense
+    unless ``fp4_experts=True`` (then they are quantized here, and the last half of the layers is hinted).
+    """
+    from .experts import TraceFP4Experts
+
+    dims = Dims.from_config(model.config)
+    inner = model.model
+    layers = []
+    n = dims.num_layers
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_proj.bias is not None:
+            raise ValueError("fast_decode does not handle attention biases.")
+        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+        ex = mlp.experts
+        if isinstance(ex, TraceFP4Experts):
+            if ex.fmt != "nvfp4" or ex.activations != "fp4":
+                raise ValueError("fast_decode's FP4 experts are NVFP4 W4A4 (TraceFP4Config defaults).")
+            gu, d = ex.packed_weights()
+            hinted = ex.hinted
+        elif fp4_experts:
+            gu, d = quantize_experts(ex.gate_up_proj.detach(), ex.down_proj.detach())
+            hinted = i >= n - (n + 1) // 2
+        else:
+            gu, d, hinted = ex.gate_up_proj.detach(), ex.down_proj.detach(), False
+        layers.append(
+            LayerWeights(
+                layer.input_layernorm.weight.detach(),
+                w_qkv,
+                attn.q_norm.weight.detach(),
+                attn.k_norm.weight.detach(),
+                attn.o_proj.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                mlp.gate.weight.detach(),
+                gu,
+                d,
+                hinted,
+            )  # fmt: skip
+        )
+    return DecodeWeights(dims, inner.embed_tokens.weight.detach(), inner.norm.weight.detach(),
+                         model.lm_head.weight.detach(), layers)  # fmt: skip
+
+
+def random_weights(
+    dims: Dims,
+    dtype=torch.bfloat16,
+    device="cuda",
+    fp4_experts: bool = True,
+    hint_layers: int | None = None,
+    seed: int = 0,
+    shared: DecodeWeights | None = None,
+) -> DecodeWeights:
+    """Random weights with the given shapes, built directly as tensors (std 0.02, norms 1). With ``shared``,
+    every non-expert tensor is taken from it (and its dense experts are quantized if ``fp4_experts``), so two
+    setups of a benchmark hold one copy of the weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    H, D, E, NI = dims.hidden, dims.head_dim, dims.num_experts, dims.expert_dim
+    n_hint = (dims.num_layers + 1) // 2 if hint_layers is None else hint_layers
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    if shared is not None:
+        layers = []
+        for i, lw in enumerate(shared.layers):
+            gu, d = lw.gate_up, lw.down
+            if fp4_experts and not isinstance(gu, FP4Tensor):
+                gu, d = quantize_experts(gu, d)
+            layers.append(LayerWeights(lw.ln_in, lw.w_qkv, lw.q_norm, lw.k_norm, lw.w_o, lw.ln_post, lw.w_router,
+                                       gu, d, i >= dims.num_layers - n_hint))  # fmt: skip
+        return DecodeWeights(dims, shared.embed, shared.norm, shared.lm_head, layers)
+    layers = []
+    for i in range(dims.num_layers):
+        gu, d = rnd(E, 2 * NI, H), rnd(E, H, NI)
+        if fp4_experts:
+            gu, d = quantize_experts(gu, d)
+        layers.append(
+            LayerWeights(
+                ones(H),
+                rnd((dims.num_heads + 2 * dims.num_kv_heads) * D, H),
+                ones(D),
+                ones(D),
+                rnd(H, dims.num_heads * D),
+                ones(H),
+                rnd(E, H),
+                gu,
+                d,
+                i >= dims.num_layers - n_hint,
+            )  # fmt: skip
+        )
+    return DecodeWeights(dims, rnd(dims.vocab, H), ones(H), rnd(dims.vocab, H), layers)
+
+
+def rope_tables(dims: Dims, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, D] as transformers computes them (fp32, then rounded to the model dtype), kept fp32."""
+    D = dims.head_dim
+    inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).to(torch.float) / D))
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos().to(dtype).float().to(device).contiguous(), emb.sin().to(dtype).float().to(device).contiguous())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops (torch.library): the kernels as ops torch.compile can trace
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("trace_hf::add_rmsnorm", mutates_args=("res",))
+def add_rmsnorm_op(res: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _kernels()[0].add_rmsnorm(res, add, weight, eps)
+
+
+@add_rmsnorm_op.register_fake
+def _(res, add, weight, eps):
+    return torch.empty_like(res)
+
+
+@torch.library.custom_op("trace_hf::router_topk", mutates_args=())
+def router_topk_op(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels()[0].router_topk(logits, top_k, normalize)
+
+
+@router_topk_op.register_fake
+def _(logits, top_k, normalize):
+    m = logits.shape[0]
+    return (logits.new_empty(m, top_k, dtype=torch.int32), logits.new_empty(m, top_k, dtype=torch.float32))
+
+
+@torch.library.custom_op("trace_hf::qkv_post", mutates_args=("k", "v", "k_scale", "v_scale", "k_g", "v_g"))
+def qkv_post_op(
+    qkv: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_g: torch.Tensor | None,
+    v_g: torch.Tensor | None,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    A = _kernels()[1]
+    cache = A.KVCache(k, v, k_scale, v_scale, k_g, v_g)
+    return A.qkv_post(qkv, cache, positions, num_heads, num_kv_heads, q_norm, k_norm, cos, sin, eps)
+
+
+@qkv_post_op.register_fake
+def _(qkv, k, v, k_scale, v_scale, k_g, v_g, positions, num_heads, num_kv_heads, q_norm, k_norm, cos, sin, eps):
+    head_dim = k.shape[-1] * (2 if k_scale is not None else 1)
+    return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+
+
+@torch.library.custom_op("trace_hf::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_g: torch.Tensor | None,
+    v_g: torch.Tensor | None,
+    lengths: torch.Tensor,
+    splits: int,
+    chunk: int,
+) -> torch.Tensor:
+    A = _kernels()[1]
+    return A.decode_attention(q, A.KVCache(k, v, k_scale, v_scale, k_g, v_g), lengths, splits=(splits, chunk))
+
+
+@decode_attention_op.register_fake
+def _(q, k, v, k_scale, v_scale, k_g, v_g, lengths, splits, chunk):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("trace_hf::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    x_g: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor | None,
+    gate_up_g: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    down_g: torch.Tensor | None,
+    hidden_fp4: bool,
+    hidden: int,
+) -> torch.Tensor:
+    """Routed experts: ``x`` packed FP4 [M, H/2] (with its scales) or dense [M, H]; weights packed with scales,
+    or dense. Returns fp32 [M, top_k, H] (weighted per-slot outputs)."""
+    moe = _kernels()[2]
+
+    def wrap(t, s, g, cols):
+        return t if s is None else FP4Tensor(t, s, g, "nvfp4")
+
+    xq = wrap(x, x_scale, x_g, hidden)
+    return moe.experts_from_quantized(
+        xq, topk_ids, topk_weights, wrap(gate_up, gate_up_scale, gate_up_g, hidden),
+        wrap(down, down_scale, down_g, None), hidden_fp4=hidden_fp4,
+    )  # fmt: skip
+
+
+@moe_experts_op.register_fake
+def _(x, x_scale, x_g, topk_ids, topk_weights, gate_up, gate_up_scale, gate_up_g, down, down_scale, down_g,
+      hidden_fp4, hidden):  # fmt: skip
+    return x.new_empty(topk_ids.shape[0], topk_ids.shape[1], hidden, dtype=torch.float32)
+
+
+def _fp4_parts(q: FP4Tensor | torch.Tensor):
+    if isinstance(q, FP4Tensor):
+        return q.packed, q.block_scale, q.global_scale
+    return q, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The decoder
+# ----------------------------------------------------------------------------------------------------------
+
+
+class FastDecoder:
+    """Static buffers, caches and one decode step for a batch of ``batch`` sequences of up to ``max_len`` tokens.
+
+    Args:
+        weights: `DecodeWeights` (FP4 experts give the W4A4 path; dense experts the BF16 path).
+        kv_fp4: FP4 (NVFP4, per token and head) KV cache, else a cache in the model dtype.
+        record_hints: write the hints of hinted layers (mantissa bits, block scales, row scale of the experts
+            input) of every step into `hint_bits` / `hint_scale` / `hint_g` ([n_hinted, batch, ...]).
+        use_ops: call the kernels through the ``torch.ops.trace_hf`` custom ops (else directly).
+
+    `tokens` [B] (int64) holds the step's input tokens and receives the greedy next tokens; `positions` [B]
+    (int32) the position each sequence writes (its cache length before the step), incremented by the step;
+    `logits` [B, V] the step's logits.
+    """
+
+    def __init__(
+        self,
+        weights: DecodeWeights,
+        batch: int,
+        max_len: int,
+        kv_fp4: bool = True,
+        record_hints: bool = True,
+        use_ops: bool = True,
+    ):
+        _, A, _, _ = _kernels()
+        self.w = weights
+        d = weights.dims
+        self.dims, self.batch, self.max_len, self.kv_fp4 = d, batch, max_len, kv_fp4
+        self.device = weights.embed.device
+        self.dtype = weights.dtype
+        self.use_ops = use_ops
+        self.fp4_experts = weights.fp4_experts
+        self.record_hints = record_hints and self.fp4_experts
+        self.caches = [
+            A.allocate_kv_cache(batch, d.num_kv_heads, max_len, d.head_dim, kv_fp4, self.dtype, self.device)
+            for _ in range(d.num_layers)
+        ]
+        self.cos, self.sin = rope_tables(d, max_len, self.dtype, self.device)
+        self.splits = A.num_splits(batch, d.num_kv_heads, max_len)
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self.logits = torch.zeros(batch, d.vocab, dtype=torch.float32, device=self.device)
+        self.hinted = [i for i, lw in enumerate(weights.layers) if lw.hinted] if self.fp4_experts else []
+        n_h, H = len(self.hinted), d.hidden
+        self.hint_bits = torch.zeros(n_h, batch, H // 8, dtype=torch.uint8, device=self.device)
+        self.hint_scale = torch.zeros(n_h, batch, H // 16, dtype=torch.uint8, device=self.device)
+        self.hint_g = torch.zeros(n_h, batch, dtype=torch.float32, device=self.device)
+        self._direct_hints = self.record_hints and _direct_hints_ok(self.device, H)
+        self.graph = None
+
+    # -- pieces ---------------------------------------------------------------------------------------------
+
+    def _add_rmsnorm(self, res, add, w):
+        if self.use_ops:
+            return torch.ops.trace_hf.add_rmsnorm(res, add, w, self.dims.eps)
+        return _kernels()[0].add_rmsnorm(res, add, w, self.dims.eps)
+
+    def _quantize_input(self, x: torch.Tensor, layer: int) -> FP4Tensor:
+        fq = _kernels()[3]
+        if not (self.record_hints and self.w.layers[layer].hinted):
+            return fq.quantize(x, "nvfp4", "row")
+        j = self.hinted.index(layer)
+        bits, scale, g = self.hint_bits[j], self.hint_scale[j], self.hint_g[j]
+        if self._direct_hints:
+            return _quantize_into(x, bits, scale, g)
+        q, h = fq.quantize(x, "nvfp4", "row", return_hints=True)
+        bits.copy_(h.mantissa_bits)
+        scale.copy_(h.block_scale)
+        g.copy_(h.global_scale.reshape(-1))
+        return q
+
+    def step(self) -> None:
+        """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
+        d, B = self.dims, self.batch
+        dec, A, moe, _ = _kernels()
+        ops = torch.ops.trace_hf
+        res = F.embedding(self.tokens, self.w.embed)
+        lengths = self.positions + 1
+        pending = None
+        for i, lw in enumerate(self.w.layers):
+            c = self.caches[i]
+            xn = self._add_rmsnorm(res, pending, lw.ln_in)
+            qkv = F.linear(xn, lw.w_qkv)
+            cargs = (c.k, c.v, c.k_scale, c.v_scale, c.k_g, c.v_g)
+            if self.use_ops:
+                q = ops.qkv_post(qkv, *cargs, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm,
+                                 self.cos, self.sin, d.eps)  # fmt: skip
+                attn = ops.decode_attention(q, *cargs, lengths, *self.splits)
+            else:
+                q = A.qkv_post(qkv, c, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm, self.cos,
+                               self.sin, d.eps)  # fmt: skip
+                attn = A.decode_attention(q, c, lengths, splits=self.splits)
+            o = F.linear(attn.view(B, -1), lw.w_o)
+            xn = self._add_rmsnorm(res, o.unsqueeze(1), lw.ln_post)
+            rl = F.linear(xn, lw.w_router)
+            if self.use_ops:
+                ids, tw = ops.router_topk(rl, d.top_k, d.norm_topk_prob)
+            else:
+                ids, tw = dec.router_topk(rl, d.top_k, d.norm_topk_prob)
+            xq = self._quantize_input(xn, i) if self.fp4_experts else xn
+            if self.use_ops:
+                pending = ops.moe_experts(*_fp4_parts(xq), ids, tw, *_fp4_parts(lw.gate_up), *_fp4_parts(lw.down),
+                                          self.fp4_experts, d.hidden)  # fmt: skip
+            else:
+                pending = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
+        xn = self._add_rmsnorm(res, pending, self.w.norm)
+        logits = F.linear(xn, self.w.lm_head)
+        self.logits.copy_(logits)
+        self.tokens.copy_(torch.argmax(logits, dim=-1))
+        self.positions.add_(1)
+
+    # -- graph ----------------------------------------------------------------------------------------------
+
+    def capture(self, warmup: int = 2) -> None:
+        """Capture `step` in a CUDA graph (after ``warmup`` eager steps, which compile the kernels; the token
+        and position buffers are restored afterwards)."""
+        tokens, positions = self.tokens.clone(), self.positions.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        torch.cuda.synchronize()
+
+    def run(self) -> None:
+        """One step: graph replay when captured, else eager."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+
+    # -- content --------------------------------------------------------------------------------------------
+
+    def fill_random_context(self, length: int, seed: int = 0) -> None:
+        """Every sequence holds ``length`` cached tokens of random K/V (benchmarks: the step costs the same
+        whatever the values)."""
+        A = _kernels()[1]
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for c in self.caches:
+            A.fill_random(c, g)
+        self.positions.fill_(length)
+        self.tokens.random_(0, self.dims.vocab, generator=g)
+
+    def kv_bytes_read(self, length: int) -> int:
+        A = _kernels()[1]
+        per_tok = A.kv_bytes_per_token(self.dims.num_kv_heads, self.dims.head_dim, self.kv_fp4,
+                                       torch.finfo(self.dtype).bits // 8)  # fmt: skip
+        return per_tok * length * self.batch * self.dims.num_layers
+
+    def hints(self) -> fp4.FP4Hints:
+        """This step's hints, [n_hinted, B, ...] (copies)."""
+        return fp4.FP4Hints(self.hint_bits.clone(), self.hint_scale.clone(), self.hint_g.clone().unsqueeze(-1))
+
+
+def _quantize_into(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, g: torch.Tensor) -> FP4Tensor:
+    """Quantize rows of ``x`` (NVFP4, row scale) writing scale bytes, row scales and hint bits straight into the
+    given (static) buffers, in one launch of `fp4_quant`'s kernel: no copies per hinted layer."""
+    fq = _kernels()[3]
+    x2, kind = fq._as_input(x)
+    packed = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8, device=x.device)
+    fq._launch_fp4(x2, kind, g, scale, bits, packed, None, 1, mode=fq._MODE_ROW, nvfp4=True, write_q=True,
+                   write_bits=True)  # fmt: skip
+    return FP4Tensor(packed, scale, g.view(-1, 1), "nvfp4")
+
+
+_DIRECT_OK: dict = {}
+
+
+def _direct_hints_ok(device, width: int) -> bool:
+    """Whether `_quantize_into` (built on fp4_quant internals) reproduces `fp4_quant.quantize(..., return_hints=True)`
+    here; otherwise the decoder copies the hints (three copies per hinted layer)."""
+    key = (str(device), width)
+    if key not in _DIRECT_OK:
+        try:
+            fq = _kernels()[3]
+            x = torch.randn(3, width, device=device)
+            q, h = fq.quantize(x, "nvfp4", "row", return_hints=True)
+            bits = torch.empty_like(h.mantissa_bits)
+            scale = torch.empty_like(h.block_scale)
+            g = torch.empty(3, dtype=torch.float32, device=device)
+            q2 = _quantize_into(x, bits, scale, g)
+            _DIRECT_OK[key] = bool(
+                torch.equal(q2.packed, q.packed) and torch.equal(bits, h.mantissa_bits)
+                and torch.equal(scale, h.block_scale) and torch.equal(g, h.global_scale.reshape(-1))
+            )  # fmt: skip
+        except Exception:  # the private launcher changed: fall back to copies
+            _DIRECT_OK[key] = False
+    return _DIRECT_OK[key]
+
+
+def bytes_per_step(weights: DecodeWeights, batch: int, kv_bytes: int) -> dict:
+    """Bytes a decode step must read at least: non-expert weights, the experts the batch is expected to touch
+    (uniform routing: ``E * (1 - (1 - k/E)^B)`` distinct experts per layer), the lm_head and the KV cache."""
+    d = weights.dims
+    dense = sum(lw.nbytes_dense() for lw in weights.layers)
+    head = weights.lm_head.numel() * weights.lm_head.element_size()
+    distinct = d.num_experts * (1.0 - (1.0 - d.top_k / d.num_experts) ** batch)
+    experts = distinct * weights.expert_bytes() * d.num_layers
+    total = dense + head + experts + kv_bytes
+    return {"dense_weights": dense, "lm_head": head, "experts": experts, "distinct_experts_per_layer": distinct,
+            "kv": kv_bytes, "total": total}  # fmt: skip
+
+
+def prefill_by_steps(dec: FastDecoder, tokens: torch.Tensor) -> torch.Tensor:
+    """Feed ``tokens`` [B, T] one position per step (teacher forcing); returns the logits of every step
+    [B, T, V]. Slow; for validation against the transformers model."""
+    out = []
+    for t in range(tokens.shape[1]):
+        dec.tokens.copy_(tokens[:, t])
+        dec.step()
+        out.append(dec.logits.clone())
+    return torch.stack(out, dim=1)
+
+
+__all__ = [
+    "Dims",
+    "LayerWeights",
+    "DecodeWeights",
+    "FastDecoder",
+    "weights_from_hf",
+    "random_weights",
+    "quantize_experts",
+    "rope_tables",
+    "bytes_per_step",
+    "prefill_by_steps",
+]
