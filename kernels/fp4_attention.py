@@ -82,7 +82,7 @@ def allocate_kv_cache(
     if not fp4:
         return KVCache(torch.zeros(*shape, head_dim, dtype=dtype, device=device),
                        torch.zeros(*shape, head_dim, dtype=dtype, device=device))  # fmt: skip
-    u8 = dict(dtype=torch.uint8, device=device)
+    u8 = {"dtype": torch.uint8, "device": device}
     return KVCache(
         torch.zeros(*shape, head_dim // 2, **u8), torch.zeros(*shape, head_dim // 2, **u8),
         torch.zeros(*shape, head_dim // 16, **u8), torch.zeros(*shape, head_dim // 16, **u8),

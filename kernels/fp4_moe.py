@@ -125,7 +125,7 @@ def _gate_up_kernel(
     num_slots,
     top_k,
     H,
-    I,
+    NI,
     A_FP4: tl.constexpr,
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
@@ -143,9 +143,9 @@ def _gate_up_kernel(
     valid = slot < num_slots
     row = tl.where(valid, slot // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    gate_rows = e.to(tl.int64) * (2 * I) + offs_n
-    up_rows = gate_rows + I
+    n_ok = offs_n < NI
+    gate_rows = e.to(tl.int64) * (2 * NI) + offs_n
+    up_rows = gate_rows + NI
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -164,7 +164,7 @@ def _gate_up_kernel(
         acc_u = acc_u * gw
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h = tl.where(valid[:, None], h, 0.0)
-    tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * I + offs_n[None, :], h, mask=n_ok[None, :])
+    tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * NI + offs_n[None, :], h, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def _down_kernel(
     expert_ptr,
     num_slots,
     H,
-    I,
+    NI,
     A_FP4: tl.constexpr,
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
@@ -201,9 +201,9 @@ def _down_kernel(
     n_ok = offs_n < H
     w_rows = e.to(tl.int64) * H + offs_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, I, A_FP4, BLOCK_M, BLOCK_K)
-        w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, I, W_FP4, BLOCK_N, BLOCK_K)
+    for k0 in range(0, NI, BLOCK_K):
+        a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
+        w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_N, BLOCK_K)
         acc = _dot_nt(a, w, acc, DOT_BF16)
     if A_FP4:
         acc = acc * tl.load(ag_ptr + offs_p, mask=valid, other=0.0)[:, None]
@@ -228,12 +228,13 @@ def _align_kernel(
     E_PAD: tl.constexpr,
 ):
     """Program ``e < E`` places expert e's slots (in slot order) and its padding; program ``E`` marks the row
-    blocks past the last segment with expert -1. Every program recounts all experts (N is a decode batch)."""
+    blocks past the last segment with expert -1. Every program recounts all experts (one histogram of N ids:
+    N is a decode batch, a few thousand slots at most)."""
     e = tl.program_id(0)
     offs = tl.arange(0, N_PAD)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E_PAD)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # padding lands in bin E (E_PAD > E), dropped below
     ex = tl.arange(0, E_PAD)
-    counts = tl.sum((ids[None, :] == ex[:, None]).to(tl.int32), axis=1)  # [E_PAD]
+    counts = tl.where(ex < E, tl.histogram(ids, E_PAD), 0)  # [E_PAD]
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
@@ -366,19 +367,24 @@ def experts_from_quantized(
     hidden_fp4 = w_fp4 if hidden_fp4 is None else hidden_fp4
     _check_device(x_arg)
     E, two_i, H = w_gate_up.shape
-    I = two_i // 2
+    NI = two_i // 2
     M, K = topk_ids.shape
     n = M * K
     bm = CONFIG["block_m"]
     sorted_ids, expert_ids = moe_align(topk_ids, E, bm, align_backend)
     P = sorted_ids.numel()
     dev = x_arg.device
-    h = torch.empty(P, I, dtype=torch.float32, device=dev)
-    bk_h, bk_i = _pick(H, CONFIG["block_k"]), _pick(I, CONFIG["block_k"])
+    h = torch.empty(P, NI, dtype=torch.float32, device=dev)
+    bk_h, bk_i = _pick(H, CONFIG["block_k"]), _pick(NI, CONFIG["block_k"])
     bn_gu, bn_d = CONFIG["block_n_gate_up"], CONFIG["block_n_down"]
-    common = dict(DOT_BF16=DOT_BF16, BLOCK_M=bm, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
-    _gate_up_kernel[(P // bm, triton.cdiv(I, bn_gu))](
-        x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, I,
+    common = {
+        "DOT_BF16": DOT_BF16,
+        "BLOCK_M": bm,
+        "num_warps": CONFIG["num_warps"],
+        "num_stages": CONFIG["num_stages"],
+    }
+    _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu))](
+        x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
         A_FP4=a_fp4, W_FP4=w_fp4, BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
     )  # fmt: skip
     if hidden_fp4:
@@ -389,7 +395,7 @@ def experts_from_quantized(
     y = torch.empty(M, K, H, dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(P // bm, triton.cdiv(H, bn_d))](
-        h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, I,
+        h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         A_FP4=h_is_fp4, W_FP4=w_fp4, BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
     )  # fmt: skip
     return y

@@ -86,28 +86,27 @@ def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr):
 
 @triton.jit
 def _e2m1_nearest(a):
-    # Round-to-nearest-even index of a >= 0 on 0, .5, 1, 1.5, 2, 3, 4, 6; `>` / `>=` alternate so ties go even.
-    idx = (a > 0.25).to(tl.int32)
-    idx += (a >= 0.75).to(tl.int32)
-    idx += (a > 1.25).to(tl.int32)
-    idx += (a >= 1.75).to(tl.int32)
-    idx += (a > 2.5).to(tl.int32)
-    idx += (a >= 3.5).to(tl.int32)
-    idx += (a > 5.0).to(tl.int32)
-    return idx
+    """Round-to-nearest-even index 0..7 of 0 <= a <= 6 on 0, .5, 1, 1.5, 2, 3, 4, 6, from the fp32 bits.
+
+    Below 1 the grid steps by 0.5: adding 2^22 (whose ulp is 0.5) rounds 2a to an integer, ties to even, in the
+    low bits. From 1 up the grid keeps one mantissa bit: round the bits at bit 22 (ties to even, a carry bumps the
+    exponent), then ``exponent * 2 + mantissa bit`` is the index (1.0 is 127 << 1, index 2). ~9 instructions where
+    a chain of 7 comparisons takes 14."""
+    u = _bits(a)
+    small = _bits(a + 4194304.0) - 0x4A800000
+    big = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
+    return tl.where(a < 1.0, small, big)
 
 
 @triton.jit
-def _e2m1_floor(a):
-    # Index of the largest grid magnitude <= a (0 <= a <= 6).
-    idx = (a >= 0.5).to(tl.int32)
-    idx += (a >= 1.0).to(tl.int32)
-    idx += (a >= 1.5).to(tl.int32)
-    idx += (a >= 2.0).to(tl.int32)
-    idx += (a >= 3.0).to(tl.int32)
-    idx += (a >= 4.0).to(tl.int32)
-    idx += (a >= 6.0).to(tl.int32)
-    return idx
+def _e2m1_guided(a, bit):
+    """Of the two grid neighbours of 0 <= a <= 6, the one whose mantissa bit (index & 1) is ``bit``; a value on the
+    grid stays. Floor index and "on the grid" come from the bits as in `_e2m1_nearest`."""
+    u = _bits(a)
+    small = a < 1.0
+    lo = tl.where(small, (a >= 0.5).to(tl.int32), (u >> 22) - 252)
+    on_grid = tl.where(small, (a == 0.0) | (a == 0.5), (u & 0x3FFFFF) == 0)
+    return tl.where(on_grid, lo, lo + ((lo ^ bit) & 1))
 
 
 @triton.jit
@@ -208,33 +207,35 @@ def _fp4_kernel(
     WRITE_Q: tl.constexpr,
     WRITE_BITS: tl.constexpr,
     WRITE_OUT: tl.constexpr,
-    ROWS: tl.constexpr,
-    NBT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BS: tl.constexpr,
 ):
-    # A [ROWS, NBT, BS] tile: rows x blocks x elements of a block. In MODE_ROW a tile spans whole rows.
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
-    elems = tl.arange(0, BS)
+    # A [BLOCK_M, BLOCK_K] tile, seen as [BLOCK_M, NBT, BS]: rows x scale blocks x elements of a block. The loads
+    # are 16-byte vectors along BS, so a thread holds whole half-blocks and every per-block reduction stays in
+    # registers. Everything per block ([BLOCK_M, NBT]) is computed once per block, never per element. In MODE_ROW
+    # a tile spans whole rows (the row amax is the global scale). Offsets in a row are int32, row bases int64.
+    NBT: tl.constexpr = BLOCK_K // BS
     NB = K // BS
-    r3 = rows.to(tl.int64)[:, None, None]
-    b3 = blks[None, :, None]
-    e3 = elems[None, None, :]
-    bmask = (rows < M)[:, None, None] & (b3 < NB)  # [ROWS, NBT, 1]
-    mask = bmask & (e3 < BS)
-
-    x = _load_f32(x_ptr, r3 * K + b3 * BS + e3, mask, IN_KIND)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
+    row64 = rows.to(tl.int64)
+    bmask = (rows < M)[:, None] & (blks < NB)[None, :]  # [BLOCK_M, NBT]
+    mask = bmask[:, :, None]
+    e = tl.arange(0, BS)[None, None, :]
+    base = (row64 * K)[:, None, None]
+    x = _load_f32(x_ptr + base, blks[None, :, None] * BS + e, mask, IN_KIND)
     xb = _bits(x)
-    sign = (xb >> 28) & 8  # the code's sign bit: -0, and anything rounding to zero, keep it
-    fin = _is_finite(x)
-    ax = tl.where(fin, tl.abs(x), 0.0)
-    amax_b = tl.max(ax, axis=2, keep_dims=True)  # [ROWS, NBT, 1]
-    bad_b = tl.max((~fin).to(tl.int32), axis=2, keep_dims=True) > 0
+    # One integer max over |x|'s bits: non-negative floats order as their bits, and Inf / NaN above every finite
+    # value, so it gives the block amax and, as a non-finite result, a poisoned block (NaN-proof on both backends).
+    amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)  # [BLOCK_M, NBT]
+    amax_b = _float(amax_i)
+    bad_b = amax_i >= 0x7F800000
 
-    # ---- scales: s (fp32 decoded block scale), g, and the byte written for s --------------------------------
+    # ---- per block: s (fp32 decoded block scale), g, and the byte written for s --------------------------------
     if MODE == 2:
-        sbyte = tl.load(sb_ptr + r3 * NB + b3, mask=bmask, other=0).to(tl.int32) & 0xFF
-        g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
+        sbyte = tl.load(sb_ptr + (row64 * NB)[:, None] + blks[None, :], mask=bmask, other=0).to(tl.int32) & 0xFF
+        g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
         # A non-finite training value poisons its block: NaN scale byte, so it dequantizes to NaN.
         if NVFP4:
             s = _e4m3_decode(tl.where(bad_b, 0x7F, sbyte))
@@ -245,13 +246,13 @@ def _fp4_kernel(
     elif NVFP4:
         if MODE == 0:
             # Row global scale: amax over the row, NaN if the row is not finite, over 6 * 448.
-            amax_r = tl.max(amax_b, axis=1, keep_dims=True)
-            bad_r = tl.max(bad_b.to(tl.int32), axis=1, keep_dims=True) > 0
-            g = tl.div_rn(tl.where(bad_r, float("nan"), amax_r), 2688.0)  # [ROWS, 1, 1]
+            amax_r = tl.max(amax_i, axis=1)
+            g = tl.div_rn(tl.where(amax_r < 0x7F800000, _float(amax_r), float("nan")), 2688.0)
             if WRITE_Q:
-                tl.store(g_ptr + r3, g, mask=(rows < M)[:, None, None])
+                tl.store(g_ptr + rows, g, mask=rows < M)
+            g = g[:, None]
         else:
-            g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
+            g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
         v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
         sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
         sbyte = tl.where(v != v, 0x7F, sbyte)
@@ -267,41 +268,56 @@ def _fp4_kernel(
         ex = tl.where(amax_b == 0, -127, ex)
         sbyte = tl.where(bad_b, 255, ex + 127)
         s = _e8m0_decode(sbyte)  # 2^ex, or NaN for a bad block (what its dequantized values must be)
-        g = 1.0
+        g = tl.full([BLOCK_M, 1], 1.0, tl.float32)
         ok = ~bad_b
         sg = s
 
-    # ---- round every element ----------------------------------------------------------------------------
-    y = tl.div_rn(x, tl.where(ok, sg, 1.0))  # one IEEE division by the fp32 product (s * g)
-    a = tl.minimum(tl.maximum(y, -6.0), 6.0)
-    a = tl.where(ok & fin, tl.abs(a), 0.0)
+    # ---- per element: one IEEE division by the fp32 product (s * g), then the E2M1 index -----------------------
+    # Blocks that are not ok (zero, flushed, non-finite) divide by 1 and keep only the sign: their values can be
+    # anything here, NaN included, since the index is masked off.
+    y = tl.div_rn(x, tl.where(ok, sg, 1.0)[:, :, None])
+    a = tl.minimum(tl.abs(y), 6.0)
     if MODE == 2:
-        lo = _e2m1_floor(a)
-        on_grid = _e2m1_decode(lo) == a
-        # The recorded mantissa bit picks the neighbour (gathered per element: 8 elements share a byte).
-        hbyte = tl.load(hb_ptr + r3 * (K // 8) + b3 * (BS // 8) + e3 // 8, mask=mask, other=0).to(tl.int32)
-        bit = (hbyte >> (e3 % 8)) & 1
-        idx = tl.where(on_grid | ((lo & 1) == bit), lo, lo + 1)
+        # The recorded mantissa bits: a byte per 8 elements, i.e. per thread (a thread holds 8 neighbours).
+        j8 = tl.arange(0, BS // 8)[None, None, :]
+        hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
+        hbytes = tl.load(hb_ptr + hb_offs, mask=mask, other=0).to(tl.int32)
+        bits = (hbytes[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
+        idx = _e2m1_guided(a, tl.reshape(bits, [BLOCK_M, NBT, BS]))
     else:
         idx = _e2m1_nearest(a)
-    code = tl.where(ok, idx, 0) | sign
+    idx = tl.where(ok[:, :, None], idx, 0)
+    code = idx | ((xb >> 28) & 8)  # sign bit: -0, and anything rounding to zero, keep it
 
     # ---- outputs ----------------------------------------------------------------------------------------
     if WRITE_Q:
-        lo_c, hi_c = tl.split(tl.reshape(code, [ROWS, NBT, BS // 2, 2]))
+        # Element 2i in the low nibble, 2i+1 in the high one: pairs are neighbours in a thread's registers.
+        lo_c, hi_c = tl.split(tl.reshape(code, [BLOCK_M, NBT, BS // 2, 2]))
         j2 = tl.arange(0, BS // 2)[None, None, :]
-        tl.store(q_ptr + r3 * (K // 2) + b3 * (BS // 2) + j2, (lo_c | (hi_c << 4)).to(tl.uint8), mask=bmask)
+        q_offs = (row64 * (K // 2))[:, None, None] + blks[None, :, None] * (BS // 2) + j2
+        tl.store(q_ptr + q_offs, (lo_c | (hi_c << 4)).to(tl.uint8), mask=mask)
         if MODE != 2:
-            tl.store(sb_ptr + r3 * NB + b3, sbyte.to(tl.uint8), mask=bmask)
+            tl.store(sb_ptr + (row64 * NB)[:, None] + blks[None, :], sbyte.to(tl.uint8), mask=bmask)
     if WRITE_BITS:
-        m4 = tl.reshape(code & 1, [ROWS, NBT, BS // 8, 8])
+        # Eight mantissa bits per byte, element 8j + b at bit b: a sum over 8 neighbours in a thread.
+        m4 = tl.reshape(code & 1, [BLOCK_M, NBT, BS // 8, 8])
         packed_bits = tl.sum(m4 << tl.arange(0, 8)[None, None, None, :], axis=3)
         j8 = tl.arange(0, BS // 8)[None, None, :]
-        tl.store(hb_ptr + r3 * (K // 8) + b3 * (BS // 8) + j8, packed_bits.to(tl.uint8), mask=bmask)
+        hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
+        tl.store(hb_ptr + hb_offs, packed_bits.to(tl.uint8), mask=mask)
     if WRITE_OUT:
-        # value = (E2M1(code) * s) * g, in this order, as the reference.
-        val = (_e2m1_decode(code) * s) * g
-        _store_out(out_ptr, r3 * K + b3 * BS + e3, val, mask, OUT_KIND)
+        # value = (E2M1(code) * s) * g, in this order, as the reference (s and g of a hint may be negative).
+        # A block's values are NaN exactly when 0 * s * g is: that is decided per block, not per element.
+        u = _bits((_e2m1_decode(code) * s[:, :, None]) * g[:, :, None])
+        zero = (0.0 * s) * g
+        nan_b = (zero != zero)[:, :, None]
+        offs = base + blks[None, :, None] * BS + e
+        if OUT_KIND == 1:
+            # fp32 -> bf16 round to nearest even on the bits (the interpreter's cast truncates).
+            r = tl.where(nan_b, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, _float(tl.where(nan_b, 0x7FC00000, u)), mask=mask)
 
 
 @triton.jit
@@ -344,10 +360,20 @@ def _dequant_kernel(
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
-#: Elements per program. Memory-bound kernels: 8K elements (16 KB of bf16) per program at 8 warps keeps enough
-#: bytes in flight on Hopper; the interpreter runs programs one after another in numpy, so there a program is big.
-#: ``max_row`` is the widest row the row-scale kernel keeps in registers (wider rows take a separate amax pass).
-CONFIG = {"tile": 8192, "tile_interpreted": 1 << 17, "max_row": 16384, "num_warps": 8}
+#: Launch parameters per kernel path, pinned from `benchmarks/fp4_quant.py --sweep` on an H200 (bf16 [65536, 2048]):
+#: ``tile`` elements per program (BLOCK_M * BLOCK_K), ``block_k`` columns per program (a row-scale quantize spans
+#: whole rows whatever it says), ``num_warps``. These kernels stream: a program only needs enough independent
+#: 16-byte loads in flight, with each thread holding whole half-blocks of 8 bf16. Under the interpreter programs
+#: run one after another in numpy, so there a program is ``tile_interpreted`` elements. ``max_row`` is the widest
+#: row the row-scale kernel keeps in registers (wider rows take a separate amax pass).
+CONFIG = {
+    "quantize": {"tile": 4096, "block_k": 2048, "num_warps": 4},  # quantize / guided_quantize (+ hints)
+    "fake": {"tile": 4096, "block_k": 2048, "num_warps": 4},  # fake_quantize, nearest
+    "guided_fake": {"tile": 4096, "block_k": 1024, "num_warps": 4},  # fake_quantize with hints
+    "dequantize": {"tile": 4096, "block_k": 1024, "num_warps": 4},
+    "tile_interpreted": 1 << 17,
+    "max_row": 16384,
+}
 
 
 def _check_device(x: torch.Tensor) -> None:
@@ -375,16 +401,17 @@ def _out_kind(dtype: torch.dtype) -> int:
     return _BF16 if dtype == torch.bfloat16 else _F32
 
 
-def _tiles(M: int, K: int, bs: int, whole_row: bool) -> tuple[int, int, int, int]:
-    """(ROWS, NBT, grid dim 1, num_warps) for [M, K] in blocks of ``bs``."""
-    nb = K // bs
-    nb_pad = triton.next_power_of_2(nb)
-    nbt = nb_pad if whole_row else min(nb_pad, max(1, 4096 // bs))
-    tile = CONFIG["tile_interpreted"] if INTERPRETED else CONFIG["tile"]
-    rows = 1 << (max(1, tile // (nbt * bs)).bit_length() - 1)  # a power of two at most tile / row elements
-    rows = min(rows, triton.next_power_of_2(max(M, 1)))
-    num_warps = CONFIG["num_warps"] if rows * nbt * bs >= 4096 else 4
-    return rows, nbt, triton.cdiv(nb, nbt), num_warps
+def _tiles(M: int, K: int, bs: int, whole_row: bool, path: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, grid dim 1, num_warps) for [M, K] in blocks of ``bs`` with the ``CONFIG[path]`` launch."""
+    cfg = CONFIG[path]
+    k_pad = triton.next_power_of_2(K)
+    block_k = k_pad if whole_row else max(bs, min(k_pad, triton.next_power_of_2(cfg["block_k"])))
+    tile = CONFIG["tile_interpreted"] if INTERPRETED else cfg["tile"]
+    block_m = 1 << (max(1, tile // block_k).bit_length() - 1)  # a power of two at most tile / block_k
+    block_m = min(block_m, triton.next_power_of_2(max(M, 1)))
+    # No more warps than 16-byte vectors in the tile: idle (replicated) threads would only add instructions.
+    num_warps = max(1, min(cfg["num_warps"], block_m * block_k // 256))
+    return block_m, block_k, triton.cdiv(K, block_k), num_warps
 
 
 def _row_amax(x2: torch.Tensor, kind: int) -> torch.Tensor:
@@ -403,12 +430,12 @@ def _global_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax / torch.full_like(amax, 6.0 * 448.0)
 
 
-def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, mode, nvfp4, out_kind=0, write_q, write_bits):
+def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, out_kind=0, write_q, write_bits):
     M, K = x2.shape
     bs = 16 if nvfp4 else 32
-    rows, nbt, n_col, warps = _tiles(M, K, bs, whole_row=mode == _MODE_ROW)
+    block_m, block_k, n_col, warps = _tiles(M, K, bs, mode == _MODE_ROW and nvfp4, path)
     dummy = x2  # never touched: its constexpr switch is off
-    _fp4_kernel[(triton.cdiv(M, rows), n_col)](
+    _fp4_kernel[(triton.cdiv(M, block_m), n_col)](
         x2,
         g if g is not None else dummy,
         sb if sb is not None else dummy,
@@ -425,8 +452,8 @@ def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, mode, nvfp4, out_kin
         WRITE_Q=write_q,
         WRITE_BITS=write_bits,
         WRITE_OUT=out is not None,
-        ROWS=rows,
-        NBT=nbt,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
         BS=bs,
         num_warps=warps,
         enable_fp_fusion=False,
@@ -493,7 +520,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
     else:
         mode, g, rows_per_g = _MODE_ROW, torch.ones(lead + (1,), dtype=torch.float32, device=x.device), 1
     _launch_fp4(
-        x2, kind, g, sb, hb, packed, None, rows_per_g,
+        x2, kind, g, sb, hb, packed, None, rows_per_g, path="quantize",
         mode=mode, nvfp4=f.has_global_scale, write_q=True, write_bits=return_hints,
     )  # fmt: skip
     q = FP4Tensor(packed, sb, g, f.name)
@@ -510,7 +537,7 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints) -> FP4Tensor:
     sb, hb, g = _hint_tensors(x, hints)
     packed = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=torch.uint8, device=x.device)
     _launch_fp4(
-        x2, kind, g, sb, hb, packed, None, 1,
+        x2, kind, g, sb, hb, packed, None, 1, path="quantize",
         mode=_MODE_GUIDED, nvfp4=f.has_global_scale, write_q=True, write_bits=False,
     )  # fmt: skip
     # Blocks with a non-finite value carry the NaN scale byte (the kernel already zeroed their codes).
@@ -546,7 +573,7 @@ def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", hints
         else:
             mode, g, rows_per_g = _MODE_ROW, None, 1
     _launch_fp4(
-        x2, kind, g, sb, hb, None, out_arg, rows_per_g,
+        x2, kind, g, sb, hb, None, out_arg, rows_per_g, path="fake" if hints is None else "guided_fake",
         mode=mode, nvfp4=f.has_global_scale, out_kind=out_kind, write_q=False, write_bits=False,
     )  # fmt: skip
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -566,10 +593,10 @@ def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     g = q.global_scale.to(torch.float32).expand(shape[:-1] + (1,)).reshape(-1).contiguous()
     out_kind = _out_kind(dtype)
     out = torch.empty(shape, dtype=torch.bfloat16 if out_kind == _BF16 else torch.float32, device=q.packed.device)
-    rows, nbt, n_col, warps = _tiles(M, K, f.block_size, whole_row=False)
-    _dequant_kernel[(triton.cdiv(M, rows), n_col)](
+    block_m, block_k, n_col, warps = _tiles(M, K, f.block_size, False, "dequantize")
+    _dequant_kernel[(triton.cdiv(M, block_m), n_col)](
         packed, sb, g, out.view(torch.int16) if out_kind == _BF16 else out, M, K, 1,
-        NVFP4=f.has_global_scale, OUT_KIND=out_kind, ROWS=rows, NBT=nbt, BS=f.block_size,
+        NVFP4=f.has_global_scale, OUT_KIND=out_kind, ROWS=block_m, NBT=block_k // f.block_size, BS=f.block_size,
         num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out if out.dtype == dtype else out.to(dtype)

@@ -19,6 +19,7 @@ that `torch.compile` can trace code that calls them.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,7 @@ class LayerWeights:
     ln_post: torch.Tensor
     w_router: torch.Tensor  # [E, H]
     gate_up: FP4Tensor | torch.Tensor  # [E, 2I, H]
-    down: FP4Tensor | torch.Tensor  # [E, H, NI]
+    down: FP4Tensor | torch.Tensor  # [E, H, I]
     hinted: bool = False
 
     def nbytes_dense(self) -> int:
@@ -330,13 +331,12 @@ def moe_experts_op(
     or dense. Returns fp32 [M, top_k, H] (weighted per-slot outputs)."""
     moe = _kernels()[2]
 
-    def wrap(t, s, g, cols):
+    def wrap(t, s, g):
         return t if s is None else FP4Tensor(t, s, g, "nvfp4")
 
-    xq = wrap(x, x_scale, x_g, hidden)
     return moe.experts_from_quantized(
-        xq, topk_ids, topk_weights, wrap(gate_up, gate_up_scale, gate_up_g, hidden),
-        wrap(down, down_scale, down_g, None), hidden_fp4=hidden_fp4,
+        wrap(x, x_scale, x_g), topk_ids, topk_weights, wrap(gate_up, gate_up_scale, gate_up_g),
+        wrap(down, down_scale, down_g), hidden_fp4=hidden_fp4,
     )  # fmt: skip
 
 
@@ -523,8 +523,9 @@ def _quantize_into(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, g: 
     fq = _kernels()[3]
     x2, kind = fq._as_input(x)
     packed = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8, device=x.device)
+    kw = {"path": "quantize"} if "path" in inspect.signature(fq._launch_fp4).parameters else {}
     fq._launch_fp4(x2, kind, g, scale, bits, packed, None, 1, mode=fq._MODE_ROW, nvfp4=True, write_q=True,
-                   write_bits=True)  # fmt: skip
+                   write_bits=True, **kw)  # fmt: skip
     return FP4Tensor(packed, scale, g.view(-1, 1), "nvfp4")
 
 

@@ -1,0 +1,126 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Cost of the QAT training step: forward + backward of a `TraceFP4Config` model in train mode with hints and
+routing replay (`use_hints`), against the plain BF16 model (same weights, same batch, no quantization).
+
+    python benchmarks/train_step.py --out outputs/train_step.json              # H200, under 1.5 minutes
+    python benchmarks/train_step.py --smoke --out /tmp/train_step_smoke.json   # CPU, tiny model
+
+The hints are recorded the way a rollout would: an eval forward of the same batch under `HintRecorder`.
+Reported: median seconds per step of each, and their ratio (goal: QAT <= 1.2x BF16).
+Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--expert-dim", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("No CUDA device: run with --smoke or on the GPU.", file=sys.stderr)
+        return 2
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from trace_hf import TraceFP4Config
+    from trace_hf.hints import HintRecorder, use_hints
+    from trace_hf.quantizer import quantize_model
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    if args.smoke:
+        args.layers, args.hidden, args.experts, args.top_k, args.expert_dim = 2, 64, 8, 2, 32
+        args.vocab, args.batch, args.seq, args.steps = 128, 2, 16, 1
+    dtype = torch.bfloat16 if cuda else torch.float32
+    heads = max(1, args.hidden // 128)
+    config = Qwen3MoeConfig(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4), head_dim=128 if cuda else 32, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_dim, intermediate_size=4 * args.hidden,
+        vocab_size=args.vocab, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        max_position_embeddings=max(4096, args.seq), tie_word_embeddings=False, output_router_logits=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(dev):
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    qat = copy.deepcopy(base)
+    quantize_model(qat, TraceFP4Config())
+    base.train()
+    ids = torch.randint(3, args.vocab, (args.batch, args.seq), device=dev)
+    mask = torch.ones_like(ids)
+
+    qat.eval()
+    with torch.no_grad(), HintRecorder(qat) as rec:
+        qat(input_ids=ids, attention_mask=mask, use_cache=False)
+    hints = rec.collect(mask)
+    qat.train()
+
+    def step_base():
+        loss = base(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss.backward()
+        base.zero_grad(set_to_none=True)
+
+    def step_qat():
+        with use_hints(qat, hints, mask):
+            loss = qat(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            loss.backward()
+        qat.zero_grad(set_to_none=True)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        ts = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[len(ts) // 2]
+
+    t0 = time.perf_counter()
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "smoke": args.smoke, "config": vars(args)}
+    # Alternate, so that drift affects both alike.
+    t_base = timed(step_base)
+    t_qat = timed(step_qat)
+    t_base = min(t_base, timed(step_base))
+    res.update(bf16_step_s=t_base, qat_step_s=t_qat, ratio=t_qat / t_base, tokens=args.batch * args.seq)
+    if cuda:
+        res["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    res["seconds"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"BF16 step {t_base * 1e3:.1f} ms, QAT (FP4 + hints + routing replay) step {t_qat * 1e3:.1f} ms, "
+          f"ratio {t_qat / t_base:.2f}x (goal <= 1.2x); JSON: {args.out}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Triton routed experts (`trace_hf.kernels.fp4_moe`) against `TraceFP4Experts`' eval path.
+
+The kernels match numerically, not bit for bit: their dot products sum in another order than torch's matmul.
+In fp32 (the interpreter) the outputs agree to ~1e-7 relative; the bound used is 1e-5 (a hidden element that
+lands on an FP4 rounding boundary could flip to its neighbour code, which these seeded inputs do not hit).
+On the GPU the operands are bf16 (exact for FP4 values), so the FP4 path keeps the same kind of agreement.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trace_hf import fp4
+from trace_hf.experts import TraceFP4Experts
+
+
+moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+
+
+def _experts(E, H, NI, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    gu = nn.Parameter((torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(device))
+    d = nn.Parameter((torch.randn(E, H, NI, generator=g) * 0.1).to(device))
+    return TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4").eval()
+
+
+def _routing(M, E, K, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w, ids = torch.softmax(torch.randn(M, E, generator=g), -1).topk(K)
+    return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("M,E,K", [(3, 8, 2), (37, 4, 3)])
+def test_align_layout(backend, M, E, K):
+    ids, _ = _routing(M, E, K)
+    bm = 16
+    sorted_ids, expert_ids = moe.moe_align(ids, E, bm, backend=backend)
+    n = M * K
+    flat = ids.reshape(-1)
+    seen = []
+    for b, e in enumerate(expert_ids.tolist()):
+        rows = sorted_ids[b * bm : (b + 1) * bm]
+        if e < 0:
+            continue
+        real = rows[rows < n]
+        assert (flat[real.long()] == e).all(), "a block holds slots of another expert"
+        seen += real.tolist()
+        assert (rows[len(real) :] == n).all(), "padding is not at the end of the block"
+    assert sorted(seen) == list(range(n)), "every slot must appear exactly once"
+    # Experts in increasing order and slots in increasing order within an expert (stable).
+    assert seen == sorted(seen, key=lambda s: (flat[s].item(), s))
+
+
+def test_align_backends_agree():
+    ids, _ = _routing(29, 8, 2, seed=5)
+    s1, e1 = moe.moe_align(ids, 8, 16, backend="torch")
+    s2, e2 = moe.moe_align(ids, 8, 16, backend="triton")
+    assert torch.equal(e1, e2)
+    valid = (e1 >= 0).repeat_interleave(16)
+    assert torch.equal(s1[valid], s2[valid])
+
+
+@pytest.mark.parametrize("M,E,H,NI,K", [(3, 8, 64, 32, 2), (40, 4, 128, 64, 2)])
+def test_fp4_experts_match_module_eval_path(M, E, H, NI, K):
+    mod = _experts(E, H, NI)
+    ids, w = _routing(M, E, K)
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
+    ref = mod(x, ids, w)  # eval path: packed weights, W4A4, fp32
+    gu, d = mod.packed_weights()
+    out = moe.fp4_moe_experts(x, ids, w, gu, d)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+    # The torch fallback computes the same function.
+    assert _rel(moe.moe_experts_reference(x, ids, w, gu, d), ref) < 1e-5
+
+
+def test_fp4_experts_return_the_input_hints():
+    mod = _experts(4, 64, 32)
+    ids, w = _routing(5, 4, 2)
+    x = torch.randn(5, 64)
+    out, hints = moe.fp4_moe_experts(x, ids, w, *mod.packed_weights(), return_hints=True)
+    ref = fp4.extract_hints(fp4.quantize(x, "nvfp4", "row"))
+    assert torch.equal(hints.mantissa_bits, ref.mantissa_bits)
+    assert torch.equal(hints.block_scale, ref.block_scale)
+    assert torch.equal(hints.global_scale, ref.global_scale)
+
+
+def test_w4a16_and_dense_paths():
+    mod = _experts(4, 64, 32, seed=3)
+    ids, w = _routing(6, 4, 2, seed=4)
+    x = torch.randn(6, 64)
+    gu, d = mod.packed_weights()
+    out = moe.fp4_moe_experts(x, ids, w, gu, d, activations="none")
+    assert _rel(out, moe.moe_experts_reference(x, ids, w, gu, d, activations="none")) < 1e-5
+    dense = moe.fp4_moe_experts(x, ids, w, mod.gate_up_proj.detach(), mod.down_proj.detach(), activations="none")
+    ref = moe.moe_experts_reference(x, ids, w, mod.gate_up_proj.detach(), mod.down_proj.detach(), activations="none")
+    assert _rel(dense, ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_fp4_experts_gpu_qwen3_shapes():
+    dev = "cuda"
+    E, H, NI, K = 128, 2048, 768, 8
+    mod = _experts(E, H, NI, device=dev)
+    for M in (1, 64, 300):
+        ids, w = _routing(M, E, K, seed=M, device=dev)
+        x = torch.randn(M, H, device=dev)
+        ref = mod(x, ids, w)
+        gu, d = mod.packed_weights()
+        out = moe.fp4_moe_experts(x, ids, w, gu, d)
+        # bf16 operands are exact for FP4 values: only the summation order differs (and rare hidden code flips).
+        assert _rel(out, ref) < 1e-3
+        xb = x.bfloat16()
+        outb = moe.fp4_moe_experts(xb, ids, w, gu, d)
+        assert _rel(outb, mod(xb.float(), ids, w)) < 2e-2  # bf16 output rounding
+        dense = moe.fp4_moe_experts(xb, ids, w, mod.gate_up_proj.detach().bfloat16(),
+                                    mod.down_proj.detach().bfloat16(), activations="none")  # fmt: skip
+        refd = moe.moe_experts_reference(xb, ids, w, mod.gate_up_proj.detach().bfloat16(),
+                                         mod.down_proj.detach().bfloat16(), activations="none")  # fmt: skip
+        assert _rel(dense, refd) < 2e-2  # the hidden activation enters the down GEMM as bf16
