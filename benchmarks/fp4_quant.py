@@ -2,7 +2,7 @@
 """FP4 quantization kernels: achieved bandwidth against a device copy, and bit-exactness against the spec.
 
     python benchmarks/fp4_quant.py --out outputs/fp4_quant.json            # H200
-    python benchmarks/fp4_quant.py --out outputs/fp4_quant.json --sweep    # also try tile sizes / warps
+    python benchmarks/fp4_quant.py --out outputs/fp4_quant.json --sweep    # also try launch configs (< 4 min)
     python benchmarks/fp4_quant.py --smoke --out /tmp/fp4_smoke.json       # CPU, interpreter, tiny shapes
 
 Bytes are counted as what a kernel must move: input read plus outputs written (plus hints read for the guided
@@ -22,7 +22,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="path of the JSON with the numbers")
     p.add_argument("--smoke", action="store_true", help="tiny shapes; on CPU through TRITON_INTERPRET=1")
-    p.add_argument("--sweep", action="store_true", help="also time other tile sizes and warp counts (CUDA)")
+    p.add_argument("--sweep", action="store_true", help="also time other launch configs per kernel (CUDA)")
     p.add_argument("--rows", type=int, default=65536)
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--exact-values", type=int, default=1 << 21, help="random values per format for bit checks")
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
         "guided_fake_quantize": (lambda: K.fake_quantize(x, hints=h), fq_bytes),
         "fake_quantize": (lambda: K.fake_quantize(x, "nvfp4", "row"), 2 * x.numel() * 2),
     }
+    paths = {"quantize_with_hints": "quantize", "guided_fake_quantize": "guided_fake", "fake_quantize": "fake"}
     results["kernels"] = {}
     for name, (fn, nbytes) in cases.items():
         t = bench(fn)
@@ -89,23 +90,34 @@ def main(argv=None) -> int:
             "seconds": t,
             "bytes_per_s": nbytes / t,
             "fraction_of_copy": nbytes / t / copy_bw,
-            "config": dict(K.CONFIG),
+            "config": dict(K.CONFIG[paths[name]]),
         }
     if args.sweep and cuda:
-        default = dict(K.CONFIG)
+        # Launch configs per kernel path (K.CONFIG[path]): elements per program, columns per program (ignored by
+        # the row-scale quantize, whose programs span whole rows), warps. At most 24 per kernel, short timings.
+        whole_row = {"quantize", "fake"}  # NVFP4 row scale: BLOCK_K is the whole row
         sweep = []
-        for tile in (2048, 4096, 8192, 16384, 32768):
-            for warps in (4, 8, 16):
-                K.CONFIG.update(tile=tile, num_warps=warps)
-                for name, (fn, nbytes) in cases.items():
-                    t = bench(fn)
-                    sweep.append({"kernel": name, "tile": tile, "num_warps": warps, "fraction": nbytes / t / copy_bw})
-        K.CONFIG.clear()
-        K.CONFIG.update(default)
+        for name, (fn, nbytes) in cases.items():
+            path = paths[name]
+            default = dict(K.CONFIG[path])
+            block_ks = (default["block_k"],) if path in whole_row else (512, 2048)
+            for tile in (2048, 4096, 8192, 16384):
+                for block_k in block_ks:
+                    for warps in (2, 4, 8) if path not in whole_row else (2, 4, 8, 16):
+                        if tile < block_k or tile // 256 < warps:
+                            continue
+                        K.CONFIG[path] = {"tile": tile, "block_k": block_k, "num_warps": warps}
+                        t = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e-3
+                        sweep.append(
+                            {"kernel": name, "path": path, **K.CONFIG[path], "fraction": nbytes / t / copy_bw}
+                        )
+            K.CONFIG[path] = default
         results["sweep"] = sweep
         for name in cases:
             best = max((s for s in sweep if s["kernel"] == name), key=lambda s: s["fraction"])
-            print(f"sweep best {name}: tile={best['tile']} warps={best['num_warps']} {best['fraction']:.1%} of copy")
+            cfg = {k: best[k] for k in ("tile", "block_k", "num_warps")}
+            print(f"sweep best {name}: {best['fraction']:.1%} of copy; pin in kernels/fp4_quant.py CONFIG: "
+                  f'"{best["path"]}": {json.dumps(cfg)}')  # fmt: skip
     x = q = h = None  # free the activation
 
     # 3. Bit-exactness on this device: kernels vs the torch reference, mismatching elements per field.
@@ -156,9 +168,8 @@ def main(argv=None) -> int:
     print(f"{'kernel':24s} {'shape':>14s} {'us':>10s} {'GB/s':>9s} {'of copy':>8s}")
     for name, k in results["kernels"].items():
         shape = "x".join(map(str, k["shape"]))
-        print(
-            f"{name:24s} {shape:>14s} {k['seconds'] * 1e6:10.1f} {k['bytes_per_s'] / 1e9:9.1f} {k['fraction_of_copy']:8.1%}"
-        )
+        us, gbs = k["seconds"] * 1e6, k["bytes_per_s"] / 1e9
+        print(f"{name:24s} {shape:>14s} {us:10.1f} {gbs:9.1f} {k['fraction_of_copy']:8.1%}")
     for fmt, e in exact.items():
         fails = {k: v for k, v in e["mismatches"].items() if v}
         status = "PASS" if not any(v for k, v in fails.items() if not k.startswith("vs_cpu")) else "FAIL"

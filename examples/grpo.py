@@ -286,6 +286,8 @@ def main(argv=None) -> dict:
     trainer = build_trainer(args, model_path, dataset, run_dir)
     trainer.train()
     history = trainer.state.log_history
+    if not trainer.accelerator.is_main_process:  # under accelerate launch, one process reports
+        return {}
     with open(os.path.join(run_dir, "metrics.json"), "w") as f:
         json.dump(history, f, indent=1)
     summary = summarize(history, args.rollout)

@@ -6,14 +6,15 @@ Public: `quantize` (optionally with the hints, in the same pass), `dequantize`, 
 imported (tests). `trace_hf.fp4` calls them for ``backend="triton"`` (and ``"auto"`` on CUDA).
 
 One kernel (`_fp4_kernel`) covers nearest quantization, hint-guided quantization and fused fake quantization,
-for NVFP4 and MXFP4: a program loads a tile of ``ROWS`` rows x ``NBT`` blocks x ``BS`` elements, works out the
-scales, rounds every element once, and writes whatever the caller asked for (packed codes, scale bytes, the
+for NVFP4 and MXFP4: a program loads a tile of ``BLOCK_M`` rows x ``BLOCK_K`` columns (blocks of ``BS``), works
+out the scales, rounds every element once, and writes whatever the caller asked for (packed codes, scale bytes, the
 row's global scale, the mantissa bits of the hints, the dequantized values). `_dequant_kernel` decodes a packed
 tensor and `_row_amax_kernel` feeds the per-expert / per-tensor global scales.
 
 Why the arithmetic looks the way it does (docs: DESIGN.md section 4):
 
-* every fp32 division is ``tl.div_rn``: Triton's ``/`` is not IEEE on the GPU;
+* every fp32 division is ``tl.div_rn`` (Triton's ``/`` is not IEEE on the GPU), or, per element in `_fp4_kernel`,
+  an exact branch-free Markstein iteration on a per-block ``div_rn`` reciprocal (explained there);
 * kernels launch with ``enable_fp_fusion=False`` so that no product is contracted into an FMA;
 * E2M1 and E4M3 rounding, E4M3/E8M0/E2M1 decoding and the bf16 output rounding are integer or comparison logic
   on the fp32 bits: the interpreter's float casts (fp8, bf16) do not round like the GPU;
@@ -272,17 +273,34 @@ def _fp4_kernel(
         ok = ~bad_b
         sg = s
 
-    # ---- per element: one IEEE division by the fp32 product (s * g), then the E2M1 index -----------------------
-    # Blocks that are not ok (zero, flushed, non-finite) divide by 1 and keep only the sign: their values can be
-    # anything here, NaN included, since the index is masked off.
-    y = tl.div_rn(x, tl.where(ok, sg, 1.0)[:, :, None])
-    a = tl.minimum(tl.abs(y), 6.0)
+    # ---- the division |x| / (s * g), exact and branch-free --------------------------------------------------
+    # tl.div_rn per element is a branchy ~10-instruction sequence. Instead, per block: scale d = s * g by a power
+    # of two P into [2^-23, 4) (exact), and take r = RN(1 / (d * P)) with one div_rn. Per element: xs = |x| * P
+    # (exact wherever the quotient matters), then Markstein's iteration: q = xs * r, two fma corrections; with a
+    # correctly rounded r the last one returns RN(xs / m) = RN(|x| / d) (no ties exist in binary division). This
+    # holds whenever the quotient is >= 2^-4 (no intermediate underflows); below, only "tiny" matters (index 0),
+    # and guided rounding also needs "exactly 0", decided by a comparison. xs is capped at 32 (quotient >= 8,
+    # saturated either way). Blocks that are not ok (zero, flushed, non-finite scale) divide by 1 and keep only
+    # the sign: their values can be anything here, NaN included, since the index is masked off.
+    d = tl.where(ok, sg, 1.0)
+    p = _float(tl.minimum(tl.maximum(254 - ((_bits(d) >> 23) & 0xFF), 1), 253) << 23)
+    m = d * p
+    r = tl.div_rn(1.0, m)
+    m3, r3 = m[:, :, None], r[:, :, None]
+    xs = tl.minimum(tl.abs(x) * p[:, :, None], 32.0)
+    q = xs * r3
+    q = tl.fma(tl.fma(-m3, q, xs), r3, q)
+    q = tl.fma(tl.fma(-m3, q, xs), r3, q)
+    a = tl.minimum(q, 6.0)
     if MODE == 2:
         # The recorded mantissa bits: a byte per 8 elements, i.e. per thread (a thread holds 8 neighbours).
         j8 = tl.arange(0, BS // 8)[None, None, :]
         hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
         hbytes = tl.load(hb_ptr + hb_offs, mask=mask, other=0).to(tl.int32)
         bits = (hbytes[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
+        # IEEE |x| / d is 0 exactly when |x| <= RD(d * 2^-150): floor(d / 2) subnormal ulps, or d * 2^-150 itself.
+        tz = tl.where(d >= 16777216.0, (d * 2.0**-75) * 2.0**-75, _float((d * 0.5).to(tl.int32)))
+        a = tl.where(tl.abs(x) <= tz[:, :, None], 0.0, tl.maximum(a, 1e-30))
         idx = _e2m1_guided(a, tl.reshape(bits, [BLOCK_M, NBT, BS]))
     else:
         idx = _e2m1_nearest(a)

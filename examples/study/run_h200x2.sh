@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One call on a 2-GPU H200 machine: the multi-GPU check (issue 9) and the small-scale study (issue 8).
+#
+#   OUT=outputs/h200x2 bash examples/study/run_h200x2.sh
+#
+# 1. GPU1: examples/grpo.py (tiny default, its SFT warm-up) on one GPU, 20 steps; GPU0 meanwhile SFT-warms the
+#    ~100M study model. 2. The same GRPO run with DDP on both GPUs (same global batch: 8 prompts per device),
+#    started from the same warm weights. 3. The study regimes in two queues, one per GPU. 4. The report.
+# Results are packed into $OUT/study.tar.gz and $OUT/ddp.tar.gz (the device returns at most 8 files).
+set -u
+ROOT=$(pwd)
+OUT=${OUT:-outputs/h200x2}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+W=$(mktemp -d)
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+STEPS=${STEPS:-30}
+DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # regimes that cannot finish before this are skipped, and say so
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/env.txt"
+$PY -c "import torch, trl, transformers; print(torch.__version__, trl.__version__, transformers.__version__)" >> "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+echo "== 1. one-GPU GRPO (GPU1) and the study warm-up (GPU0), in parallel"
+(CUDA_VISIBLE_DEVICES=1 timeout 120 $PY examples/grpo.py --max-steps 20 --output-dir "$W/ddp/1gpu" \
+  > "$W/ddp_1gpu.log" 2>&1; echo "rc=$?" >> "$W/ddp_1gpu.log") &
+CUDA_VISIBLE_DEVICES=0 timeout 120 $PY examples/study/study.py warm --out "$W/study" > "$W/study_warm.log" 2>&1
+echo "warm rc=$?"
+wait
+tail -n 3 "$W/study_warm.log"
+grep -E "reward/|wall_time" "$W/ddp_1gpu.log"
+
+echo "== 2. the same GRPO run with DDP on two GPUs"
+timeout 100 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --mixed_precision no \
+  examples/grpo.py --max-steps 20 --prompts-per-step 8 --model "$W/ddp/1gpu/sft-warm" --output-dir "$W/ddp/2gpu" \
+  > "$W/ddp_2gpu.log" 2>&1
+echo "ddp rc=$?"
+grep -E "reward/|wall_time" "$W/ddp_2gpu.log"
+
+echo "== 3. study regimes, one queue per GPU ($STEPS GRPO steps each)"
+run_queue() {
+  local gpu=$1; shift
+  for regime in "$@"; do
+    local left=$((DEADLINE - SECONDS - 40))
+    if [ "$left" -lt 60 ]; then echo "$regime SKIPPED (out of time)" >> "$W/queue$gpu.log"; continue; fi
+    CUDA_VISIBLE_DEVICES=$gpu timeout "$left" $PY examples/study/study.py grpo --out "$W/study" \
+      --regime "$regime" --steps "$STEPS" > "$W/study_$regime.log" 2>&1
+    echo "$regime rc=$?" >> "$W/queue$gpu.log"
+    tail -n 1 "$W/study_$regime.log" >> "$W/queue$gpu.log"
+  done
+}
+run_queue 0 trace_replay fp4_qat trace_replay_h25 &
+run_queue 1 bf16 fp4_naive trace trace_replay_h100 &
+wait
+cat "$W/queue0.log" "$W/queue1.log"
+
+echo "== 4. report"
+$PY examples/study/study.py report --out "$W/study" 2>&1 | tail -n 12
+cp "$W/study/table.md" "$W/study/study.png" "$OUT/" 2>/dev/null
+tar -C "$W" -czf "$OUT/study.tar.gz" --exclude='*/warm/*.safetensors' study study_warm.log $(cd "$W" && ls study_*.log queue*.log)
+tar -C "$W" -czf "$OUT/ddp.tar.gz" --exclude='*.safetensors' ddp ddp_1gpu.log ddp_2gpu.log
+ls -la "$OUT"
+rm -rf "$W"
