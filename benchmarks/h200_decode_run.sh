@@ -25,7 +25,7 @@ PY=${PY:-python3}
 cat "$OUT/env.txt"
 
 echo "== rollout decode benchmark"
-timeout 320 $PY benchmarks/rollout_decode.py --out "$OUT/rollout_decode.json" --budget-s 250 \
+timeout $((${ROLLOUT_BUDGET_S:-250} + 60)) $PY benchmarks/rollout_decode.py --out "$OUT/rollout_decode.json" --budget-s ${ROLLOUT_BUDGET_S:-250} \
   > "$OUT/rollout_decode.log" 2>&1
 echo "rc=$?" >> "$OUT/rollout_decode.log"
 tail -n 25 "$OUT/rollout_decode.log"

@@ -384,10 +384,12 @@ def _dequant_kernel(
 #: 16-byte loads in flight, with each thread holding whole half-blocks of 8 bf16. Under the interpreter programs
 #: run one after another in numpy, so there a program is ``tile_interpreted`` elements. ``max_row`` is the widest
 #: row the row-scale kernel keeps in registers (wider rows take a separate amax pass).
+# Launch parameters per path: the best of `benchmarks/fp4_quant.py --sweep` on an H200 ([65536, 2048] bf16;
+# docs/benchmarks.md has the run).
 CONFIG = {
-    "quantize": {"tile": 4096, "block_k": 2048, "num_warps": 4},  # quantize / guided_quantize (+ hints)
-    "fake": {"tile": 4096, "block_k": 2048, "num_warps": 4},  # fake_quantize, nearest
-    "guided_fake": {"tile": 4096, "block_k": 1024, "num_warps": 4},  # fake_quantize with hints
+    "quantize": {"tile": 2048, "block_k": 2048, "num_warps": 2},  # quantize / guided_quantize (+ hints)
+    "fake": {"tile": 2048, "block_k": 2048, "num_warps": 2},  # fake_quantize, nearest
+    "guided_fake": {"tile": 2048, "block_k": 2048, "num_warps": 8},  # fake_quantize with hints
     "dequantize": {"tile": 4096, "block_k": 1024, "num_warps": 4},
     "tile_interpreted": 1 << 17,
     "max_row": 16384,

@@ -14,15 +14,16 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 W=$(mktemp -d)
 PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 STEPS=${STEPS:-30}
 DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # regimes that cannot finish before this are skipped, and say so
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/env.txt"
 $PY -c "import torch, trl, transformers; print(torch.__version__, trl.__version__, transformers.__version__)" >> "$OUT/env.txt"
 cat "$OUT/env.txt"
 
-echo "== 1. one-GPU GRPO (GPU1) and the study warm-up (GPU0), in parallel"
-(CUDA_VISIBLE_DEVICES=1 timeout 120 $PY examples/grpo.py --max-steps 20 --output-dir "$W/ddp/1gpu" \
+G1=1; [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && G1=0  # one GPU: both queues share it, no DDP run
+echo "== 1. one-GPU GRPO (GPU $G1) and the study warm-up (GPU0), in parallel"
+[ "$G1" = 1 ] && (CUDA_VISIBLE_DEVICES=1 timeout 120 $PY examples/grpo.py --max-steps 20 --output-dir "$W/ddp/1gpu" \
   > "$W/ddp_1gpu.log" 2>&1; echo "rc=$?" >> "$W/ddp_1gpu.log") &
 CUDA_VISIBLE_DEVICES=0 timeout 120 $PY examples/study/study.py warm --out "$W/study" > "$W/study_warm.log" 2>&1
 echo "warm rc=$?"
@@ -31,7 +32,7 @@ tail -n 3 "$W/study_warm.log"
 grep -E "reward/|wall_time" "$W/ddp_1gpu.log"
 
 echo "== 2. the same GRPO run with DDP on two GPUs"
-timeout 100 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --mixed_precision no \
+[ "$G1" = 1 ] && timeout 100 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --mixed_precision no \
   examples/grpo.py --max-steps 20 --prompts-per-step 8 --model "$W/ddp/1gpu/sft-warm" --output-dir "$W/ddp/2gpu" \
   > "$W/ddp_2gpu.log" 2>&1
 echo "ddp rc=$?"
@@ -39,18 +40,18 @@ grep -E "reward/|wall_time" "$W/ddp_2gpu.log"
 
 echo "== 3. study regimes, one queue per GPU ($STEPS GRPO steps each)"
 run_queue() {
-  local gpu=$1; shift
+  local q=$1 gpu=$2; shift 2
   for regime in "$@"; do
     local left=$((DEADLINE - SECONDS - 40))
-    if [ "$left" -lt 60 ]; then echo "$regime SKIPPED (out of time)" >> "$W/queue$gpu.log"; continue; fi
+    if [ "$left" -lt 60 ]; then echo "$regime SKIPPED (out of time)" >> "$W/queue$q.log"; continue; fi
     CUDA_VISIBLE_DEVICES=$gpu timeout "$left" $PY examples/study/study.py grpo --out "$W/study" \
       --regime "$regime" --steps "$STEPS" > "$W/study_$regime.log" 2>&1
-    echo "$regime rc=$?" >> "$W/queue$gpu.log"
-    tail -n 1 "$W/study_$regime.log" >> "$W/queue$gpu.log"
+    echo "$regime rc=$?" >> "$W/queue$q.log"
+    tail -n 1 "$W/study_$regime.log" >> "$W/queue$q.log"
   done
 }
-run_queue 0 trace_replay fp4_qat trace_replay_h25 &
-run_queue 1 bf16 fp4_naive trace trace_replay_h100 &
+run_queue 0 0 trace_replay fp4_qat trace_replay_h25 &
+run_queue 1 $G1 bf16 fp4_naive trace trace_replay_h100 &
 wait
 cat "$W/queue0.log" "$W/queue1.log"
 
@@ -58,6 +59,6 @@ echo "== 4. report"
 $PY examples/study/study.py report --out "$W/study" 2>&1 | tail -n 12
 cp "$W/study/table.md" "$W/study/study.png" "$OUT/" 2>/dev/null
 tar -C "$W" -czf "$OUT/study.tar.gz" --exclude='*/warm/*.safetensors' study study_warm.log $(cd "$W" && ls study_*.log queue*.log)
-tar -C "$W" -czf "$OUT/ddp.tar.gz" --exclude='*.safetensors' ddp ddp_1gpu.log ddp_2gpu.log
+[ "$G1" = 1 ] && tar -C "$W" -czf "$OUT/ddp.tar.gz" --exclude='*.safetensors' ddp ddp_1gpu.log ddp_2gpu.log
 ls -la "$OUT"
 rm -rf "$W"

@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per regime")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--max-completion-length", type=int, default=40)
+    p.add_argument("--max-completion-length", type=int, default=96, help="worked answers need ~60-90")
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -112,18 +112,21 @@ def warm(args) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     train, test = data(args.seed)
     texts = [p + " " + a + tok.eos_token for p, a in zip(train["prompt"], train["answer"], strict=True)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=args.sft_steps, pct_start=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-4, total_steps=args.sft_steps, pct_start=0.1)
     g = torch.Generator().manual_seed(args.seed)
-    t0 = time.time()
+    tok.padding_side = "right"  # SFT batches: no fully masked (pad) query rows
+    t0, skipped = time.time(), 0
     model.train()
     for step in range(args.sft_steps):
         idx = torch.randint(len(texts), (64,), generator=g).tolist()
         enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True).to(dev)
         labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
-        pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss = model(**enc, position_ids=pos, labels=labels).loss
+        loss = model(**enc, labels=labels).loss  # fp32 weights and compute: the warm-up must not diverge
+        if not torch.isfinite(loss):
+            skipped += 1
+            opt.zero_grad(set_to_none=True)
+            continue
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -131,6 +134,8 @@ def warm(args) -> None:
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == args.sft_steps - 1:
             print(f"SFT step {step:5d} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+    tok.padding_side = "left"
+    print(f"SFT: {skipped} non-finite steps skipped")
     model = model.to(dtype)
     path = os.path.join(args.out, "warm")
     model.save_pretrained(path)
@@ -283,7 +288,9 @@ def report(args) -> None:
     if not results:
         raise SystemExit(f"No results under {args.out}: run `study.py grpo --regime ...` first.")
     lines = [
-        "| regime | " + " | ".join(c for _, c in COLUMNS) + " | reward first5 -> last5 | test acc FP4 | test acc BF16 |",
+        "| regime | "
+        + " | ".join(c for _, c in COLUMNS)
+        + " | reward first5 -> last5 | test acc FP4 | test acc BF16 |",
         "|---" * (len(COLUMNS) + 4) + "|",
     ]
     for regime, r in results.items():
