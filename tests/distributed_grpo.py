@@ -3,6 +3,10 @@
 
     torchrun --standalone --nproc_per_node 2 tests/distributed_grpo.py OUT_DIR
 
+Each rank then checks that the packed FP4 rollout weights its experts computed after the optimizer steps equal the
+quantization of the updated masters. (FSDP through the Trainer is not tested here: accelerate enables FSDP only on
+accelerators, never for MULTI_CPU; tests/distributed_fsdp2.py checks the model side with torch's `fully_shard`.)
+
 Each process rolls out its own rows with hints; TRL gathers rewards across processes and slices them back. The main
 process writes the log history to OUT_DIR/log_history.json.
 """
@@ -14,6 +18,11 @@ import os
 import sys
 
 import torch
+
+
+def varied_reward(completions, **kwargs):
+    """Differs within groups, so the random model gets a policy gradient and its weights move."""
+    return [float(sum(map(ord, c)) % 7) / 7 for c in completions]
 
 
 def main(out_dir: str) -> None:
@@ -45,14 +54,42 @@ def main(out_dir: str) -> None:
         dataloader_pin_memory=False,
         disable_tqdm=True,
         seed=0,
+        learning_rate=1e-3,
     )
     trainer = TraceGRPOTrainer(
-        model, T.arithmetic_reward, args=args, train_dataset=dataset, processing_class=T.build_char_tokenizer()
+        model,
+        [T.arithmetic_reward, varied_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=T.build_char_tokenizer(),
     )
     trainer.train()
+    packed_ok = check_packed_weights(trainer)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(out_dir, "log_history.json"), "w") as f:
-            json.dump({"num_processes": trainer.accelerator.num_processes, "history": trainer.state.log_history}, f)
+            json.dump(
+                {
+                    "num_processes": trainer.accelerator.num_processes,
+                    "packed_matches_full_masters": packed_ok,
+                    "history": trainer.state.log_history,
+                },
+                f,
+            )
+
+
+def check_packed_weights(trainer) -> bool:
+    """One more rollout-path forward, then compare every packed expert weight with its master's quantization."""
+    from trace_hf import fp4
+    from trace_hf.experts import fp4_experts
+
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+    return all(
+        torch.equal(m._packed[1].packed, fp4.quantize(m.gate_up_proj.detach(), m.fmt, scale="expert").packed)
+        for m in fp4_experts(model)
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,34 @@ def test_two_process_cpu_run(tmp_path):
     with open(tmp_path / "log_history.json") as f:
         logged = json.load(f)
     assert logged["num_processes"] == 2
+    # The packed FP4 rollout weights follow the updated master weights on every rank.
+    assert logged["packed_matches_full_masters"]
     steps = [h for h in logged["history"] if "reward" in h]
     assert len(steps) == 2
     for key in ("trace/logp_diff/mean", "trace/hint_flip_rate", "trace/routing_mismatch", "trace/is_ratio/mean"):
         assert all(key in h and h[key] == h[key] for h in steps), key
     assert all(h["trace/train/hint_flip_rate"] < 0.2 for h in steps)
+
+
+def test_fsdp2_sharded_masters_two_cpu_processes(tmp_path):
+    """FSDP2 (`fully_shard`, gloo): hints recorded and applied with sharded masters; packed rollout weights are
+    built from the gathered layer and equal the quantization of the full masters after an optimizer step."""
+    script = os.path.join(os.path.dirname(SCRIPT), "distributed_fsdp2.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        script,
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    for rank in (0, 1):
+        with open(tmp_path / f"fsdp2-{rank}.json") as f:
+            r = json.load(f)
+        assert r["sharded"] and r["packed_matches_full_masters"], r
+        assert r["loss"] == r["loss"]  # finite

@@ -1,0 +1,78 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""FSDP2 on two CPU processes (gloo): the FP4 model with sharded master weights (see test_trainer_distributed.py).
+
+    torchrun --standalone --nproc_per_node 2 tests/distributed_fsdp2.py OUT_DIR
+
+Each rank shards the decoder layers with torch's `fully_shard`, rolls out its own prompts with hints, trains one
+step under `use_hints` (backward inside), and checks that the packed FP4 rollout weights built during the next
+forward (when FSDP2 has gathered the layer) equal the quantization of the full, gathered masters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(out_dir: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from trace_hf import HintRecorder, TraceFP4Config, fp4, use_hints
+    from trace_hf import testing as T
+    from trace_hf.experts import fp4_experts
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    # Saved before the process group exists (save_pretrained writes on the main process only once one does);
+    # every rank gets the same weights (seeded).
+    path = T.save_tiny_model(os.path.join(out_dir, f"model-{rank}"))
+    dist.init_process_group("gloo")
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=TraceFP4Config())
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    experts = fp4_experts(model)
+    sharded = all(type(m.gate_up_proj).__name__ == "DTensor" for m in experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(rank)
+    prompts = torch.randint(4, 100, (2, 6), generator=g)
+    model.eval()
+    with HintRecorder(model) as rec:
+        seq = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4, do_sample=False)
+    mask = torch.ones_like(seq)
+    hints = rec.collect(mask)
+    model.train()
+    with use_hints(model, hints, mask) as report:
+        loss = model(input_ids=seq, attention_mask=mask, labels=seq).loss
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=prompts)  # re-packs from the gathered, updated masters
+    packed_ok = all(
+        torch.equal(m._packed[1].packed, fp4.quantize(m.gate_up_proj.full_tensor().detach(), m.fmt, "expert").packed)
+        for m in experts
+    )
+    result = {
+        "rank": rank,
+        "sharded": sharded,
+        "loss": loss.item(),
+        "hint_flip_rate": report.hint_flip_rate,
+        "routing_mismatch": report.routing_mismatch,
+        "packed_matches_full_masters": packed_ok,
+    }
+    with open(os.path.join(out_dir, f"fsdp2-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
