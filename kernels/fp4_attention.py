@@ -29,7 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf.kernels.fp4_moe import DOT_BF16, INTERPRETED, load_fp4_rows  # noqa: E402
-from trace_hf.kernels.fp4_quant import _e2m1_nearest, _e4m3_decode, _e4m3_encode, _is_finite  # noqa: E402
+from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,14 +124,7 @@ def _quantize_row_store(x, q_ptr, s_ptr, g_ptr, D: tl.constexpr):
     amax_r = tl.max(amax_b, axis=0)
     bad_r = tl.max(bad_b.to(tl.int32), axis=0) > 0
     g = tl.div_rn(tl.where(bad_r, float("nan"), amax_r) + tl.zeros([NB], tl.float32), 2688.0)  # [NB], all equal
-    v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
-    sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
-    sbyte = tl.where(v != v, 0x7F, sbyte)
-    sbyte = tl.where(g == 0, 0, sbyte)
-    sbyte = tl.where(g != g, 0x7F, sbyte)
-    s = _e4m3_decode(sbyte)
-    sg = s * g
-    ok = _is_finite(sg) & (sg > 0)
+    sbyte, s, sg, ok = _nvfp4_block_scale(amax_b, g)  # the one NVFP4 scale rule, shared with fp4_quant
     y = tl.div_rn(xb, tl.where(ok, sg, 1.0)[:, None])
     a = tl.minimum(tl.maximum(y, -6.0), 6.0)
     a = tl.where(ok[:, None] & fin, tl.abs(a), 0.0)

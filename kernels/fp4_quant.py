@@ -153,6 +153,20 @@ def _e8m0_decode(b):
 
 
 @triton.jit
+def _nvfp4_block_scale(amax_b, g):
+    """NVFP4 block scale of the spec: byte = E4M3((amax_b / 6) / g), 0 for an all-zero group (g == 0), NaN byte
+    0x7F for a poisoned one; returns (byte, decoded s, the fp32 product s * g, whether s * g can divide)."""
+    v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
+    sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
+    sbyte = tl.where(v != v, 0x7F, sbyte)
+    sbyte = tl.where(g == 0, 0, sbyte)
+    sbyte = tl.where(g != g, 0x7F, sbyte)
+    s = _e4m3_decode(sbyte)
+    sg = s * g
+    return sbyte, s, sg, _is_finite(sg) & (sg > 0)
+
+
+@triton.jit
 def _store_out(ptr, offs, v, mask, OUT_KIND: tl.constexpr):
     if OUT_KIND == 1:
         # fp32 -> bf16 round to nearest even on the bits (the interpreter's cast truncates); NaN stays a quiet NaN
@@ -254,14 +268,7 @@ def _fp4_kernel(
             g = g[:, None]
         else:
             g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
-        v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
-        sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
-        sbyte = tl.where(v != v, 0x7F, sbyte)
-        sbyte = tl.where(g == 0, 0, sbyte)
-        sbyte = tl.where(g != g, 0x7F, sbyte)
-        s = _e4m3_decode(sbyte)
-        sg = s * g
-        ok = _is_finite(sg) & (sg > 0)
+        sbyte, s, sg, ok = _nvfp4_block_scale(amax_b, g)
     else:
         # MXFP4: E8M0 = floor(log2 amax) - 2 from the exponent bits, clamped to [-127, 127]; bad blocks 0xFF.
         ex = ((_bits(amax_b) >> 23) & 0xFF) - 129

@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""TraceGRPOTrainer with two CPU processes (torchrun, gloo): hints per process, metrics gathered."""
+"""Two CPU processes (torchrun, gloo): TraceGRPOTrainer under DDP, and the FP4 model under FSDP2."""
 
 from __future__ import annotations
 
@@ -9,26 +9,29 @@ import subprocess
 import sys
 
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_grpo.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_two_processes(script: str, out_dir) -> None:
+    """torchrun with 2 processes. Not `accelerate launch --num_processes 2 --cpu`: without an accelerate config that
+    starts a single process (its multi-CPU path goes through MPI); with torchrun's env vars Accelerate picks
+    MULTI_CPU/gloo. The cwd is outside the repository: `python -m` puts the cwd on sys.path, and the repo root holds
+    a folder `kernels/`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [*cmd, os.path.join(HERE, script), str(out_dir)],
+        cwd=out_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 
 def test_two_process_cpu_run(tmp_path):
-    # torchrun: `accelerate launch --num_processes 2 --cpu` starts a single process on a machine without an
-    # accelerate config (its multi-CPU path goes through MPI); with torchrun's env vars Accelerate picks MULTI_CPU/gloo.
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        SCRIPT,
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # cwd outside the repository: `python -m` puts the cwd on sys.path, and the repo root holds a folder `kernels/`.
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    run_two_processes("distributed_grpo.py", tmp_path)
     with open(tmp_path / "log_history.json") as f:
         logged = json.load(f)
     assert logged["num_processes"] == 2
@@ -44,20 +47,7 @@ def test_two_process_cpu_run(tmp_path):
 def test_fsdp2_sharded_masters_two_cpu_processes(tmp_path):
     """FSDP2 (`fully_shard`, gloo): hints recorded and applied with sharded masters; packed rollout weights are
     built from the gathered layer and equal the quantization of the full masters after an optimizer step."""
-    script = os.path.join(os.path.dirname(SCRIPT), "distributed_fsdp2.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        script,
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    run_two_processes("distributed_fsdp2.py", tmp_path)
     for rank in (0, 1):
         with open(tmp_path / f"fsdp2-{rank}.json") as f:
             r = json.load(f)
