@@ -9,7 +9,11 @@ trainable BF16 masters. Both paths quantize through `trace_hf.fp4`:
 * experts' input and hidden activation: one global scale per row (token), so a token's quantization does not
   depend on what else is in the batch;
 
-which is what makes the rollout (eval) and the training forward compute the same function. Hints and routing
+which is what makes the rollout (eval) and the training forward compute the same function. The module computes
+with its own token-grouped loop over hit experts (FP4 needs a quantization between the gate/up and the down
+projection, which transformers' `ExpertsInterface` kernels have no place for), so the model's
+`experts_implementation` setting does not apply to FP4 experts; the fast FP4 decode kernels live in
+`trace_hf.kernels.fp4_moe`. Hints and routing
 are recorded and replayed through two attributes that `trace_hf.hints` sets: `_trace_recorder` and
 `_trace_guide` (MoE blocks receive no forward kwargs, so state has to live on the module).
 """
