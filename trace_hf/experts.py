@@ -5,7 +5,8 @@ The module keeps the fused 3-D parameters of transformers' experts (`gate_up_pro
 [E, H, I]) under the same names, so a BF16 checkpoint loads with no conversion and the parameters stay the
 trainable BF16 masters. Both paths quantize through `trace_hf.fp4`:
 
-* expert weights: NVFP4/MXFP4 with one global scale per expert (`scale="expert"`);
+* expert weights: NVFP4/MXFP4 with one global scale per expert (`scale="expert"`), packed once per optimizer
+  step and shared by both paths;
 * experts' input and hidden activation: one global scale per row (token), so a token's quantization does not
   depend on what else is in the batch;
 
@@ -142,20 +143,17 @@ class TraceFP4Experts(nn.Module):
                 hidden_states, top_k_index, top_k_weights, lambda e: (self.gate_up_proj[e], self.down_proj[e])
             )
         x = self._quantize_input(hidden_states, top_k_index)
-        if self.training:
-            w_gu = fp4.fake_quantize(self.gate_up_proj, self.fmt, "expert")
-            w_d = fp4.fake_quantize(self.down_proj, self.fmt, "expert")
+        # Both paths use the packed weights (quantized once per optimizer step, not per forward); training
+        # dequantizes the hit experts and passes gradients straight through to the BF16 masters, which is exactly
+        # `fp4.fake_quantize(w, fmt, "expert")` with a straight-through estimator.
+        packed_gu, packed_d = self.packed_weights()
 
-            def weights(e):
-                return w_gu[e], w_d[e]
-        else:
-            packed_gu, packed_d = self.packed_weights()
-
-            def weights(e):
-                return (
-                    _expert_slice(packed_gu, e).dequantize(x.dtype),
-                    _expert_slice(packed_d, e).dequantize(x.dtype),
-                )
+        def weights(e):
+            gu = _expert_slice(packed_gu, e).dequantize(x.dtype)
+            d = _expert_slice(packed_d, e).dequantize(x.dtype)
+            if self.training:
+                gu, d = fp4.straight_through(self.gate_up_proj[e], gu), fp4.straight_through(self.down_proj[e], d)
+            return gu, d
 
         return self._routed(x, top_k_index, top_k_weights, weights)
 
