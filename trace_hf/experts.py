@@ -5,8 +5,8 @@ The module keeps the fused 3-D parameters of transformers' experts (`gate_up_pro
 [E, H, I]) under the same names, so a BF16 checkpoint loads with no conversion and the parameters stay the
 trainable BF16 masters. Both paths quantize through `trace_hf.fp4`:
 
-* expert weights: NVFP4/MXFP4 with one global scale per expert (`scale="expert"`), packed once per optimizer
-  step and shared by both paths;
+* expert weights: NVFP4/MXFP4 with one global scale per expert (`scale="expert"`), quantized once per
+  optimizer step: packed for rollout, dequantized (cached) for the QAT forward;
 * experts' input and hidden activation: one global scale per row (token), so a token's quantization does not
   depend on what else is in the batch;
 
@@ -71,6 +71,7 @@ class TraceFP4Experts(nn.Module):
         self._trace_recorder = None
         self._trace_guide = None
         self._packed = None
+        self._fake = None
         _LIVE.add(self)
 
     @classmethod
@@ -103,9 +104,19 @@ class TraceFP4Experts(nn.Module):
             self._packed = (version, gu, d)
         return self._packed[1], self._packed[2]
 
+    def fake_quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized packed weights in the masters' dtype, for the QAT forward: cached until the packed
+        weights change, so training quantizes the weights once per optimizer step, not once per forward (at the
+        cost of one extra copy of the expert weights)."""
+        packed = self.packed_weights()
+        if self._fake is None or self._fake[0] is not self._packed:
+            self._fake = (self._packed, *(q.dequantize(self.gate_up_proj.dtype) for q in packed))
+        return self._fake[1], self._fake[2]
+
     def invalidate_packed(self) -> None:
         """Drop the packed weights; the next rollout forward re-quantizes them from the masters."""
         self._packed = None
+        self._fake = None
 
     def load_packed_weights(self, gate_up: fp4.FP4Tensor, down: fp4.FP4Tensor) -> None:
         """Install exported packed weights; the masters become their dequantized values."""
@@ -143,17 +154,23 @@ class TraceFP4Experts(nn.Module):
                 hidden_states, top_k_index, top_k_weights, lambda e: (self.gate_up_proj[e], self.down_proj[e])
             )
         x = self._quantize_input(hidden_states, top_k_index)
-        # Both paths use the packed weights (quantized once per optimizer step, not per forward); training
-        # dequantizes the hit experts and passes gradients straight through to the BF16 masters, which is exactly
-        # `fp4.fake_quantize(w, fmt, "expert")` with a straight-through estimator.
-        packed_gu, packed_d = self.packed_weights()
+        if self.training:
+            # QAT: the fake-quantized weights, computed once per optimizer step, with straight-through gradients to
+            # the BF16 masters (the same values as `fp4.fake_quantize(w, fmt, "expert")`).
+            w_gu, w_d = self.fake_quantized_weights()
+            w_gu = fp4.straight_through(self.gate_up_proj, w_gu)
+            w_d = fp4.straight_through(self.down_proj, w_d)
 
-        def weights(e):
-            gu = _expert_slice(packed_gu, e).dequantize(x.dtype)
-            d = _expert_slice(packed_d, e).dequantize(x.dtype)
-            if self.training:
-                gu, d = fp4.straight_through(self.gate_up_proj[e], gu), fp4.straight_through(self.down_proj[e], d)
-            return gu, d
+            def weights(e):
+                return w_gu[e], w_d[e]
+        else:
+            packed_gu, packed_d = self.packed_weights()
+
+            def weights(e):
+                return (
+                    _expert_slice(packed_gu, e).dequantize(x.dtype),
+                    _expert_slice(packed_d, e).dequantize(x.dtype),
+                )
 
         return self._routed(x, top_k_index, top_k_weights, weights)
 
