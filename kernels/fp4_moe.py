@@ -98,6 +98,47 @@ def _load_rows(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
+def _e2m1_times_2_pow_m14(code):
+    """E2M1 codes (int32, 0..15) as fp16 bit patterns: magnitude bits under the fp16 exponent's low bits, so the
+    value is ``E2M1 * 2^-14`` exactly (code 1 lands on an fp16 subnormal, which conversions keep). Five integer
+    operations and one conversion instead of `e2m1_value`'s dozen; the 2^14 goes into the block scale."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_hw(b):
+    """fp32 value of E4M3 bytes (uint8) by the hardware fp8 conversion; 0x7F / 0xFF are NaN (the interpreter
+    would give 480)."""
+    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _load_halves(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, FAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Even and odd columns of ``k0 .. k0 + BLOCK_K`` as two [rows, BLOCK_K / 2] fp32 tiles. A dot product may
+    sum its terms in any order, so ``a_even @ w_even + a_odd @ w_odd`` is the whole product; for packed FP4 the
+    halves are just the low and high nibbles (no interleaving shuffle), and each element's block scale is read
+    directly at ``column // 8`` (repeated addresses, served by the cache). ``FAST`` decodes with
+    `_e2m1_times_2_pow_m14` and `_e4m3_hw`; both ways are exact."""
+    r = rows.to(tl.int64)[:, None]
+    j = tl.arange(0, BLOCK_K // 2)[None, :]
+    m = row_mask[:, None]
+    if FP4:
+        p = tl.load(ptr + r * (K // 2) + (k0 // 2 + j), mask=m, other=0).to(tl.int32) & 0xFF
+        sb = tl.load(q_s_ptr + r * (K // 16) + (k0 // 16 + j // 8), mask=m, other=0)
+        if FAST:
+            s = _e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
+            return _e2m1_times_2_pow_m14(p & 15) * s, _e2m1_times_2_pow_m14(p >> 4) * s
+        else:
+            s = e4m3_value(sb.to(tl.int32) & 0xFF)
+            return e2m1_value(p & 15) * s, e2m1_value(p >> 4) * s
+    else:
+        base = ptr + r * K + k0 + 2 * j
+        return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _dot_nt(a, b, acc, DOT_BF16: tl.constexpr):
     """acc + a @ b.T with fp32 accumulation (bf16 operands on the GPU, exact fp32 in the interpreter)."""
     if DOT_BF16:
@@ -129,6 +170,8 @@ def _gate_up_kernel(
     A_FP4: tl.constexpr,
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    HALVES: tl.constexpr,
+    FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -149,11 +192,18 @@ def _gate_up_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        a = _load_rows(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_M, BLOCK_K)
-        wg = _load_rows(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
-        wu = _load_rows(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
-        acc_g = _dot_nt(a, wg, acc_g, DOT_BF16)
-        acc_u = _dot_nt(a, wu, acc_u, DOT_BF16)
+        if HALVES:
+            a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, FAST, BLOCK_K)
+            g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, FAST, BLOCK_K)
+            u0, u1 = _load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, FAST, BLOCK_K)
+            acc_g = _dot_nt(a1, g1, _dot_nt(a0, g0, acc_g, DOT_BF16), DOT_BF16)
+            acc_u = _dot_nt(a1, u1, _dot_nt(a0, u0, acc_u, DOT_BF16), DOT_BF16)
+        else:
+            a = _load_rows(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_M, BLOCK_K)
+            wg = _load_rows(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
+            wu = _load_rows(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
+            acc_g = _dot_nt(a, wg, acc_g, DOT_BF16)
+            acc_u = _dot_nt(a, wu, acc_u, DOT_BF16)
     if A_FP4:
         gx = tl.load(ag_ptr + row, mask=valid, other=0.0)
         acc_g = acc_g * gx[:, None]
@@ -185,6 +235,8 @@ def _down_kernel(
     A_FP4: tl.constexpr,
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    HALVES: tl.constexpr,
+    FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -202,9 +254,14 @@ def _down_kernel(
     w_rows = e.to(tl.int64) * H + offs_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
-        a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
-        w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_N, BLOCK_K)
-        acc = _dot_nt(a, w, acc, DOT_BF16)
+        if HALVES:
+            a0, a1 = _load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, FAST, BLOCK_K)
+            w0, w1 = _load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, FAST, BLOCK_K)
+            acc = _dot_nt(a1, w1, _dot_nt(a0, w0, acc, DOT_BF16), DOT_BF16)
+        else:
+            a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
+            w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_N, BLOCK_K)
+            acc = _dot_nt(a, w, acc, DOT_BF16)
     if A_FP4:
         acc = acc * tl.load(ag_ptr + offs_p, mask=valid, other=0.0)[:, None]
     if W_FP4:
@@ -262,8 +319,33 @@ def _align_kernel(
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
-#: Tiles. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels are bound by weight bytes.
-CONFIG = {"block_m": 16, "block_n_gate_up": 32, "block_n_down": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+#: Launch configs. ``by_slots``: for packed FP4 weights, by the number of (token, slot) pairs they serve up to (the
+#: last entry serves the rest); ``dense``: for dense weights (the BF16 baseline), which reach 81-91% of the copy
+#: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
+#: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
+#: interleaved tiles, with ``fast_decode`` (`_e2m1_times_2_pow_m14`, `_e4m3_hw`) or not. `benchmarks/fp4_moe_tune.py`
+#: sweeps them on the GPU.
+_DEFAULT = {
+    "block_n_gate_up": 32,
+    "block_n_down": 64,
+    "block_k": 128,
+    "num_warps": 4,
+    "num_stages": 3,
+    "halves": False,
+    "fast_decode": False,
+}
+CONFIG = {"block_m": 16, "dense": _DEFAULT, "by_slots": [(1 << 62, _DEFAULT)]}
+
+
+def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
+    if not fp4_weights:
+        return CONFIG["dense"]
+    for limit, cfg in CONFIG["by_slots"]:
+        if num_slots <= limit:
+            return cfg
+    return CONFIG["by_slots"][-1][1]
+
+
 #: Largest number of (token, slot) pairs the one-launch alignment kernel handles; above it, torch ops.
 ALIGN_KERNEL_MAX = 4096
 
@@ -375,17 +457,18 @@ def experts_from_quantized(
     P = sorted_ids.numel()
     dev = x_arg.device
     h = torch.empty(P, NI, dtype=torch.float32, device=dev)
-    bk_h, bk_i = _pick(H, CONFIG["block_k"]), _pick(NI, CONFIG["block_k"])
-    bn_gu, bn_d = CONFIG["block_n_gate_up"], CONFIG["block_n_down"]
+    cfg = launch_config(n, w_fp4)
+    bk_h, bk_i = _pick(H, cfg["block_k"]), _pick(NI, cfg["block_k"])
+    bn_gu, bn_d = cfg["block_n_gate_up"], cfg["block_n_down"]
     common = {
         "DOT_BF16": DOT_BF16,
         "BLOCK_M": bm,
-        "num_warps": CONFIG["num_warps"],
-        "num_stages": CONFIG["num_stages"],
+        "num_warps": cfg["num_warps"],
+        "num_stages": cfg["num_stages"],
     }
     _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu))](
         x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
-        A_FP4=a_fp4, W_FP4=w_fp4, BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
+        A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), FAST=cfg["fast_decode"], BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
     )  # fmt: skip
     if hidden_fp4:
         hq = fp4_quant.quantize(h, "nvfp4", "row")
@@ -396,7 +479,8 @@ def experts_from_quantized(
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(P // bm, triton.cdiv(H, bn_d))](
         h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        A_FP4=h_is_fp4, W_FP4=w_fp4, BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
+        A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), FAST=cfg["fast_decode"], BLOCK_N=bn_d, BLOCK_K=bk_i,
+        **common,
     )  # fmt: skip
     return y
 

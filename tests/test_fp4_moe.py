@@ -20,11 +20,12 @@ from trace_hf.experts import TraceFP4Experts
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
 
 
-def _experts(E, H, NI, seed=0, device="cpu"):
+def _experts(E, H, NI, seed=0, device="cpu", kernel="torch"):
+    """Experts in eval mode; ``kernel="torch"`` makes them the reference path also on CUDA."""
     g = torch.Generator().manual_seed(seed)
     gu = nn.Parameter((torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(device))
     d = nn.Parameter((torch.randn(E, H, NI, generator=g) * 0.1).to(device))
-    return TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4").eval()
+    return TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel=kernel).eval()
 
 
 def _routing(M, E, K, seed=1, device="cpu"):
@@ -68,8 +69,18 @@ def test_align_backends_agree():
     assert torch.equal(s1[valid], s2[valid])
 
 
+@pytest.fixture(params=[(False, False), (True, False), (True, True)], ids=["interleaved", "halves", "halves-fast"])
+def operand_layout(request, monkeypatch):
+    """Run a test under each operand layout and decoding of the GEMM kernels (`fp4_moe.CONFIG`)."""
+    halves, fast = request.param
+    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, fast_decode=fast, block_k=64)
+    monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
+    monkeypatch.setitem(moe.CONFIG, "dense", cfg)
+    return request.param
+
+
 @pytest.mark.parametrize("M,E,H,NI,K", [(3, 8, 64, 32, 2), (40, 4, 128, 64, 2)])
-def test_fp4_experts_match_module_eval_path(M, E, H, NI, K):
+def test_fp4_experts_match_module_eval_path(M, E, H, NI, K, operand_layout):
     mod = _experts(E, H, NI)
     ids, w = _routing(M, E, K)
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(2))
@@ -83,6 +94,28 @@ def test_fp4_experts_match_module_eval_path(M, E, H, NI, K):
     assert _rel(moe.moe_experts_reference(x, ids, w, gu, d), ref) < 1e-5
 
 
+def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
+    class Stub:  # stands in for HintRecorder, which the module calls back
+        def record_input(self, module, q):
+            self.q = q
+
+        def record_routing(self, module, ids):
+            self.ids = ids
+
+    ids, w = _routing(9, 4, 2, seed=6)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(7))
+    got = {}
+    for kernel in ("torch", "triton"):
+        mod = _experts(4, 64, 32, seed=5, kernel=kernel)
+        mod._trace_recorder = Stub()
+        got[kernel] = (mod(x, ids, w), mod._trace_recorder)
+    assert _rel(got["triton"][0], got["torch"][0]) < 1e-5
+    q_kernel, q_torch = got["triton"][1].q, got["torch"][1].q
+    # The input quantization is the same function on both paths, so the hints are too.
+    assert torch.equal(q_kernel.packed, q_torch.packed) and torch.equal(q_kernel.block_scale, q_torch.block_scale)
+    assert torch.equal(got["triton"][1].ids, ids)
+
+
 def test_fp4_experts_return_the_input_hints():
     mod = _experts(4, 64, 32)
     ids, w = _routing(5, 4, 2)
@@ -94,7 +127,7 @@ def test_fp4_experts_return_the_input_hints():
     assert torch.equal(hints.global_scale, ref.global_scale)
 
 
-def test_w4a16_and_dense_paths():
+def test_w4a16_and_dense_paths(operand_layout):
     mod = _experts(4, 64, 32, seed=3)
     ids, w = _routing(6, 4, 2, seed=4)
     x = torch.randn(6, 64)
@@ -127,3 +160,41 @@ def test_fp4_experts_gpu_qwen3_shapes():
         refd = moe.moe_experts_reference(xb, ids, w, mod.gate_up_proj.detach().bfloat16(),
                                          mod.down_proj.detach().bfloat16(), activations="none")  # fmt: skip
         assert _rel(dense, refd) < 2e-2  # the hidden activation enters the down GEMM as bf16
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_training_path_matches_the_expert_loop_gpu():
+    """The QAT forward on CUDA (grouped_mm, no host sync) against the per-expert loop: same loss and gradients
+    up to bf16 GEMM rounding."""
+    from trace_hf import experts as ex
+
+    mod = _experts(16, 256, 128, device="cuda").to(torch.bfloat16).train()
+    ids, w = _routing(300, 16, 4, device="cuda")
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for grouped in (True, False):
+        orig = ex._grouped_mm_ok
+        ex._grouped_mm_ok = (lambda *a: True) if grouped else (lambda *a: False)
+        try:
+            out = mod(x, ids, w.bfloat16())
+            (out.float() ** 2).sum().backward()
+        finally:
+            ex._grouped_mm_ok = orig
+        results.append(
+            (out.detach().float(), mod.gate_up_proj.grad.float().clone(), mod.down_proj.grad.float().clone())
+        )
+        mod.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert _rel(a, b) < 2e-2
+
+
+def test_nan_input_row_poisons_only_its_token(operand_layout):
+    mod = _experts(4, 64, 32, seed=8)
+    ids, w = _routing(5, 4, 2, seed=9)
+    x = torch.randn(5, 64)
+    x[2, 17] = float("nan")
+    out = moe.fp4_moe_experts(x, ids, w, *mod.packed_weights())
+    assert torch.isnan(out[2]).all()
+    keep = [0, 1, 3, 4]
+    assert torch.isfinite(out[keep]).all()
+    assert _rel(out[keep], mod(x, ids, w)[keep]) < 1e-5

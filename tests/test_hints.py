@@ -89,7 +89,7 @@ def completion_logp(model, seq, mask, prompt_len, hints=None, replay=False, micr
     """Training-side log-probs of the completion tokens: rows shuffled, split in `micro` micro-batches."""
     model.train()
     perm = torch.randperm(seq.shape[0], generator=torch.Generator().manual_seed(3))
-    out = torch.empty(seq.shape[0], seq.shape[1] - prompt_len)
+    out = torch.empty(seq.shape[0], seq.shape[1] - prompt_len, device=seq.device)
     reports = []
     for rows in perm.chunk(micro):
         s, m = seq[rows], mask[rows]
@@ -112,9 +112,16 @@ def test_hint_bytes_per_token_qwen35_35b_shape():
     assert hint_bytes_per_token(cfg, "nvfp4", hint_layers=10) == 3880
 
 
-def test_record_generate_and_replay_matches_rollout_codes(warmed, tokenizer, monkeypatch):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_record_generate_and_replay_matches_rollout_codes(warmed, tokenizer, monkeypatch, dev):
+    """On CUDA the rollout runs the fused Triton experts and training the torch path: different kernels, as with
+    a separate inference engine."""
     model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.bfloat16)
-    enc = prompts(tokenizer)
+    model.to(dev)
+    enc = prompts(tokenizer).to(dev)
     p = enc.input_ids.shape[1]
     rec, seq, mask, roll_logp = rollout(model, enc)
     hints = rec.collect(mask)
@@ -156,7 +163,7 @@ def test_record_generate_and_replay_matches_rollout_codes(warmed, tokenizer, mon
     rate = equal / total
     flip = sum(r.hint_flip_rate for r in reports) / len(reports)
     print(
-        f"hinted sites: training codes == rollout codes for {rate:.5f} of {total} elements; "
+        f"{dev}: hinted sites: training codes == rollout codes for {rate:.5f} of {total} elements; "
         f"nearest rounding would differ for {flip:.4f}"
     )
     assert total > 1000
@@ -173,17 +180,18 @@ def logp_gaps(model, enc, hints_mode):
     return d.mean().item(), d.max().item(), reports
 
 
-def test_hints_reduce_the_logp_gap(warmed, tokenizer):
-    enc = prompts(tokenizer, n=8)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_hints_reduce_the_logp_gap(warmed, tokenizer, dev):
+    enc = prompts(tokenizer, n=8).to(dev)
     fp4_model = AutoModelForCausalLM.from_pretrained(
         warmed, quantization_config=TraceFP4Config(), dtype=torch.bfloat16
-    )
-    bf16_model = AutoModelForCausalLM.from_pretrained(warmed, dtype=torch.bfloat16)
+    ).to(dev)
+    bf16_model = AutoModelForCausalLM.from_pretrained(warmed, dtype=torch.bfloat16).to(dev)
     results = {"bf16": logp_gaps_plain(bf16_model, enc)}
     for mode in (None, "hints", "replay"):
         results[mode or "no hints"] = logp_gaps(fp4_model, enc, mode)[:2]
     for k, (mean, mx) in results.items():
-        print(f"|logp_train - logp_rollout| {k:>9}: mean {mean:.5f} max {mx:.4f}")
+        print(f"{dev}: |logp_train - logp_rollout| {k:>9}: mean {mean:.5f} max {mx:.4f}")
     excess = results["no hints"][0] - results["bf16"][0]
     removed = (results["no hints"][0] - results["hints"][0]) / excess if excess > 0 else float("nan")
     print(f"FP4-induced excess over BF16: {excess:.5f}; hints remove {removed:.0%} of it")

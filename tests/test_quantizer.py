@@ -195,6 +195,10 @@ def test_config_round_trips_and_validation(tmp_path):
         TraceFP4Config(hint_sites=["attention"])
     with pytest.raises(ValueError, match="activations='fp4'"):
         TraceFP4Config(activations="none", hint_layers=2)
+    with pytest.raises(ValueError, match="experts_kernel"):
+        TraceFP4Config(experts_kernel="cuda")
+    with pytest.raises(ValueError, match="experts_kernel='torch'"):
+        TraceFP4Config(fmt="mxfp4", experts_kernel="triton")
     with pytest.raises(ValueError, match="Unknown"):
         TraceFP4Config(bogus=1)
 

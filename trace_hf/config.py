@@ -14,6 +14,7 @@ from .fp4 import FORMATS
 QUANT_METHOD = "trace_fp4"
 HINT_SITES = ("experts_input",)
 ACTIVATIONS = ("fp4", "none")
+EXPERTS_KERNELS = ("auto", "triton", "torch")
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -44,6 +45,11 @@ class TraceFP4Config(QuantizationConfigMixin):
         qat (`bool`, *optional*, defaults to `True`):
             Fake-quantize in training (QAT). `False` trains the BF16 masters with no fake quantization while the
             rollout stays FP4: the "naive FP4 rollout, BF16 training" baseline.
+        experts_kernel (`str`, *optional*, defaults to `"auto"`):
+            What computes the FP4 experts in `eval()` / `generate`: `"triton"` (the fused kernels of
+            `trace_hf.kernels.fp4_moe`, which read the packed weights; NVFP4 only), `"torch"` (dequantized weights
+            and grouped GEMMs, the same code as training, on any device), or `"auto"` (Triton on CUDA for NVFP4,
+            torch otherwise). Training always uses the torch path.
         quantize_linears (`bool`, *optional*, defaults to `False`):
             Reserved opt-in for non-expert linears; only `False` is supported for now.
     """
@@ -57,6 +63,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         hint_sites: list[str] | None = None,
         modules_to_not_convert: list[str] | None = None,
         qat: bool = True,
+        experts_kernel: str = "auto",
         quantize_linears: bool = False,
         **kwargs,
     ):
@@ -68,6 +75,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         self.hint_sites = list(hint_sites) if hint_sites is not None else ["experts_input"]
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert else []
         self.qat = qat
+        self.experts_kernel = experts_kernel
         self.quantize_linears = quantize_linears
         kwargs.pop("quant_method", None)
         if kwargs:
@@ -100,6 +108,14 @@ class TraceFP4Config(QuantizationConfigMixin):
             )
         if not isinstance(self.qat, bool):
             raise ValueError(f"TraceFP4Config.qat={self.qat!r}: give True (QAT) or False (BF16 training).")
+        if self.experts_kernel not in EXPERTS_KERNELS:
+            raise ValueError(
+                f"TraceFP4Config.experts_kernel={self.experts_kernel!r}: use one of {list(EXPERTS_KERNELS)}."
+            )
+        if self.experts_kernel == "triton" and self.fmt != "nvfp4":
+            raise ValueError(
+                f"experts_kernel='triton' runs NVFP4 only, got fmt={self.fmt!r}; use experts_kernel='torch' or 'auto'."
+            )
         if self.quantize_linears:
             raise ValueError("quantize_linears=True is not supported yet: only routed experts are quantized.")
 
@@ -123,5 +139,6 @@ class TraceFP4Config(QuantizationConfigMixin):
             "hint_sites": list(self.hint_sites),
             "modules_to_not_convert": list(self.modules_to_not_convert),
             "qat": self.qat,
+            "experts_kernel": self.experts_kernel,
             "quantize_linears": self.quantize_linears,
         }

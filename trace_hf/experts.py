@@ -10,11 +10,12 @@ trainable BF16 masters. Both paths quantize through `trace_hf.fp4`:
 * experts' input and hidden activation: one global scale per row (token), so a token's quantization does not
   depend on what else is in the batch;
 
-which is what makes the rollout (eval) and the training forward compute the same function. The module computes
-with its own token-grouped loop over hit experts (FP4 needs a quantization between the gate/up and the down
+which is what makes the rollout (eval) and the training forward compute the same function. The torch path sorts
+token-expert pairs by expert and runs grouped GEMMs (FP4 needs a quantization between the gate/up and the down
 projection, which transformers' `ExpertsInterface` kernels have no place for), so the model's
-`experts_implementation` setting does not apply to FP4 experts; the fast FP4 decode kernels live in
-`trace_hf.kernels.fp4_moe`. Hints and routing
+`experts_implementation` setting does not apply to FP4 experts. In eval on CUDA the experts run the fused Triton
+kernels of `trace_hf.kernels.fp4_moe` instead (``kernel="auto"``), which read the packed weights: the same
+function up to summation order, as a separate rollout engine would compute it. Hints and routing
 are recorded and replayed through two attributes that `trace_hf.hints` sets: `_trace_recorder` and
 `_trace_guide` (MoE blocks receive no forward kwargs, so state has to live on the module).
 """
@@ -47,7 +48,14 @@ class TraceFP4Experts(nn.Module):
     """Routed experts computed in FP4. Built from an existing fused experts module by `from_experts`."""
 
     def __init__(
-        self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn, fmt: str, activations: str, qat: bool = True
+        self,
+        gate_up_proj: nn.Parameter,
+        down_proj: nn.Parameter,
+        act_fn,
+        fmt: str,
+        activations: str,
+        qat: bool = True,
+        kernel: str = "auto",
     ):
         super().__init__()
         e, two_i, h = gate_up_proj.shape
@@ -65,6 +73,7 @@ class TraceFP4Experts(nn.Module):
         self.fmt = fmt
         self.activations = activations
         self.qat = qat  # False: train in the model dtype (the naive FP4-rollout baseline); rollout stays FP4
+        self.kernel = kernel  # eval path: "triton" (fused kernels), "torch" (reference) or "auto"
         # Set by assign_hint_layers and by trace_hf.hints.
         self.moe_index = 0
         self.hinted = False
@@ -75,14 +84,16 @@ class TraceFP4Experts(nn.Module):
         _LIVE.add(self)
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, fmt: str, activations: str, qat: bool = True) -> TraceFP4Experts:
+    def from_experts(
+        cls, experts: nn.Module, fmt: str, activations: str, qat: bool = True, kernel: str = "auto"
+    ) -> TraceFP4Experts:
         check_fused_experts(experts)
-        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, fmt, activations, qat)
+        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, fmt, activations, qat, kernel)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-            f"fmt={self.fmt}, activations={self.activations}, qat={self.qat}, moe_index={self.moe_index}, hinted={self.hinted}"
+            f"fmt={self.fmt}, activations={self.activations}, qat={self.qat}, kernel={self.kernel}, moe_index={self.moe_index}, hinted={self.hinted}"
         )
 
     # ------------------------------------------------------------------------------------------------------
@@ -105,9 +116,9 @@ class TraceFP4Experts(nn.Module):
         return self._packed[1], self._packed[2]
 
     def fake_quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dequantized packed weights in the masters' dtype, for the QAT forward: cached until the packed
-        weights change, so training quantizes the weights once per optimizer step, not once per forward (at the
-        cost of one extra copy of the expert weights)."""
+        """The dequantized packed weights in the masters' dtype, for the QAT forward (and the torch eval path):
+        cached until the packed weights change, so training quantizes the weights once per optimizer step, not
+        once per forward (at the cost of one extra copy of the expert weights)."""
         packed = self.packed_weights()
         if self._fake is None or self._fake[0] is not self._packed:
             self._fake = (self._packed, *(q.dequantize(self.gate_up_proj.dtype) for q in packed))
@@ -133,7 +144,7 @@ class TraceFP4Experts(nn.Module):
     # Forward
     # ------------------------------------------------------------------------------------------------------
 
-    def _quantize_input(self, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "none":
             return x
         if self.training:
@@ -146,64 +157,86 @@ class TraceFP4Experts(nn.Module):
             self._trace_recorder.record_input(self, q)
         return q.dequantize(x.dtype)
 
+    def _uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the eval path runs the fused Triton kernels (`trace_hf.kernels.fp4_moe`)."""
+        if self.kernel == "auto":
+            return x.is_cuda and self.fmt == "nvfp4"
+        return self.kernel == "triton"
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self._trace_recorder is not None and not self.training:
             self._trace_recorder.record_routing(self, top_k_index)
         if self.training and not self.qat:
-            return self._routed(
-                hidden_states, top_k_index, top_k_weights, lambda e: (self.gate_up_proj[e], self.down_proj[e])
-            )
-        x = self._quantize_input(hidden_states, top_k_index)
+            return self._routed(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, False)
+        if not self.training and self._uses_kernel(hidden_states):
+            return self._kernel_forward(hidden_states, top_k_index, top_k_weights)
+        x = self._quantize_input(hidden_states)
+        # The dequantized packed weights, computed once per optimizer step; in training with straight-through
+        # gradients to the BF16 masters (the same values as `fp4.fake_quantize(w, fmt, "expert")`).
+        w_gu, w_d = self.fake_quantized_weights()
         if self.training:
-            # QAT: the fake-quantized weights, computed once per optimizer step, with straight-through gradients to
-            # the BF16 masters (the same values as `fp4.fake_quantize(w, fmt, "expert")`).
-            w_gu, w_d = self.fake_quantized_weights()
             w_gu = fp4.straight_through(self.gate_up_proj, w_gu)
             w_d = fp4.straight_through(self.down_proj, w_d)
+        return self._routed(x, top_k_index, top_k_weights, w_gu, w_d, self.activations == "fp4")
 
-            def weights(e):
-                return w_gu[e], w_d[e]
-        else:
-            packed_gu, packed_d = self.packed_weights()
+    def _kernel_forward(self, x, top_k_index, top_k_weights) -> torch.Tensor:
+        """Rollout with the fused kernels: they read the packed FP4 weights (no dequantized copy) and sum the
+        products in another order than torch's matmul, so their values differ from the training forward in the
+        last bits, as a separate inference engine's would; hints carry the rollout's rounding into training."""
+        from trace_hf.kernels import fp4_moe
 
-            def weights(e):
-                return (
-                    _expert_slice(packed_gu, e).dequantize(x.dtype),
-                    _expert_slice(packed_d, e).dequantize(x.dtype),
-                )
+        gu, d = self.packed_weights()
+        xq = x
+        if self.activations == "fp4":
+            xq = fp4.quantize(x, self.fmt, "row")
+            if self._trace_recorder is not None:
+                self._trace_recorder.record_input(self, xq)
+        y = fp4_moe.experts_from_quantized(xq, top_k_index, top_k_weights, gu, d, self.activations == "fp4")
+        return y.sum(1).to(x.dtype)
 
-        return self._routed(x, top_k_index, top_k_weights, weights)
+    def _routed(self, x, top_k_index, top_k_weights, w_gu, w_d, hidden_fp4: bool) -> torch.Tensor:
+        """Token-expert pairs sorted by expert: one grouped gate/up GEMM, activation, FP4 hidden, one grouped down
+        GEMM (`torch.nn.functional.grouped_mm` on CUDA in bf16: no host sync; a loop over hit experts elsewhere).
 
-    def _routed(self, x, top_k_index, top_k_weights, weights) -> torch.Tensor:
-        """Tokens grouped by expert: one gate/up GEMM, activation, FP4 hidden, one down GEMM per hit expert.
-
-        Expert outputs are summed per token in fp32 (also much faster than a bf16 index_add on CPU)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        k = top_k_index.shape[-1]
+        Each token's top-k outputs are summed in fp32 in slot order, so a token's result does not depend on the
+        rest of the batch (an atomic `index_add_` would)."""
+        t, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts + 1).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start : start + n]
+        valid = flat < self.num_experts  # expert-parallel sentinel (>= E): another rank's expert, weight 0 here
+        ids = flat.clamp(max=self.num_experts - 1)
+        ids_sorted, order = torch.sort(ids, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, ids_sorted, torch.ones_like(ids_sorted))
+        offsets = counts.cumsum(0).to(torch.int32)
+        spans = None if _grouped_mm_ok(x, w_gu) else counts.tolist()
+        weight = (top_k_weights.reshape(-1) * valid)[order]
+        gate, up = _grouped_linear(x[order // k], w_gu, offsets, spans).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        if hidden_fp4:
+            h = fp4.fake_quantize(h, self.fmt, "row")
+        y = _grouped_linear(h, w_d, offsets, spans) * weight[:, None].to(h.dtype)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return y[inverse].view(t, k, -1).float().sum(1).to(x.dtype)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    mm = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    return mm is not None and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, spans: list[int] | None) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times ``w[e].T`` per expert (``w`` [E, N, K]); ``spans`` (rows per expert,
+    on the host) selects the per-expert loop."""
+    if spans is None:
+        mm = getattr(nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return mm(x, w.transpose(-2, -1), offs=offsets)
+    out, start = [], 0
+    for e, n in enumerate(spans):
+        if n:
+            out.append(nn.functional.linear(x[start : start + n], w[e]))
             start += n
-            if e >= self.num_experts:  # expert-parallel sentinel: not this rank's expert
-                continue
-            tok = sel // k
-            w_gu, w_d = weights(e)
-            gate, up = nn.functional.linear(x[tok], w_gu).chunk(2, dim=-1)
-            h = self.act_fn(gate) * up
-            if self.activations == "fp4" and (self.qat or not self.training):
-                h = fp4.fake_quantize(h, self.fmt, "row")
-            y = nn.functional.linear(h, w_d) * top_k_weights.reshape(-1)[sel, None]
-            out.index_add_(0, tok, y.float())
-        return out.to(x.dtype)
-
-
-def _expert_slice(q: fp4.FP4Tensor, e: int) -> fp4.FP4Tensor:
-    return fp4.FP4Tensor(q.packed[e], q.block_scale[e], q.global_scale[e], q.fmt)
+    return torch.cat(out) if out else x.new_zeros(0, w.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -246,7 +279,12 @@ def _skipped(name: str, modules_to_not_convert: list[str]) -> bool:
 
 
 def replace_experts(
-    model: nn.Module, fmt: str, activations: str, modules_to_not_convert: list[str], qat: bool = True
+    model: nn.Module,
+    fmt: str,
+    activations: str,
+    modules_to_not_convert: list[str],
+    qat: bool = True,
+    kernel: str = "auto",
 ) -> list[str]:
     """Swap every fused experts module for a `TraceFP4Experts`; returns the names replaced (in layer order)."""
     names = [n for n, m in model.named_modules() if is_fused_experts(m)]
@@ -259,7 +297,9 @@ def replace_experts(
     for name in names:
         if _skipped(name, modules_to_not_convert):
             continue
-        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), fmt, activations, qat))
+        model.set_submodule(
+            name, TraceFP4Experts.from_experts(model.get_submodule(name), fmt, activations, qat, kernel)
+        )
         replaced.append(name)
     return replaced
 

@@ -147,7 +147,7 @@ def warm(args) -> None:
     print(json.dumps(result))
 
 
-def evaluate(model, tokenizer, test, n: int, batch: int = 128, max_new_tokens: int = 48) -> float:
+def evaluate(model, tokenizer, test, n: int, batch: int = 128, max_new_tokens: int = 96) -> float:
     """Greedy accuracy on the first `n` test problems (the arithmetic reward on the completion)."""
     import torch
 

@@ -1,0 +1,124 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Sweep the launch configs of the FP4 routed-experts kernels (`trace_hf.kernels.fp4_moe.CONFIG`) on the GPU.
+
+    python benchmarks/fp4_moe_tune.py --out outputs/fp4_moe_tune.json     # H200, about 3 minutes
+
+Qwen3-30B-A3B expert shapes (128 experts top-8, hidden 2048, expert width 768), packed NVFP4 weights, W4A4, for
+decode batches {1, 16, 64} and a 256-token prefill chunk. Each config times the whole `experts_from_quantized`
+call (align, gate/up, hidden quantization, down) replayed from a CUDA graph, and reports the fraction of the copy
+bandwidth (measured in the same run) that the bytes it must read represent: the packed weights and scales of the
+distinct experts hit, the input and the output. The dense BF16 weights through the same kernels are the baseline
+(the fast BF16 decode path). Prints the best config per batch, the table `CONFIG["by_slots"]` takes.
+Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
+    return p.parse_args(argv)
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    import torch
+    import triton.testing
+
+    src = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), rep=200) * 1e-3)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        print("fp4_moe_tune.py needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    from trace_hf.fast_decode import quantize_experts
+    from trace_hf.kernels import fp4_moe as moe
+    from trace_hf.kernels import fp4_quant
+
+    E, H, NI, K = 128, 2048, 768, 8
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    gu = torch.randn(E, 2 * NI, H, device=dev, generator=g).mul_(0.02).bfloat16()
+    dn = torch.randn(E, H, NI, device=dev, generator=g).mul_(0.02).bfloat16()
+    qgu, qdn = quantize_experts(gu, dn)
+    fp4_expert_bytes = sum(t.nbytes() for t in (qgu, qdn)) / E
+    bf16_expert_bytes = (gu.numel() + dn.numel()) * 2 / E
+
+    copy_bw = copy_bandwidth(dev)
+
+    grid = [
+        {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
+         "halves": hv, "fast_decode": fast}
+        for (hv, fast), bn, bk, w, st in itertools.product(
+            ((True, True), (True, False), (False, False)), (16, 32, 64), (64, 128, 256), (4, 8), (3,)
+        )
+    ]  # fmt: skip
+    default, dense = dict(moe.CONFIG["by_slots"][-1][1]), moe.CONFIG["dense"]
+    t0 = time.perf_counter()
+    rows, best = [], {}
+    for M in (int(b) for b in args.batches.split(",")):
+        x = torch.randn(M, H, device=dev, generator=g).bfloat16()
+        logits = torch.randn(M, E, device=dev, generator=g)
+        tw, ids = torch.softmax(logits, -1).topk(K)
+        xq = fp4_quant.quantize(x, "nvfp4", "row")
+        distinct = ids.unique().numel()
+        io_bytes = xq.nbytes() + M * K * H * 4
+
+        def timed(cfg, w_gu, w_dn):
+            moe.CONFIG["by_slots"] = [(1 << 62, cfg)]
+            moe.CONFIG["dense"] = cfg
+            return triton.testing.do_bench_cudagraph(
+                lambda: moe.experts_from_quantized(xq, ids, tw, w_gu, w_dn), rep=50
+            )
+
+        t_bf16 = timed(dense, gu, dn) * 1e-3
+        bf16_frac = (distinct * bf16_expert_bytes + io_bytes) / t_bf16 / copy_bw
+        need = distinct * fp4_expert_bytes + io_bytes
+        for cfg in [default] + grid:
+            if time.perf_counter() - t0 > args.budget_s:
+                break
+            try:
+                t = timed(cfg, qgu, qdn) * 1e-3
+            except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
+                rows.append({"batch": M, **cfg, "error": type(e).__name__})
+                continue
+            r = {"batch": M, **cfg, "us": t * 1e6, "fraction": need / t / copy_bw, "vs_bf16": t_bf16 / t}
+            rows.append(r)
+            if M not in best or r["us"] < best[M]["us"]:
+                best[M] = r
+        d = next((r for r in rows if r["batch"] == M and "us" in r), None)
+        b = best.get(M)
+        if b:
+            print(f"batch {M:4d} ({distinct} experts): default {d['us']:.1f} us ({d['fraction']:.1%} of copy), "
+                  f"best {b['us']:.1f} us ({b['fraction']:.1%}, {b['vs_bf16']:.2f}x the BF16 weights' "
+                  f"{t_bf16 * 1e6:.1f} us at {bf16_frac:.1%}): "
+                  f"{ {k: b[k] for k in default} }", flush=True)  # fmt: skip
+    moe.CONFIG["by_slots"], moe.CONFIG["dense"] = [(1 << 62, default)], dense
+    res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows,
+           "best": {str(k): v for k, v in best.items()}, "seconds": time.perf_counter() - t0}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {len(rows)} configs in {res['seconds']:.0f} s; JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
+# `tune` (the FP4 MoE launch-config sweep), `train` (the QAT train-step benchmark), `decode` (the rollout-decode
+# benchmark). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so a hang in one part
+# does not lose the others.
+#
+#   PARTS="tests tune train" bash benchmarks/h200_run.sh
+#   PARTS=decode ROLLOUT_BUDGET_S=190 bash benchmarks/h200_run.sh
+#
+# No pip install needed for trace_hf: it is put on PYTHONPATH with kernels/ linked in as trace_hf/kernels (what
+# the editable install's package-dir mapping does), so this runs on the machine's own python3 and packages
+# (the GPU test of the hints also needs TRL: install the wheels of ../shared/device/wheels.sh first).
+set -u
+ROOT=$(pwd)
+OUT=${OUT:-outputs/h200}
+PARTS=${PARTS:-tests tune train decode}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PKG=$(mktemp -d)
+cp -r "$ROOT/trace_hf" "$PKG/trace_hf"
+rm -rf "$PKG/trace_hf/kernels"
+ln -s "$ROOT/kernels" "$PKG/trace_hf/kernels"
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+{
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  git -C "$ROOT" log -1 --format=%h 2>/dev/null
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+
+if has tests; then
+  echo "== GPU tests"
+  # From $PKG, so that `python -m pytest` (which puts the working directory first on sys.path) finds the
+  # trace_hf with kernels/ linked in, not the repository's source folder.
+  (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -q -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
+    "$ROOT/tests/test_fp4_moe.py" "$ROOT/tests/test_hints.py" "$ROOT/tests/test_fp4_attention.py" \
+    "$ROOT/tests/test_fast_decode.py" "$ROOT/tests/test_fp4_kernels.py") > "$OUT/gpu_tests.log" 2>&1
+  echo "rc=$?" >> "$OUT/gpu_tests.log"
+  grep -E "cuda:|passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 20
+fi
+
+if has tune; then
+  echo "== FP4 MoE launch-config sweep"
+  timeout $((${TUNE_BUDGET_S:-150} + 60)) $PY benchmarks/fp4_moe_tune.py --out "$OUT/fp4_moe_tune.json" \
+    --budget-s ${TUNE_BUDGET_S:-150} > "$OUT/fp4_moe_tune.log" 2>&1
+  echo "rc=$?" >> "$OUT/fp4_moe_tune.log"
+  tail -n 8 "$OUT/fp4_moe_tune.log"
+fi
+
+if has train; then
+  echo "== train step benchmark"
+  timeout 80 $PY benchmarks/train_step.py --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1
+  echo "rc=$?" >> "$OUT/train_step.log"
+  tail -n 3 "$OUT/train_step.log"
+fi
+
+if has decode; then
+  echo "== rollout decode benchmark"
+  timeout $((${ROLLOUT_BUDGET_S:-250} + 60)) $PY benchmarks/rollout_decode.py --out "$OUT/rollout_decode.json" \
+    --budget-s ${ROLLOUT_BUDGET_S:-250} > "$OUT/rollout_decode.log" 2>&1
+  echo "rc=$?" >> "$OUT/rollout_decode.log"
+  tail -n 25 "$OUT/rollout_decode.log"
+fi
+rm -rf "$PKG"
