@@ -26,8 +26,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--variants", default="halves-fast,halves,interleaved", help="FP4 operand layouts to sweep")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
     return p.parse_args(argv)
+
+
+#: name: (halves, fast_decode)
+VARIANTS = {"halves-fast": (True, True), "halves": (True, False), "interleaved": (False, False)}
 
 
 def copy_bandwidth(dev) -> float:
@@ -67,10 +72,10 @@ def main(argv=None) -> int:
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
          "halves": hv, "fast_decode": fast}
         for (hv, fast), bn, bk, w, st in itertools.product(
-            ((True, True), (True, False), (False, False)), (16, 32, 64), (64, 128, 256), (4, 8), (3,)
+            [VARIANTS[v] for v in args.variants.split(",")], (16, 32, 64), (64, 128, 256), (4, 8), (3,)
         )
     ]  # fmt: skip
-    default, dense = dict(moe.CONFIG["by_slots"][-1][1]), moe.CONFIG["dense"]
+    by_slots, dense = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"]
     t0 = time.perf_counter()
     rows, best = [], {}
     for M in (int(b) for b in args.batches.split(",")):
@@ -91,7 +96,9 @@ def main(argv=None) -> int:
         t_bf16 = timed(dense, gu, dn) * 1e-3
         bf16_frac = (distinct * bf16_expert_bytes + io_bytes) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
-        for cfg in [default] + grid:
+        moe.CONFIG["by_slots"] = by_slots
+        current = dict(moe.launch_config(M * K))
+        for cfg in [current] + grid:
             if time.perf_counter() - t0 > args.budget_s:
                 break
             try:
@@ -106,11 +113,11 @@ def main(argv=None) -> int:
         d = next((r for r in rows if r["batch"] == M and "us" in r), None)
         b = best.get(M)
         if b:
-            print(f"batch {M:4d} ({distinct} experts): default {d['us']:.1f} us ({d['fraction']:.1%} of copy), "
+            print(f"batch {M:4d} ({distinct} experts): current {d['us']:.1f} us ({d['fraction']:.1%} of copy), "
                   f"best {b['us']:.1f} us ({b['fraction']:.1%}, {b['vs_bf16']:.2f}x the BF16 weights' "
                   f"{t_bf16 * 1e6:.1f} us at {bf16_frac:.1%}): "
-                  f"{ {k: b[k] for k in default} }", flush=True)  # fmt: skip
-    moe.CONFIG["by_slots"], moe.CONFIG["dense"] = [(1 << 62, default)], dense
+                  f"{ {k: b[k] for k in current} }", flush=True)  # fmt: skip
+    moe.CONFIG["by_slots"], moe.CONFIG["dense"] = by_slots, dense
     res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows,
            "best": {str(k): v for k, v in best.items()}, "seconds": time.perf_counter() - t0}  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
-# `tune` (the FP4 MoE launch-config sweep), `train` (the QAT train-step benchmark), `decode` (the rollout-decode
+# `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode
 # benchmark). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so a hang in one part
 # does not lose the others.
 #
@@ -44,7 +44,7 @@ fi
 if has tune; then
   echo "== FP4 MoE launch-config sweep"
   timeout $((${TUNE_BUDGET_S:-150} + 60)) $PY benchmarks/fp4_moe_tune.py --out "$OUT/fp4_moe_tune.json" \
-    --budget-s ${TUNE_BUDGET_S:-150} > "$OUT/fp4_moe_tune.log" 2>&1
+    --budget-s ${TUNE_BUDGET_S:-150} ${TUNE_ARGS:-} > "$OUT/fp4_moe_tune.log" 2>&1
   echo "rc=$?" >> "$OUT/fp4_moe_tune.log"
   tail -n 8 "$OUT/fp4_moe_tune.log"
 fi

@@ -323,9 +323,10 @@ def _align_kernel(
 #: last entry serves the rest); ``dense``: for dense weights (the BF16 baseline), which reach 81-91% of the copy
 #: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
-#: interleaved tiles, with ``fast_decode`` (`_e2m1_times_2_pow_m14`, `_e4m3_hw`) or not. `benchmarks/fp4_moe_tune.py`
-#: sweeps them on the GPU.
-_DEFAULT = {
+#: interleaved tiles, with ``fast_decode`` (`_e2m1_times_2_pow_m14`, `_e4m3_hw`) or not. The FP4 entries are the
+#: best of `benchmarks/fp4_moe_tune.py` on the H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 89 us at batch 1
+#: and 503 us at batch 16, against 93 us and 625 us for the interleaved tiles of ``dense``.
+_DENSE = {
     "block_n_gate_up": 32,
     "block_n_down": 64,
     "block_k": 128,
@@ -334,7 +335,16 @@ _DEFAULT = {
     "halves": False,
     "fast_decode": False,
 }
-CONFIG = {"block_m": 16, "dense": _DEFAULT, "by_slots": [(1 << 62, _DEFAULT)]}
+_FP4 = {
+    "block_n_gate_up": 64,
+    "block_n_down": 128,
+    "block_k": 64,
+    "num_warps": 4,
+    "num_stages": 3,
+    "halves": True,
+    "fast_decode": True,
+}
+CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_k=128)), (1 << 62, _FP4)]}  # fmt: skip
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
