@@ -1,12 +1,13 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Cost of the QAT training step: forward + backward of a `TraceFP4Config` model in train mode with hints and
-routing replay (`use_hints`), against the plain BF16 model (same weights, same batch, no quantization).
+routing replay (`use_hints`), against the plain BF16 model (same weights, same batch, no quantization); with the
+fake-quantized expert weights cached per optimizer step (the default) and without (`cache_qat_weights=False`).
 
     python benchmarks/train_step.py --out outputs/train_step.json              # H200, under 1.5 minutes
     python benchmarks/train_step.py --smoke --out /tmp/train_step_smoke.json   # CPU, tiny model
 
 The hints are recorded the way a rollout would: an eval forward of the same batch under `HintRecorder`.
-Reported: median seconds per step of each, and their ratio (goal: QAT <= 1.2x BF16).
+Reported: median seconds per step of each, their ratio (goal: QAT <= 1.2x BF16) and the peak memory of each.
 Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
 """
 
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from trace_hf import TraceFP4Config
+    from trace_hf.experts import fp4_experts
     from trace_hf.hints import HintRecorder, use_hints
     from trace_hf.quantizer import quantize_model
 
@@ -68,8 +70,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     with torch.device(dev):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    qat = copy.deepcopy(base)
-    quantize_model(qat, TraceFP4Config())
+    qat = quantize_model(copy.deepcopy(base), TraceFP4Config())
+    lean = quantize_model(copy.deepcopy(base), TraceFP4Config(cache_qat_weights=False))
     base.train()
     ids = torch.randint(3, args.vocab, (args.batch, args.seq), device=dev)
     mask = torch.ones_like(ids)
@@ -85,11 +87,16 @@ def main(argv=None) -> int:
         loss.backward()
         base.zero_grad(set_to_none=True)
 
-    def step_qat():
-        with use_hints(qat, hints, mask):
-            loss = qat(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
-            loss.backward()
-        qat.zero_grad(set_to_none=True)
+    def step_of(model):
+        def step():
+            with use_hints(model, hints, mask):
+                loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    step_qat, step_lean = step_of(qat), step_of(lean)
 
     def timed(fn) -> float:
         fn()  # warm-up
@@ -109,8 +116,12 @@ def main(argv=None) -> int:
     # Alternate, so that drift affects both alike.
     t_base = timed(step_base)
     t_qat = timed(step_qat)
+    t_lean = timed(step_lean)
     t_base = min(t_base, timed(step_base))
-    res.update(bf16_step_s=t_base, qat_step_s=t_qat, ratio=t_qat / t_base, tokens=args.batch * args.seq)
+    res.update(bf16_step_s=t_base, qat_step_s=t_qat, ratio=t_qat / t_base, qat_uncached_step_s=t_lean,
+               ratio_uncached=t_lean / t_base, tokens=args.batch * args.seq)  # fmt: skip
+    # What the cache holds: the dequantized expert weights, one extra copy in the model dtype.
+    res["weight_cache_gib"] = sum(t.nbytes for m in fp4_experts(qat) for t in m._fake[1:]) / 2**30
     if cuda:
         res["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["seconds"] = time.perf_counter() - t0
@@ -118,7 +129,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"BF16 step {t_base * 1e3:.1f} ms, QAT (FP4 + hints + routing replay) step {t_qat * 1e3:.1f} ms, "
-          f"ratio {t_qat / t_base:.2f}x (goal <= 1.2x); JSON: {args.out}")  # fmt: skip
+          f"ratio {t_qat / t_base:.2f}x (goal <= 1.2x); without the weight cache {t_lean * 1e3:.1f} ms, "
+          f"{t_lean / t_base:.2f}x (saves {res['weight_cache_gib']:.2f} GiB); JSON: {args.out}")  # fmt: skip
     return 0
 
 

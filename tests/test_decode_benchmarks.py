@@ -43,4 +43,5 @@ def test_rollout_decode_smoke(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_train_step_smoke(tmp_path):
     res = _run("train_step.py", tmp_path / "train.json")
-    assert res["ratio"] > 0 and res["bf16_step_s"] > 0 and res["qat_step_s"] > 0
+    assert res["ratio"] > 0 and res["bf16_step_s"] > 0 and res["qat_step_s"] > 0 and res["qat_uncached_step_s"] > 0
+    assert res["weight_cache_gib"] > 0

@@ -199,6 +199,8 @@ def test_config_round_trips_and_validation(tmp_path):
         TraceFP4Config(experts_kernel="cuda")
     with pytest.raises(ValueError, match="experts_kernel='torch'"):
         TraceFP4Config(fmt="mxfp4", experts_kernel="triton")
+    with pytest.raises(ValueError, match="cache_qat_weights"):
+        TraceFP4Config(cache_qat_weights="yes")
     with pytest.raises(ValueError, match="Unknown"):
         TraceFP4Config(bogus=1)
 
@@ -240,6 +242,23 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoints):
         model(ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.equal(grads[0], grads[1])
+
+
+def test_uncached_qat_weights_give_the_same_loss_and_gradients(checkpoints):
+    ids = batch()
+    results = []
+    for cache in (True, False):
+        model = load(checkpoints["qwen3_moe"], cache_qat_weights=cache)
+        model.train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        kept = [m._fake is not None for m in fp4_experts(model)]
+        assert all(kept) if cache else not any(kept)  # no extra copy of the weights without the cache
+        results.append(
+            (loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        )
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def test_trainer_accepts_the_model_for_full_finetuning(checkpoints, tmp_path):

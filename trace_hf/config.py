@@ -50,6 +50,10 @@ class TraceFP4Config(QuantizationConfigMixin):
             `trace_hf.kernels.fp4_moe`, which read the packed weights; NVFP4 only), `"torch"` (dequantized weights
             and grouped GEMMs, the same code as training, on any device), or `"auto"` (Triton on CUDA for NVFP4,
             torch otherwise). Training always uses the torch path.
+        cache_qat_weights (`bool`, *optional*, defaults to `True`):
+            Keep the fake-quantized expert weights between optimizer steps, so that training dequantizes them once
+            per step: fastest, at the cost of one extra copy of the expert weights in the model dtype. `False`
+            dequantizes them in every training forward instead (no extra memory; the same values).
         quantize_linears (`bool`, *optional*, defaults to `False`):
             Reserved opt-in for non-expert linears; only `False` is supported for now.
     """
@@ -64,6 +68,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         qat: bool = True,
         experts_kernel: str = "auto",
+        cache_qat_weights: bool = True,
         quantize_linears: bool = False,
         **kwargs,
     ):
@@ -76,6 +81,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert else []
         self.qat = qat
         self.experts_kernel = experts_kernel
+        self.cache_qat_weights = cache_qat_weights
         self.quantize_linears = quantize_linears
         kwargs.pop("quant_method", None)
         if kwargs:
@@ -108,6 +114,8 @@ class TraceFP4Config(QuantizationConfigMixin):
             )
         if not isinstance(self.qat, bool):
             raise ValueError(f"TraceFP4Config.qat={self.qat!r}: give True (QAT) or False (BF16 training).")
+        if not isinstance(self.cache_qat_weights, bool):
+            raise ValueError(f"TraceFP4Config.cache_qat_weights={self.cache_qat_weights!r}: give True or False.")
         if self.experts_kernel not in EXPERTS_KERNELS:
             raise ValueError(
                 f"TraceFP4Config.experts_kernel={self.experts_kernel!r}: use one of {list(EXPERTS_KERNELS)}."
@@ -140,5 +148,6 @@ class TraceFP4Config(QuantizationConfigMixin):
             "modules_to_not_convert": list(self.modules_to_not_convert),
             "qat": self.qat,
             "experts_kernel": self.experts_kernel,
+            "cache_qat_weights": self.cache_qat_weights,
             "quantize_linears": self.quantize_linears,
         }

@@ -56,6 +56,7 @@ class TraceFP4Experts(nn.Module):
         activations: str,
         qat: bool = True,
         kernel: str = "auto",
+        cache_qat_weights: bool = True,
     ):
         super().__init__()
         e, two_i, h = gate_up_proj.shape
@@ -74,6 +75,7 @@ class TraceFP4Experts(nn.Module):
         self.activations = activations
         self.qat = qat  # False: train in the model dtype (the naive FP4-rollout baseline); rollout stays FP4
         self.kernel = kernel  # eval path: "triton" (fused kernels), "torch" (reference) or "auto"
+        self.cache_qat_weights = cache_qat_weights  # keep the dequantized weights between optimizer steps
         # Set by assign_hint_layers and by trace_hf.hints.
         self.moe_index = 0
         self.hinted = False
@@ -84,16 +86,19 @@ class TraceFP4Experts(nn.Module):
         _LIVE.add(self)
 
     @classmethod
-    def from_experts(
-        cls, experts: nn.Module, fmt: str, activations: str, qat: bool = True, kernel: str = "auto"
-    ) -> TraceFP4Experts:
+    def from_experts(cls, experts: nn.Module, config) -> TraceFP4Experts:
+        """Adopt the parameters of a fused experts module, with the settings of a `TraceFP4Config`."""
         check_fused_experts(experts)
-        return cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, fmt, activations, qat, kernel)
+        return cls(
+            experts.gate_up_proj, experts.down_proj, experts.act_fn, config.fmt, config.activations, config.qat,
+            config.experts_kernel, config.cache_qat_weights,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-            f"fmt={self.fmt}, activations={self.activations}, qat={self.qat}, kernel={self.kernel}, moe_index={self.moe_index}, hinted={self.hinted}"
+            f"fmt={self.fmt}, activations={self.activations}, qat={self.qat}, kernel={self.kernel}, "
+            f"cache_qat_weights={self.cache_qat_weights}, moe_index={self.moe_index}, hinted={self.hinted}"
         )
 
     # ------------------------------------------------------------------------------------------------------
@@ -116,10 +121,13 @@ class TraceFP4Experts(nn.Module):
         return self._packed[1], self._packed[2]
 
     def fake_quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dequantized packed weights in the masters' dtype, for the QAT forward (and the torch eval path):
-        cached until the packed weights change, so training quantizes the weights once per optimizer step, not
-        once per forward (at the cost of one extra copy of the expert weights)."""
+        """The dequantized packed weights in the masters' dtype, for the QAT forward (and the torch eval path).
+        With `cache_qat_weights` they are kept until the packed weights change, so training dequantizes once per
+        optimizer step, at the cost of one extra copy of the expert weights; without, every forward dequantizes
+        them again (the same values)."""
         packed = self.packed_weights()
+        if not self.cache_qat_weights:
+            return tuple(q.dequantize(self.gate_up_proj.dtype) for q in packed)
         if self._fake is None or self._fake[0] is not self._packed:
             self._fake = (self._packed, *(q.dequantize(self.gate_up_proj.dtype) for q in packed))
         return self._fake[1], self._fake[2]
@@ -278,15 +286,9 @@ def _skipped(name: str, modules_to_not_convert: list[str]) -> bool:
     return any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in modules_to_not_convert)
 
 
-def replace_experts(
-    model: nn.Module,
-    fmt: str,
-    activations: str,
-    modules_to_not_convert: list[str],
-    qat: bool = True,
-    kernel: str = "auto",
-) -> list[str]:
-    """Swap every fused experts module for a `TraceFP4Experts`; returns the names replaced (in layer order)."""
+def replace_experts(model: nn.Module, config) -> list[str]:
+    """Swap every fused experts module for a `TraceFP4Experts` configured by a `TraceFP4Config` (experts named in
+    its `modules_to_not_convert` stay); returns the names replaced (in layer order)."""
     names = [n for n, m in model.named_modules() if is_fused_experts(m)]
     if not names:
         raise ValueError(
@@ -295,11 +297,9 @@ def replace_experts(
         )
     replaced = []
     for name in names:
-        if _skipped(name, modules_to_not_convert):
+        if _skipped(name, config.modules_to_not_convert):
             continue
-        model.set_submodule(
-            name, TraceFP4Experts.from_experts(model.get_submodule(name), fmt, activations, qat, kernel)
-        )
+        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), config))
         replaced.append(name)
     return replaced
 

@@ -16,9 +16,7 @@ def convert_experts(model, config: TraceFP4Config) -> list[str]:
     """Swap the routed experts for FP4 ones and mark the hinted layers (works on a meta skeleton too)."""
     from .experts import assign_hint_layers, replace_experts
 
-    replaced = replace_experts(
-        model, config.fmt, config.activations, config.modules_to_not_convert, config.qat, config.experts_kernel
-    )
+    replaced = replace_experts(model, config)
     if not replaced:
         logger.warning("TraceFP4Config: every experts module is in modules_to_not_convert; nothing is quantized.")
     assign_hint_layers(model, config.num_hint_layers(len(replaced)))

@@ -30,14 +30,17 @@ CUDA_VISIBLE_DEVICES=0 timeout 170 $PY examples/study/study.py warm --out "$W/st
 echo "warm rc=$?"
 wait
 tail -n 3 "$W/study_warm.log"
-grep -E "reward/|wall_time" "$W/ddp_1gpu.log"
 
 echo "== 2. the same GRPO run with DDP on two GPUs"
-[ "$G1" = 1 ] && timeout 100 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --mixed_precision no \
-  examples/grpo.py --max-steps 20 --prompts-per-step 8 --model "$W/ddp/1gpu/sft-warm" --output-dir "$W/ddp/2gpu" \
-  > "$W/ddp_2gpu.log" 2>&1
-echo "ddp rc=$?"
-grep -E "reward/|wall_time" "$W/ddp_2gpu.log"
+if [ "$G1" = 1 ]; then
+  timeout 100 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --mixed_precision no \
+    examples/grpo.py --max-steps 20 --prompts-per-step 8 --model "$W/ddp/1gpu/sft-warm" --output-dir "$W/ddp/2gpu" \
+    > "$W/ddp_2gpu.log" 2>&1
+  echo "ddp rc=$?"
+  grep -E "reward/|wall_time" "$W/ddp_1gpu.log" "$W/ddp_2gpu.log"
+else
+  echo "skipped: one GPU"
+fi
 
 echo "== 3. study regimes in three queues, spread over the GPUs ($STEPS GRPO steps each)"
 run_queue() {
