@@ -51,7 +51,7 @@ fi
 
 if has train; then
   echo "== train step benchmark"
-  timeout 80 $PY benchmarks/train_step.py --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1
+  timeout 150 $PY benchmarks/train_step.py --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1
   echo "rc=$?" >> "$OUT/train_step.log"
   tail -n 3 "$OUT/train_step.log"
 fi
