@@ -115,24 +115,20 @@ def _e4m3_hw(b):
 
 
 @triton.jit
-def _load_halves(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, FAST: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_halves(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, BLOCK_K: tl.constexpr):
     """Even and odd columns of ``k0 .. k0 + BLOCK_K`` as two [rows, BLOCK_K / 2] fp32 tiles. A dot product may
     sum its terms in any order, so ``a_even @ w_even + a_odd @ w_odd`` is the whole product; for packed FP4 the
-    halves are just the low and high nibbles (no interleaving shuffle), and each element's block scale is read
-    directly at ``column // 8`` (repeated addresses, served by the cache). ``FAST`` decodes with
-    `_e2m1_times_2_pow_m14` and `_e4m3_hw`; both ways are exact."""
+    halves are just the low and high nibbles (no interleaving shuffle), each element's block scale is read
+    directly at ``column // 8`` (repeated addresses, served by the cache), and the decoding is the cheap one of
+    `_e2m1_times_2_pow_m14` and `_e4m3_hw` (exact, like `load_fp4_rows`)."""
     r = rows.to(tl.int64)[:, None]
     j = tl.arange(0, BLOCK_K // 2)[None, :]
     m = row_mask[:, None]
     if FP4:
         p = tl.load(ptr + r * (K // 2) + (k0 // 2 + j), mask=m, other=0).to(tl.int32) & 0xFF
         sb = tl.load(q_s_ptr + r * (K // 16) + (k0 // 16 + j // 8), mask=m, other=0)
-        if FAST:
-            s = _e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
-            return _e2m1_times_2_pow_m14(p & 15) * s, _e2m1_times_2_pow_m14(p >> 4) * s
-        else:
-            s = e4m3_value(sb.to(tl.int32) & 0xFF)
-            return e2m1_value(p & 15) * s, e2m1_value(p >> 4) * s
+        s = _e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
+        return _e2m1_times_2_pow_m14(p & 15) * s, _e2m1_times_2_pow_m14(p >> 4) * s
     else:
         base = ptr + r * K + k0 + 2 * j
         return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
@@ -171,7 +167,6 @@ def _gate_up_kernel(
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     HALVES: tl.constexpr,
-    FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -193,9 +188,9 @@ def _gate_up_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if HALVES:
-            a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, FAST, BLOCK_K)
-            g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, FAST, BLOCK_K)
-            u0, u1 = _load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, FAST, BLOCK_K)
+            a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_K)
+            g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_K)
+            u0, u1 = _load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_K)
             acc_g = _dot_nt(a1, g1, _dot_nt(a0, g0, acc_g, DOT_BF16), DOT_BF16)
             acc_u = _dot_nt(a1, u1, _dot_nt(a0, u0, acc_u, DOT_BF16), DOT_BF16)
         else:
@@ -236,7 +231,6 @@ def _down_kernel(
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     HALVES: tl.constexpr,
-    FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -255,8 +249,8 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
         if HALVES:
-            a0, a1 = _load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, FAST, BLOCK_K)
-            w0, w1 = _load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, FAST, BLOCK_K)
+            a0, a1 = _load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_K)
+            w0, w1 = _load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_K)
             acc = _dot_nt(a1, w1, _dot_nt(a0, w0, acc, DOT_BF16), DOT_BF16)
         else:
             a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
@@ -323,7 +317,7 @@ def _align_kernel(
 #: last entry serves the rest); ``dense``: for dense weights (the BF16 baseline), which reach 81-91% of the copy
 #: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
-#: interleaved tiles, with ``fast_decode`` (`_e2m1_times_2_pow_m14`, `_e4m3_hw`) or not. The FP4 entries are the
+#: interleaved tiles (`load_fp4_rows`). The FP4 entries are the
 #: best of `benchmarks/fp4_moe_tune.py` on the H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 89 us at batch 1
 #: and 503 us at batch 16, against 93 us and 625 us for the interleaved tiles of ``dense``.
 _DENSE = {
@@ -333,7 +327,6 @@ _DENSE = {
     "num_warps": 4,
     "num_stages": 3,
     "halves": False,
-    "fast_decode": False,
 }
 _FP4 = {
     "block_n_gate_up": 64,
@@ -342,7 +335,6 @@ _FP4 = {
     "num_warps": 4,
     "num_stages": 3,
     "halves": True,
-    "fast_decode": True,
 }
 CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_k=128)), (1 << 62, _FP4)]}  # fmt: skip
 
@@ -478,7 +470,7 @@ def experts_from_quantized(
     }
     _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu))](
         x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
-        A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), FAST=cfg["fast_decode"], BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
+        A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
     )  # fmt: skip
     if hidden_fp4:
         hq = fp4_quant.quantize(h, "nvfp4", "row")
@@ -489,7 +481,7 @@ def experts_from_quantized(
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(P // bm, triton.cdiv(H, bn_d))](
         h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), FAST=cfg["fast_decode"], BLOCK_N=bn_d, BLOCK_K=bk_i,
+        A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), BLOCK_N=bn_d, BLOCK_K=bk_i,
         **common,
     )  # fmt: skip
     return y

@@ -69,11 +69,10 @@ def test_align_backends_agree():
     assert torch.equal(s1[valid], s2[valid])
 
 
-@pytest.fixture(params=[(False, False), (True, False), (True, True)], ids=["interleaved", "halves", "halves-fast"])
+@pytest.fixture(params=[False, True], ids=["interleaved", "halves"])
 def operand_layout(request, monkeypatch):
-    """Run a test under each operand layout and decoding of the GEMM kernels (`fp4_moe.CONFIG`)."""
-    halves, fast = request.param
-    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, fast_decode=fast, block_k=64)
+    """Run a test under each operand layout of the GEMM kernels (`fp4_moe.CONFIG`)."""
+    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=request.param, block_k=64)
     monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
     monkeypatch.setitem(moe.CONFIG, "dense", cfg)
     return request.param
