@@ -53,7 +53,8 @@ class TraceFP4Config(QuantizationConfigMixin):
         cache_qat_weights (`bool`, *optional*, defaults to `True`):
             Keep the fake-quantized expert weights between optimizer steps, so that training dequantizes them once
             per step: fastest, at the cost of one extra copy of the expert weights in the model dtype. `False`
-            dequantizes them in every training forward instead (no extra memory; the same values).
+            dequantizes them in every training forward instead (no extra memory; the same values). Under FSDP
+            the cache holds each layer's gathered (unsharded) experts on every rank, so use `False` there.
         quantize_linears (`bool`, *optional*, defaults to `False`):
             Reserved opt-in for non-expert linears; only `False` is supported for now.
     """
