@@ -197,3 +197,16 @@ def test_nan_input_row_poisons_only_its_token(operand_layout):
     keep = [0, 1, 3, 4]
     assert torch.isfinite(out[keep]).all()
     assert _rel(out[keep], mod(x, ids, w)[keep]) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_expert_parallel_sentinels_contribute_nothing(kernel):
+    """Routing ids >= num_experts (another rank's expert) add nothing, on both eval paths."""
+    mod = _experts(4, 64, 32, seed=10, kernel=kernel)
+    ids, w = _routing(6, 4, 2, seed=11)
+    x = torch.randn(6, 64)
+    with_sentinel = ids.clone()
+    with_sentinel[:, 1] = 4  # the second slot of every token belongs to another rank
+    only_first = torch.stack([ids[:, 0], ids[:, 0]], 1)
+    w_first = torch.stack([w[:, 0], torch.zeros_like(w[:, 0])], 1)
+    assert _rel(mod(x, with_sentinel, w), mod(x, only_first, w_first)) < 1e-6

@@ -179,8 +179,8 @@ class TraceFP4Experts(nn.Module):
         if not self.training and self._uses_kernel(hidden_states):
             return self._kernel_forward(hidden_states, top_k_index, top_k_weights)
         x = self._quantize_input(hidden_states)
-        # The dequantized packed weights, computed once per optimizer step; in training with straight-through
-        # gradients to the BF16 masters (the same values as `fp4.fake_quantize(w, fmt, "expert")`).
+        # The dequantized packed weights (cached per optimizer step unless cache_qat_weights=False); in training with
+        # straight-through gradients to the BF16 masters (the same values as `fp4.fake_quantize(w, fmt, "expert")`).
         w_gu, w_d = self.fake_quantized_weights()
         if self.training:
             w_gu = fp4.straight_through(self.gate_up_proj, w_gu)
@@ -199,7 +199,10 @@ class TraceFP4Experts(nn.Module):
             xq = fp4.quantize(x, self.fmt, "row")
             if self._trace_recorder is not None:
                 self._trace_recorder.record_input(self, xq)
-        y = fp4_moe.experts_from_quantized(xq, top_k_index, top_k_weights, gu, d, self.activations == "fp4")
+        # Expert-parallel sentinels (>= E, another rank's expert) contribute nothing, as in `_routed`.
+        valid = top_k_index < self.num_experts
+        ids = top_k_index.clamp(max=self.num_experts - 1)
+        y = fp4_moe.experts_from_quantized(xq, ids, top_k_weights * valid, gu, d, self.activations == "fp4")
         return y.sum(1).to(x.dtype)
 
     def _routed(self, x, top_k_index, top_k_weights, w_gu, w_d, hidden_fp4: bool) -> torch.Tensor:
