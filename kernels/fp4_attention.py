@@ -28,8 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trace_hf.kernels.fp4_moe import DOT_BF16, INTERPRETED, load_fp4_rows  # noqa: E402
-from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale  # noqa: E402
+from trace_hf.kernels.fp4_moe import DOT_BF16, load_fp4_rows  # noqa: E402
+from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale, check_device  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -300,14 +300,6 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 CONFIG = {"block_t": 64, "target_programs": 264, "min_chunk": 256, "num_warps": 4, "num_stages": 2}
 
 
-def _check_device(t: torch.Tensor) -> None:
-    if not (t.is_cuda or INTERPRETED):
-        raise RuntimeError(
-            f"trace_hf.kernels.fp4_attention got a tensor on {t.device}: pass CUDA tensors, or set TRITON_INTERPRET=1 "
-            "before triton is first imported (CPU tests)."
-        )
-
-
 def _cache_args(cache: KVCache):
     if cache.fp4:
         return cache.k, cache.k_scale, cache.k_g, cache.v, cache.v_scale, cache.v_g
@@ -332,7 +324,7 @@ def qkv_post(
     ``qkv`` [B, (Hq + 2 Hkv) * D] (q, k, v heads in that order); ``cos``/``sin`` [Tpos, D] fp32 tables (RoPE off
     if None); ``q_norm``/``k_norm`` [D] (norm off if None). Returns Q [B, Hq, D] in ``qkv.dtype``.
     """
-    _check_device(qkv)
+    check_device(qkv)
     B = qkv.shape[0]
     D = cache.head_dim
     qkv = qkv.contiguous()
@@ -369,7 +361,7 @@ def decode_attention(
     """Attention of one query token per sequence over its cache: ``q`` [B, Hq, D], ``lengths`` [B] (valid cache
     tokens, the current one included) -> [B, Hq, D] in ``q.dtype``. GQA: query head h reads KV head h // (Hq/Hkv).
     """
-    _check_device(q)
+    check_device(q)
     B, HQ, D = q.shape
     HKV, T = cache.k.shape[1], cache.max_len
     group = HQ // HKV

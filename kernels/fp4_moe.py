@@ -352,15 +352,6 @@ def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
 ALIGN_KERNEL_MAX = 4096
 
 
-def _check_device(t: torch.Tensor) -> None:
-    if t.is_cuda or INTERPRETED:
-        return
-    raise RuntimeError(
-        f"trace_hf.kernels.fp4_moe runs Triton kernels and got a tensor on {t.device}: pass CUDA tensors, or set "
-        "TRITON_INTERPRET=1 before triton is first imported (CPU tests)."
-    )
-
-
 def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
     """Rows of the sorted, padded layout: every expert that is hit pads at most block_m - 1 rows; a static bound
     (no host sync), so that a CUDA graph can capture the layout."""
@@ -449,7 +440,7 @@ def experts_from_quantized(
     if wd_fp4 != w_fp4:
         raise ValueError("Give both expert weights packed (FP4Tensor) or both dense.")
     hidden_fp4 = w_fp4 if hidden_fp4 is None else hidden_fp4
-    _check_device(x_arg)
+    fp4_quant.check_device(x_arg)
     E, two_i, H = w_gate_up.shape
     NI = two_i // 2
     M, K = topk_ids.shape

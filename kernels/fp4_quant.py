@@ -403,7 +403,8 @@ CONFIG = {
 }
 
 
-def _check_device(x: torch.Tensor) -> None:
+def check_device(x: torch.Tensor) -> None:
+    """Every kernel of trace_hf.kernels takes CUDA tensors, or CPU ones under the interpreter."""
     if x.is_cuda or INTERPRETED:
         return
     raise RuntimeError(
@@ -533,7 +534,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
     With ``return_hints`` also returns the `FP4Hints` of the result (mantissa bits written in the same pass).
     """
     f = check_last_dim(x, fmt)
-    _check_device(x)
+    check_device(x)
     if x.numel() == 0:
         q = fp4.quantize(x, f.name, scale, backend="torch")
         return (q, fp4.extract_hints(q)) if return_hints else q
@@ -557,7 +558,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
 def guided_quantize(x: torch.Tensor, hints: FP4Hints) -> FP4Tensor:
     """`trace_hf.fp4.guided_quantize`: the rollout's scales, and of two neighbours the recorded mantissa bit."""
     f = _check_hints(x, hints)
-    _check_device(x)
+    check_device(x)
     if x.numel() == 0:
         return fp4.guided_quantize(x, hints, backend="torch")
     x2, kind = _as_input(x)
@@ -578,7 +579,7 @@ def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", hints
     or with ``hints`` ``fp4.guided_quantize(x, hints).dequantize(x.dtype)``, bit for bit. No autograd here:
     `trace_hf.fp4.fake_quantize` wraps it in the straight-through estimator."""
     f = _check_hints(x, hints) if hints is not None else check_last_dim(x, fmt)
-    _check_device(x)
+    check_device(x)
     if x.numel() == 0:
         return fp4.fake_quantize(x, f.name, scale, hints, backend="torch")
     x2, kind = _as_input(x)
@@ -609,7 +610,7 @@ def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", hints
 def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`FP4Tensor.dequantize`: ``(E2M1(code) * s) * g`` in fp32, then ``dtype``."""
     f = get_format(q.fmt)
-    _check_device(q.packed)
+    check_device(q.packed)
     shape = q.shape
     if q.packed.numel() == 0:
         return q.dequantize(dtype)
