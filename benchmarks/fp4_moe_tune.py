@@ -26,13 +26,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16,64,256")
-    p.add_argument("--variants", default="halves,interleaved", help="FP4 operand layouts to sweep")
+    p.add_argument("--variants", default="ptx,halves", help="FP4 operand layouts to sweep")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
     return p.parse_args(argv)
 
 
-#: name: the ``halves`` setting
-VARIANTS = {"halves": True, "interleaved": False}
+#: name: the (``halves``, ``ptx``) settings
+VARIANTS = {"halves": (True, False), "interleaved": (False, False), "ptx": (True, True)}
 
 
 def copy_bandwidth(dev) -> float:
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
 
     grid = [
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
-         "halves": hv}
+         "halves": hv[0], "ptx": hv[1]}
         for hv, bn, bk, w, st in itertools.product(
             [VARIANTS[v] for v in args.variants.split(",")], (16, 32, 64), (64, 128, 256), (4, 8), (3,)
         )

@@ -114,17 +114,81 @@ def _e4m3_hw(b):
     return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
+#: Inline PTX for `_fp4_halves_f16`: 4 code bytes ($4) and their 4 E4M3 scale bytes ($5) to the fp16 pairs
+#: ``E2M1 * s * 2^-14`` of the low nibbles ($0: bytes 0-1, $1: bytes 2-3) and the high nibbles ($2, $3). prmt puts
+#: byte j in the high byte of a 16-bit lane; a nibble's sign then needs one shift to bit 15 and its 3 magnitude bits
+#: one shift to bits 9-11, under the fp16 exponent's low bits (value ``E2M1 * 2^-14``, code 1 an fp16 subnormal,
+#: which f16 arithmetic without .ftz keeps); one f16x2 multiply by the scale, converted by the hardware (0x7F is
+#: NaN), is exact: the product has at most 6 significant bits, all at or above 2^-24, fp16's smallest subnormal.
+#: About 2.5 instructions per element against the dozen of the fp32 decoding.
+_F16_HALVES_PTX = tl.constexpr(
+    """
+{
+.reg .b32 t, u, v, s01, s23;
+.reg .b16 sl, sh;
+mov.b32 {sl, sh}, $5;
+cvt.rn.f16x2.e4m3x2 s01, sl;
+cvt.rn.f16x2.e4m3x2 s23, sh;
+prmt.b32 t, $4, 0, 0x1404;
+shl.b32 u, t, 1;
+and.b32 u, u, 0x0E000E00;
+shl.b32 v, t, 4;
+and.b32 v, v, 0x80008000;
+or.b32 u, u, v;
+mul.rn.f16x2 $0, u, s01;
+shr.b32 u, t, 3;
+and.b32 u, u, 0x0E000E00;
+and.b32 v, t, 0x80008000;
+or.b32 u, u, v;
+mul.rn.f16x2 $2, u, s01;
+prmt.b32 t, $4, 0, 0x3424;
+shl.b32 u, t, 1;
+and.b32 u, u, 0x0E000E00;
+shl.b32 v, t, 4;
+and.b32 v, v, 0x80008000;
+or.b32 u, u, v;
+mul.rn.f16x2 $1, u, s23;
+shr.b32 u, t, 3;
+and.b32 u, u, 0x0E000E00;
+and.b32 v, t, 0x80008000;
+or.b32 u, u, v;
+mul.rn.f16x2 $3, u, s23;
+}
+"""
+)
+
+
 @triton.jit
-def _load_halves(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp4_halves_f16(p, sb):
+    """Packed code bytes and their (repeated) E4M3 scale bytes, both uint8, to the fp16 tiles
+    ``(E2M1(low nibble) * s * 2^-14, E2M1(high nibble) * s * 2^-14)``, exactly (GPU only: inline PTX)."""
+    return tl.inline_asm_elementwise(
+        _F16_HALVES_PTX, "=r,=r,=r,=r,r,r", [p, sb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _load_halves(
+    ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr = False
+):
     """Even and odd columns of ``k0 .. k0 + BLOCK_K`` as two [rows, BLOCK_K / 2] fp32 tiles. A dot product may
     sum its terms in any order, so ``a_even @ w_even + a_odd @ w_odd`` is the whole product; for packed FP4 the
     halves are just the low and high nibbles (no interleaving shuffle), each element's block scale is read
     directly at ``column // 8`` (repeated addresses, served by the cache), and the decoding is the cheap one of
-    `_e2m1_times_2_pow_m14` and `_e4m3_hw` (exact, like `load_fp4_rows`)."""
+    `_e2m1_times_2_pow_m14` and `_e4m3_hw` (exact, like `load_fp4_rows`). With ``PTX`` the tiles are fp16 and
+    carry a factor 2^-14 (`_fp4_halves_f16`), which the caller takes out of the accumulator."""
     r = rows.to(tl.int64)[:, None]
     j = tl.arange(0, BLOCK_K // 2)[None, :]
     m = row_mask[:, None]
-    if FP4:
+    if FP4 and PTX:
+        # [rows, blocks, 8 bytes]: one scale byte per 16-element block, broadcast in registers.
+        blk = tl.arange(0, BLOCK_K // 16)[None, :, None]
+        r3, m3 = r[:, :, None], m[:, :, None]
+        p = tl.load(ptr + r3 * (K // 2) + (k0 // 2 + blk * 8 + tl.arange(0, 8)[None, None, :]), mask=m3, other=0)
+        sb = tl.load(q_s_ptr + r3 * (K // 16) + (k0 // 16 + blk), mask=m3, other=0)
+        lo, hi = _fp4_halves_f16(p.to(tl.uint8, bitcast=True), tl.broadcast_to(sb.to(tl.uint8, bitcast=True), p.shape))
+        return tl.reshape(lo, [lo.shape[0], BLOCK_K // 2]), tl.reshape(hi, [hi.shape[0], BLOCK_K // 2])
+    elif FP4:
         p = tl.load(ptr + r * (K // 2) + (k0 // 2 + j), mask=m, other=0).to(tl.int32) & 0xFF
         sb = tl.load(q_s_ptr + r * (K // 16) + (k0 // 16 + j // 8), mask=m, other=0)
         s = _e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
@@ -135,9 +199,12 @@ def _load_halves(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, BLOCK_K
 
 
 @triton.jit
-def _dot_nt(a, b, acc, DOT_BF16: tl.constexpr):
-    """acc + a @ b.T with fp32 accumulation (bf16 operands on the GPU, exact fp32 in the interpreter)."""
-    if DOT_BF16:
+def _dot_nt(a, b, acc, DOT_BF16: tl.constexpr, PTX: tl.constexpr = False):
+    """acc + a @ b.T with fp32 accumulation (bf16 operands on the GPU, exact fp32 in the interpreter; with ``PTX``
+    the fp16 tiles of `_fp4_halves_f16` as they are)."""
+    if PTX:
+        return tl.dot(a, tl.trans(b), acc)
+    elif DOT_BF16:
         return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)), acc)
     else:
         return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
@@ -167,6 +234,7 @@ def _gate_up_kernel(
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     HALVES: tl.constexpr,
+    PTX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -188,17 +256,20 @@ def _gate_up_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if HALVES:
-            a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_K)
-            g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_K)
-            u0, u1 = _load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_K)
-            acc_g = _dot_nt(a1, g1, _dot_nt(a0, g0, acc_g, DOT_BF16), DOT_BF16)
-            acc_u = _dot_nt(a1, u1, _dot_nt(a0, u0, acc_u, DOT_BF16), DOT_BF16)
+            a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_K, PTX)
+            g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
+            u0, u1 = _load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
+            acc_g = _dot_nt(a1, g1, _dot_nt(a0, g0, acc_g, DOT_BF16, PTX), DOT_BF16, PTX)
+            acc_u = _dot_nt(a1, u1, _dot_nt(a0, u0, acc_u, DOT_BF16, PTX), DOT_BF16, PTX)
         else:
             a = _load_rows(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_M, BLOCK_K)
             wg = _load_rows(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
             wu = _load_rows(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
             acc_g = _dot_nt(a, wg, acc_g, DOT_BF16)
             acc_u = _dot_nt(a, wu, acc_u, DOT_BF16)
+    if PTX:  # both operands carried 2^-14
+        acc_g = acc_g * 268435456.0
+        acc_u = acc_u * 268435456.0
     if A_FP4:
         gx = tl.load(ag_ptr + row, mask=valid, other=0.0)
         acc_g = acc_g * gx[:, None]
@@ -231,6 +302,7 @@ def _down_kernel(
     W_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     HALVES: tl.constexpr,
+    PTX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -249,13 +321,15 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
         if HALVES:
-            a0, a1 = _load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_K)
-            w0, w1 = _load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_K)
-            acc = _dot_nt(a1, w1, _dot_nt(a0, w0, acc, DOT_BF16), DOT_BF16)
+            a0, a1 = _load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_K, PTX)
+            w0, w1 = _load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_K, PTX)
+            acc = _dot_nt(a1, w1, _dot_nt(a0, w0, acc, DOT_BF16, PTX), DOT_BF16, PTX)
         else:
             a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
             w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_N, BLOCK_K)
             acc = _dot_nt(a, w, acc, DOT_BF16)
+    if PTX:
+        acc = acc * 268435456.0
     if A_FP4:
         acc = acc * tl.load(ag_ptr + offs_p, mask=valid, other=0.0)[:, None]
     if W_FP4:
@@ -317,9 +391,10 @@ def _align_kernel(
 #: last entry serves the rest); ``dense``: for dense weights (the BF16 baseline), which reach 81-91% of the copy
 #: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
-#: interleaved tiles (`load_fp4_rows`). The FP4 entries are the
-#: best of `benchmarks/fp4_moe_tune.py` on the H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 89 us at batch 1
-#: and 503 us at batch 16, against 93 us and 625 us for the interleaved tiles of ``dense``.
+#: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `_fp4_halves_f16` into fp16 operands (W4A4 on
+#: the GPU only; otherwise the fp32 decoding). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
+#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 47 us at batch 1, 256 us at batch 16 and 377 us at batch 64,
+#: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
     "block_n_gate_up": 32,
     "block_n_down": 64,
@@ -327,6 +402,7 @@ _DENSE = {
     "num_warps": 4,
     "num_stages": 3,
     "halves": False,
+    "ptx": False,
 }
 _FP4 = {
     "block_n_gate_up": 64,
@@ -335,8 +411,9 @@ _FP4 = {
     "num_warps": 4,
     "num_stages": 3,
     "halves": True,
+    "ptx": True,
 }
-CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_k=128)), (1 << 62, _FP4)]}  # fmt: skip
+CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=32, block_n_down=64)), (1 << 62, _FP4)]}  # fmt: skip
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
@@ -409,6 +486,12 @@ def _pick(n: int, preferred: int) -> int:
     return b
 
 
+def _ptx(cfg: dict, a_fp4: bool, w_fp4: bool) -> bool:
+    """Whether a GEMM decodes with `_fp4_halves_f16`: both operands packed FP4 (fp16 cannot hold bf16 activations
+    exactly), halves layout, on the GPU (the interpreter runs no PTX)."""
+    return bool(cfg.get("ptx")) and cfg["halves"] and a_fp4 and w_fp4 and not INTERPRETED
+
+
 def _fp4_args(q: FP4Tensor | torch.Tensor):
     """(values or codes, block scales, global scales) as the kernels read them; dense tensors get dummies."""
     if isinstance(q, FP4Tensor):
@@ -430,7 +513,8 @@ def experts_from_quantized(
     """Routed experts on an already quantized input (`FP4Tensor` [M, H], or a dense [M, H] tensor).
 
     Weights are `FP4Tensor` (NVFP4, per-expert global scale: ``[E, 2I, H]`` and ``[E, H, I]``) or dense tensors
-    of those shapes. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
+    of those shapes. ``topk_ids`` must be < E (checking would cost a host sync): `TraceFP4Experts` maps
+    expert-parallel sentinels to weight 0 before calling. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
     (token, expert) row. Returns fp32 ``[M, top_k, H]``: each slot's expert output times its routing weight; the
     token's output is the sum over dim 1.
     """
@@ -461,7 +545,8 @@ def experts_from_quantized(
     }
     _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu))](
         x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
-        A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
+        A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), PTX=_ptx(cfg, a_fp4, w_fp4),
+        BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
     )  # fmt: skip
     if hidden_fp4:
         hq = fp4_quant.quantize(h, "nvfp4", "row")
@@ -472,8 +557,8 @@ def experts_from_quantized(
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(P // bm, triton.cdiv(H, bn_d))](
         h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), BLOCK_N=bn_d, BLOCK_K=bk_i,
-        **common,
+        A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), PTX=_ptx(cfg, h_is_fp4, w_fp4),
+        BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
     )  # fmt: skip
     return y
 
