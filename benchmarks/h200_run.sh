@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
 # `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `train` (the QAT train-step
-# benchmark), `decode` (the rollout-decode benchmark). Everything goes under $OUT (default outputs/h200). Each
-# part has a timeout, so a hang in one part does not lose the others.
+# benchmark), `decode` (the rollout-decode benchmark, extra arguments in ROLLOUT_ARGS). Everything goes under
+# $OUT (default outputs/h200). Each part has a timeout, so a hang in one part does not lose the others.
 #
 #   PARTS="tests tune train" bash benchmarks/h200_run.sh
 #   PARTS=decode ROLLOUT_BUDGET_S=190 bash benchmarks/h200_run.sh
@@ -59,7 +59,7 @@ fi
 if has decode; then
   echo "== rollout decode benchmark"
   timeout $((${ROLLOUT_BUDGET_S:-250} + 60)) $PY benchmarks/rollout_decode.py --out "$OUT/rollout_decode.json" \
-    --budget-s ${ROLLOUT_BUDGET_S:-250} > "$OUT/rollout_decode.log" 2>&1
+    --budget-s ${ROLLOUT_BUDGET_S:-250} ${ROLLOUT_ARGS:-} > "$OUT/rollout_decode.log" 2>&1
   echo "rc=$?" >> "$OUT/rollout_decode.log"
   tail -n 25 "$OUT/rollout_decode.log"
 fi

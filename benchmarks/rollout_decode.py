@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-new-tokens", type=int, default=8)
     p.add_argument("--hf-max-context", type=int, default=8192, help="skip setup 1 above this context (time)")
     p.add_argument("--budget-s", type=float, default=330.0, help="stop starting cells after this many seconds")
+    p.add_argument("--profile", action="store_true", help="also record the GPU time of each kernel of a fast step")
     return p.parse_args(argv)
 
 
@@ -151,6 +152,20 @@ def main(argv=None) -> int:
             run()
         return (time.perf_counter() - t) / n
 
+    def kernel_times(run, n=3) -> list:
+        """[(kernel, us per step, share)] of the GPU time of ``run`` (torch.profiler; graph replays included)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        run()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                run()
+            sync()
+        rows = [(e.key, e.device_time_total / n) for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(t for _, t in rows) or 1.0
+        return [(k[:60], round(t, 1), round(t / total, 3)) for k, t in sorted(rows, key=lambda r: -r[1])[:12]]
+
     kv_tok_bf16 = 2 * dims.num_kv_heads * dims.head_dim * (2 if cuda else 4) * dims.num_layers
     kv_tok_fp4 = 2 * dims.num_kv_heads * (dims.head_dim // 2 + dims.head_dim // 16 + 4) * dims.num_layers
 
@@ -230,6 +245,11 @@ def main(argv=None) -> int:
                     if hints:
                         t_no = min(times["no_hints"])
                         out.update(step_ms_no_hints=t_no * 1e3, hint_overhead=step / t_no - 1.0)
+                    if args.profile and cuda:
+                        g = graphs[variants[0][0]]
+                        dec.record_hints = variants[0][1] and dec.fp4_experts
+                        dec.positions.fill_(T)
+                        out["kernels"] = kernel_times(g.replay)
                     cell(setup, B, T, **out)
                 except Exception as e:
                     cell(setup, B, T, status=f"error: {type(e).__name__}: {e}"[:500])
