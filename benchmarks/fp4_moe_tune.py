@@ -28,11 +28,19 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--variants", default="ptx,halves", help="FP4 operand layouts to sweep")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
+    p.add_argument("--block-n", default="16,32,64", help="gate/up tile N (down: twice that)")
+    p.add_argument("--block-k", default="64,128,256")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="3")
     return p.parse_args(argv)
 
 
 #: name: the (``halves``, ``ptx``) settings
 VARIANTS = {"halves": (True, False), "interleaved": (False, False), "ptx": (True, True)}
+
+
+def _ints(csv: str) -> list[int]:
+    return [int(v) for v in csv.split(",")]
 
 
 def copy_bandwidth(dev) -> float:
@@ -72,7 +80,8 @@ def main(argv=None) -> int:
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
          "halves": hv[0], "ptx": hv[1]}
         for hv, bn, bk, w, st in itertools.product(
-            [VARIANTS[v] for v in args.variants.split(",")], (16, 32, 64), (64, 128, 256), (4, 8), (3,)
+            [VARIANTS[v] for v in args.variants.split(",")], *(_ints(a) for a in (args.block_n, args.block_k,
+                                                                                   args.warps, args.stages))
         )
     ]  # fmt: skip
     by_slots, dense = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"]

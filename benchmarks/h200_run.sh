@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
-# `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `train` (the QAT train-step
-# benchmark), `decode` (the rollout-decode benchmark, extra arguments in ROLLOUT_ARGS). Everything goes under
-# $OUT (default outputs/h200). Each part has a timeout, so a hang in one part does not lose the others.
+# `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `attn` (the FP4 decode attention
+# sweep, ATTN_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode benchmark, extra
+# arguments in ROLLOUT_ARGS). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so a hang in one part does not lose the others.
 #
 #   PARTS="tests tune train" bash benchmarks/h200_run.sh
 #   PARTS=decode ROLLOUT_BUDGET_S=190 bash benchmarks/h200_run.sh
@@ -13,7 +13,7 @@
 set -u
 ROOT=$(pwd)
 OUT=${OUT:-outputs/h200}
-PARTS=${PARTS:-tests tune train decode}
+PARTS=${PARTS:-tests tune attn train decode}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PKG=$(mktemp -d)
@@ -47,6 +47,14 @@ if has tune; then
     --budget-s ${TUNE_BUDGET_S:-150} ${TUNE_ARGS:-} > "$OUT/fp4_moe_tune.log" 2>&1
   echo "rc=$?" >> "$OUT/fp4_moe_tune.log"
   tail -n 8 "$OUT/fp4_moe_tune.log"
+fi
+
+if has attn; then
+  echo "== FP4 decode attention launch-config sweep"
+  timeout $((${ATTN_BUDGET_S:-150} + 90)) $PY benchmarks/fp4_attention_tune.py --out "$OUT/fp4_attention_tune.json" \
+    --budget-s ${ATTN_BUDGET_S:-150} ${ATTN_ARGS:-} > "$OUT/fp4_attention_tune.log" 2>&1
+  echo "rc=$?" >> "$OUT/fp4_attention_tune.log"
+  tail -n 6 "$OUT/fp4_attention_tune.log"
 fi
 
 if has train; then

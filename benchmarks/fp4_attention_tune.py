@@ -1,0 +1,107 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Sweep the launch configs of the FP4-KV decode attention (`trace_hf.kernels.fp4_attention.CONFIG`) on the GPU.
+
+    python benchmarks/fp4_attention_tune.py --out outputs/fp4_attention_tune.json     # H200, about 2 minutes
+
+One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding one token per sequence over a
+full cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed
+from a CUDA graph and reports the fraction of the copy bandwidth (measured in the same run) that the cache bytes
+represent. The BF16 cache through the same kernels (default config) is the baseline where it fits. Prints the
+best config per cell. Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--cells", default="64x32768,16x32768,1x32768", help="BATCHxCONTEXT, comma separated")
+    p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this long")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        print("fp4_attention_tune.py needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    from fp4_moe_tune import copy_bandwidth  # this script's neighbour (run as a script, its folder is on the path)
+
+    from trace_hf.kernels import fp4_attention as A
+
+    HQ, HKV, D = 32, 4, 128
+    dev = torch.device("cuda")
+    copy_bw = copy_bandwidth(dev)
+    default = dict(A.CONFIG)
+    grid = [
+        dict(default, block_t=bt, num_warps=w, num_stages=st, target_programs=tp)
+        for bt, w, st, tp in itertools.product((64, 128), (4, 8), (2, 3, 4), (264, 528, 1056))
+    ]
+    t0 = time.perf_counter()
+    rows, best = [], {}
+    for spec in args.cells.split(","):
+        B, T = (int(v) for v in spec.split("x"))
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(B, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+        lengths = torch.full((B,), T, dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+
+        def timed(cache, cfg):
+            A.CONFIG.update(cfg)
+            return triton.testing.do_bench_cudagraph(lambda: A.decode_attention(q, cache, lengths, out=out), rep=50)
+
+        t_bf16 = None
+        bf16_bytes = A.kv_bytes_per_token(HKV, D, False) * B * T
+        if bf16_bytes * 1.2 < torch.cuda.mem_get_info()[0]:
+            cache = A.allocate_kv_cache(B, HKV, T, D, False, device=dev)
+            A.fill_random(cache, g)
+            t_bf16 = timed(cache, default) * 1e-3
+            del cache
+        cache = A.allocate_kv_cache(B, HKV, T, D, True, device=dev)
+        A.fill_random(cache, g)
+        need = cache.nbytes()
+        for cfg in [default] + grid:
+            if time.perf_counter() - t0 > args.budget_s:
+                break
+            try:
+                t = timed(cache, cfg) * 1e-3
+            except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
+                rows.append({"cell": spec, **cfg, "error": type(e).__name__})
+                continue
+            r = {"cell": spec, **cfg, "us": t * 1e6, "fraction": need / t / copy_bw}
+            if t_bf16:
+                r["vs_bf16"] = t_bf16 / t
+            rows.append(r)
+            if spec not in best or r["us"] < best[spec]["us"]:
+                best[spec] = r
+        del cache
+        A.CONFIG.clear()
+        A.CONFIG.update(default)
+        d = next((r for r in rows if r["cell"] == spec and "us" in r), None)
+        b = best.get(spec)
+        if b:
+            base = f"BF16 cache {t_bf16 * 1e6:.1f} us at {bf16_bytes / t_bf16 / copy_bw:.1%}" if t_bf16 else "no BF16"
+            print(f"{spec}: current {d['us']:.1f} us ({d['fraction']:.1%} of copy), best {b['us']:.1f} us "
+                  f"({b['fraction']:.1%}; {base}): { {k: b[k] for k in default} }", flush=True)  # fmt: skip
+    res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows, "best": best,
+           "seconds": time.perf_counter() - t0}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {len(rows)} configs in {res['seconds']:.0f} s; JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
