@@ -2,7 +2,8 @@
 # One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
 # `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `attn` (the FP4 decode attention
 # sweep, ATTN_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode benchmark, extra
-# arguments in ROLLOUT_ARGS). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so a hang in one part does not lose the others.
+# arguments in ROLLOUT_ARGS). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so
+# a hang in one part does not lose the others.
 #
 #   PARTS="tests tune train" bash benchmarks/h200_run.sh
 #   PARTS=decode ROLLOUT_BUDGET_S=190 bash benchmarks/h200_run.sh
