@@ -25,15 +25,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--cells", default="64x32768,16x32768,1x32768", help="BATCHxCONTEXT, comma separated")
     p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this long")
-    p.add_argument("--block-t", default="64,128")
-    p.add_argument("--warps", default="4,8")
-    p.add_argument("--stages", default="2,3")
-    p.add_argument("--swap", default="0,1", help="swap_ab settings (0/1)")
     return p.parse_args(argv)
-
-
-def _csv(s: str) -> list[int]:
-    return [int(v) for v in s.split(",")]
 
 
 def main(argv=None) -> int:
@@ -53,8 +45,8 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(dev)
     default = dict(A.CONFIG)
     grid = [
-        dict(default, block_t=bt, num_warps=w, num_stages=st, swap_ab=sw)
-        for bt, w, st, sw in itertools.product(*(_csv(a) for a in (args.block_t, args.warps, args.stages, args.swap)))
+        dict(default, block_t=bt, num_warps=w, num_stages=st, target_programs=tp)
+        for bt, w, st, tp in itertools.product((64, 128), (4, 8), (2, 3, 4), (264, 528, 1056))
     ]
     t0 = time.perf_counter()
     rows, best = [], {}

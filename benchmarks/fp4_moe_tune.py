@@ -26,7 +26,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16,64,256")
-    p.add_argument("--variants", default="ptx-swap,ptx", help="FP4 operand layouts to sweep")
+    p.add_argument("--variants", default="ptx,halves", help="FP4 operand layouts to sweep")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
     p.add_argument("--block-n", default="16,32,64", help="gate/up tile N (down: twice that)")
     p.add_argument("--block-k", default="64,128,256")
@@ -35,13 +35,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-#: name: the (``halves``, ``ptx``, ``swap_ab``) settings
-VARIANTS = {
-    "halves": (True, False, False),
-    "interleaved": (False, False, False),
-    "ptx": (True, True, False),
-    "ptx-swap": (True, True, True),
-}
+#: name: the (``halves``, ``ptx``) settings
+VARIANTS = {"halves": (True, False), "interleaved": (False, False), "ptx": (True, True)}
 
 
 def _ints(csv: str) -> list[int]:
@@ -83,7 +78,7 @@ def main(argv=None) -> int:
 
     grid = [
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
-         "halves": hv[0], "ptx": hv[1], "swap_ab": hv[2]}
+         "halves": hv[0], "ptx": hv[1]}
         for hv, bn, bk, w, st in itertools.product(
             [VARIANTS[v] for v in args.variants.split(",")], *(_ints(a) for a in (args.block_n, args.block_k,
                                                                                    args.warps, args.stages))

@@ -225,7 +225,6 @@ def _attn_split_kernel(
     KV_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PTX: tl.constexpr,
-    SWAP_AB: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -241,8 +240,7 @@ def _attn_split_kernel(
     q = q.to(tl.float32) * sm_scale
     base = (b * HKV + kvh).to(tl.int64) * T
     if PTX:
-        o, lse = _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, base, G_PAD, D, BLOCK_T,
-                                 SWAP_AB)  # fmt: skip
+        o, lse = _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, base, G_PAD, D, BLOCK_T)
     else:
         o, lse = _attn_split(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, base, G_PAD, D, BLOCK_T,
                              KV_FP4, DOT_BF16)  # fmt: skip
@@ -296,65 +294,40 @@ def _attn_split(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, bas
 
 @triton.jit
 def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, base, G_PAD: tl.constexpr,
-                    D: tl.constexpr, BLOCK_T: tl.constexpr, SWAP_AB: tl.constexpr):  # fmt: skip
+                    D: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     """`_attn_split` for an FP4 cache on the GPU: K and V decoded by `_fp4_halves_f16` (exact fp16, times
     2^-14) as even/odd column halves. The fp16 operands of the dots are normalized per query row, Q by its largest
     magnitude and the probabilities times V's row scales by their largest value in the tile, so that the terms
-    that matter keep fp16's 11 bits whatever the scales (bf16 keeps 8); the factors go back on in fp32.
-    ``SWAP_AB``: scores and outputs are held transposed ([tokens, rows], [D / 2, rows]) so that the decoded K and V
-    tiles are the MMA's A operand (see `trace_hf.kernels.fp4_moe._mma`)."""
+    that matter keep fp16's 11 bits whatever the scales (bf16 keeps 8); the factors go back on in fp32."""
     q_max = tl.max(tl.abs(q), axis=1)
     q_max = tl.where(q_max > 0, q_max, 1.0)
     q0, q1 = tl.split(tl.reshape((q / q_max[:, None]).to(tl.float16), [G_PAD, D // 2, 2]))
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    if SWAP_AB:
-        acc0 = tl.zeros([D // 2, G_PAD], tl.float32)
-        acc1 = tl.zeros([D // 2, G_PAD], tl.float32)
-    else:
-        acc0 = tl.zeros([G_PAD, D // 2], tl.float32)
-        acc1 = tl.zeros([G_PAD, D // 2], tl.float32)
+    acc0 = tl.zeros([G_PAD, D // 2], tl.float32)
+    acc1 = tl.zeros([G_PAD, D // 2], tl.float32)
     for t0 in range(start, end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < end
         rows = base + t
         k0, k1 = _load_halves(k_ptr, ks_ptr, rows, t_ok, 0, D, True, D, True)
+        s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
         kg = tl.load(kg_ptr + rows, mask=t_ok, other=0.0) * 16384.0
-        vg = tl.load(vg_ptr + rows, mask=t_ok, other=0.0)
-        if SWAP_AB:  # [tokens, rows]
-            s = tl.dot(k1, tl.trans(q1), tl.dot(k0, tl.trans(q0)))
-            s = tl.where(t_ok[:, None], s * kg[:, None] * q_max[None, :], float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            w = p * vg[:, None]
-            w_max = tl.max(w, axis=0)
-            w_max = tl.where(w_max > 0, w_max, 1.0)
-            wh = (w / w_max[None, :]).to(tl.float16)
-            v0, v1 = _load_halves(v_ptr, vs_ptr, rows, t_ok, 0, D, True, D, True)
-            c = (w_max * 16384.0)[None, :]
-            acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(v0), wh) * c
-            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(v1), wh) * c
-        else:  # [rows, tokens]
-            s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
-            s = tl.where(t_ok[None, :], s * q_max[:, None] * kg[None, :], float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            w = p * vg[None, :]
-            w_max = tl.max(w, axis=1)
-            w_max = tl.where(w_max > 0, w_max, 1.0)
-            wh = (w / w_max[:, None]).to(tl.float16)
-            v0, v1 = _load_halves(v_ptr, vs_ptr, rows, t_ok, 0, D, True, D, True)
-            c = (w_max * 16384.0)[:, None]
-            acc0 = acc0 * alpha[:, None] + tl.dot(wh, v0) * c
-            acc1 = acc1 * alpha[:, None] + tl.dot(wh, v1) * c
+        s = s * q_max[:, None] * kg[None, :]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        w = p * tl.load(vg_ptr + rows, mask=t_ok, other=0.0)[None, :]
+        w_max = tl.max(w, axis=1)
+        w_max = tl.where(w_max > 0, w_max, 1.0)
+        wh = (w / w_max[:, None]).to(tl.float16)
+        v0, v1 = _load_halves(v_ptr, vs_ptr, rows, t_ok, 0, D, True, D, True)
+        c = (w_max * 16384.0)[:, None]
+        acc0 = acc0 * alpha[:, None] + tl.dot(wh, v0) * c
+        acc1 = acc1 * alpha[:, None] + tl.dot(wh, v1) * c
         m_i = m_new
-    if SWAP_AB:
-        acc0 = tl.trans(acc0)
-        acc1 = tl.trans(acc1)
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     return tl.reshape(tl.join(acc0, acc1), [G_PAD, D]) / tl.where(empty, 1.0, l_i)[:, None], lse
@@ -378,10 +351,8 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
-#: ``ptx``: an FP4 cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only), with
-#: ``swap_ab`` the transposed formulation there.
-CONFIG = {"block_t": 64, "target_programs": 264, "min_chunk": 256, "num_warps": 4, "num_stages": 2, "ptx": True,
-          "swap_ab": True}  # fmt: skip
+#: ``ptx``: an FP4 cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only).
+CONFIG = {"block_t": 64, "target_programs": 264, "min_chunk": 256, "num_warps": 4, "num_stages": 2, "ptx": True}
 
 
 def _cache_args(cache: KVCache):
@@ -457,7 +428,7 @@ def decode_attention(
         q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
         HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_T=CONFIG["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
-        PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED, SWAP_AB=CONFIG["swap_ab"],
+        PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED,
         num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
     )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out

@@ -69,25 +69,19 @@ def test_align_backends_agree():
     assert torch.equal(s1[valid], s2[valid])
 
 
-#: Operand layouts of the GEMM kernels: name -> (halves, ptx, swap_ab). The interpreter runs no PTX, so the
-#: ``ptx`` layouts run only in the GPU tests.
-LAYOUTS = {
-    "interleaved": (False, False, False),
-    "halves": (True, False, False),
-    "halves-swap": (True, False, True),
-    "halves-ptx": (True, True, False),
-    "halves-ptx-swap": (True, True, True),
-}
+#: Operand layouts of the GEMM kernels: name -> (halves, ptx). The interpreter runs no PTX, so ``halves-ptx`` runs
+#: only in the GPU tests.
+LAYOUTS = {"interleaved": (False, False), "halves": (True, False), "halves-ptx": (True, True)}
 
 
 def _use_layout(monkeypatch, name):
-    halves, ptx, swap = LAYOUTS[name]
-    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, swap_ab=swap, block_k=64)
+    halves, ptx = LAYOUTS[name]
+    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, block_k=64)
     monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
     monkeypatch.setitem(moe.CONFIG, "dense", cfg)
 
 
-@pytest.fixture(params=["interleaved", "halves", "halves-swap"])
+@pytest.fixture(params=["interleaved", "halves"])
 def operand_layout(request, monkeypatch):
     """Run a test under each operand layout of the GEMM kernels (`fp4_moe.CONFIG`) that the interpreter runs."""
     _use_layout(monkeypatch, request.param)
