@@ -7,7 +7,7 @@ One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding o
 full cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed
 from a CUDA graph and reports the fraction of the copy bandwidth (measured in the same run) that the cache bytes
 represent. The BF16 cache through the same kernels (default config) is the baseline where it fits. Prints the
-best config per cell. Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
+best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``). Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--cells", default="64x32768,16x32768,1x32768", help="BATCHxCONTEXT, comma separated")
     p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this long")
+    p.add_argument("--block-t", default="64,128")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="2,3,4")
+    p.add_argument("--programs", default="264,528,1056", help="target_programs settings (split-K)")
     return p.parse_args(argv)
+
+
+def _csv(s: str) -> list[int]:
+    return [int(v) for v in s.split(",")]
 
 
 def main(argv=None) -> int:
@@ -43,10 +51,13 @@ def main(argv=None) -> int:
     HQ, HKV, D = 32, 4, 128
     dev = torch.device("cuda")
     copy_bw = copy_bandwidth(dev)
-    default = dict(A.CONFIG)
+    default = {**A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
+    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in A.CONFIG.items()}
     grid = [
-        dict(default, block_t=bt, num_warps=w, num_stages=st, target_programs=tp)
-        for bt, w, st, tp in itertools.product((64, 128), (4, 8), (2, 3, 4), (264, 528, 1056))
+        {"block_t": bt, "num_warps": w, "num_stages": st, "target_programs": tp}
+        for bt, w, st, tp in itertools.product(
+            *(_csv(a) for a in (args.block_t, args.warps, args.stages, args.programs))
+        )
     ]
     t0 = time.perf_counter()
     rows, best = [], {}
@@ -57,16 +68,21 @@ def main(argv=None) -> int:
         lengths = torch.full((B,), T, dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
 
-        def timed(cache, cfg):
-            A.CONFIG.update(cfg)
+        def bench(cache) -> float:
             return triton.testing.do_bench_cudagraph(lambda: A.decode_attention(q, cache, lengths, out=out), rep=50)
+
+        def timed(cache, cfg):
+            A.CONFIG["fp4"] = {k: v for k, v in cfg.items() if k != "target_programs"}
+            A.CONFIG["target_programs"] = cfg["target_programs"]
+            return bench(cache)
 
         t_bf16 = None
         bf16_bytes = A.kv_bytes_per_token(HKV, D, False) * B * T
         if bf16_bytes * 1.2 < torch.cuda.mem_get_info()[0]:
             cache = A.allocate_kv_cache(B, HKV, T, D, False, device=dev)
             A.fill_random(cache, g)
-            t_bf16 = timed(cache, default) * 1e-3
+            A.CONFIG.update(saved)
+            t_bf16 = bench(cache) * 1e-3
             del cache
         cache = A.allocate_kv_cache(B, HKV, T, D, True, device=dev)
         A.fill_random(cache, g)
@@ -86,8 +102,7 @@ def main(argv=None) -> int:
             if spec not in best or r["us"] < best[spec]["us"]:
                 best[spec] = r
         del cache
-        A.CONFIG.clear()
-        A.CONFIG.update(default)
+        A.CONFIG.update(saved)
         d = next((r for r in rows if r["cell"] == spec and "us" in r), None)
         b = best.get(spec)
         if b:

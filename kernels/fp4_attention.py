@@ -351,8 +351,17 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
-#: ``ptx``: an FP4 cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only).
-CONFIG = {"block_t": 64, "target_programs": 264, "min_chunk": 256, "num_warps": 4, "num_stages": 2, "ptx": True}
+#: Launch configs by cache kind (``fp4``: the best of `benchmarks/fp4_attention_tune.py` on the H200,
+#: docs/benchmarks.md; ``dense``: the BF16 baseline, at the copy bandwidth with it). Splits: enough programs for
+#: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
+#: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only).
+CONFIG = {
+    "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
+    "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
+    "target_programs": 264,
+    "min_chunk": 256,
+    "ptx": True,
+}
 
 
 def _cache_args(cache: KVCache):
@@ -398,7 +407,7 @@ def qkv_post(
 def num_splits(batch: int, num_kv_heads: int, max_len: int) -> tuple[int, int]:
     """(splits, chunk) for a cache of ``max_len`` tokens: enough programs to fill the GPU, chunks of at least
     ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it."""
-    bt = CONFIG["block_t"]
+    bt = max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
     want = max(1, CONFIG["target_programs"] // max(1, batch * num_kv_heads))
     chunk = max(CONFIG["min_chunk"], triton.cdiv(max_len, want))
     chunk = triton.cdiv(chunk, bt) * bt
@@ -422,14 +431,14 @@ def decode_attention(
     group = HQ // HKV
     S, chunk = splits or num_splits(B, HKV, T)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    cfg = CONFIG["fp4" if cache.fp4 else "dense"]
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(B, HKV, S)](
         q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
         HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_T=CONFIG["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
-        PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED,
-        num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"],
+        BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16, PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
     _combine_kernel[(B * HQ,)](o, lse, out, S=S, S_PAD=max(2, triton.next_power_of_2(S)), D=D, num_warps=4)

@@ -393,7 +393,7 @@ def _align_kernel(
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
 #: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `_fp4_halves_f16` into fp16 operands (W4A4 on
 #: the GPU only; otherwise the fp32 decoding). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
-#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 47 us at batch 1, 256 us at batch 16 and 377 us at batch 64,
+#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 48 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
 #: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
     "block_n_gate_up": 32,
@@ -405,15 +405,15 @@ _DENSE = {
     "ptx": False,
 }
 _FP4 = {
-    "block_n_gate_up": 64,
-    "block_n_down": 128,
+    "block_n_gate_up": 128,
+    "block_n_down": 256,
     "block_k": 64,
     "num_warps": 4,
-    "num_stages": 3,
+    "num_stages": 2,
     "halves": True,
     "ptx": True,
 }
-CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=32, block_n_down=64)), (1 << 62, _FP4)]}  # fmt: skip
+CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=32, block_n_down=64, num_stages=3)), (1 << 62, _FP4)]}  # fmt: skip
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:

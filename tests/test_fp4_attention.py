@@ -100,7 +100,11 @@ def test_decode_attention_matches_reference(kv_fp4, HQ, HKV, splits):
 def test_default_splits_cover_the_cache():
     for B, H, T in [(1, 4, 32768 + 40), (64, 4, 1064), (16, 4, 8200)]:
         S, chunk = A.num_splits(B, H, T)
-        assert S * chunk >= T and (S - 1) * chunk < T and chunk % A.CONFIG["block_t"] == 0
+        assert (
+            S * chunk >= T
+            and (S - 1) * chunk < T
+            and all(chunk % c["block_t"] == 0 for c in (A.CONFIG["fp4"], A.CONFIG["dense"]))
+        )
 
 
 @pytest.mark.gpu
