@@ -32,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--block-k", default="64,128,256")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
+    p.add_argument("--split-k", default="1", help="gate/up split-K settings")
     return p.parse_args(argv)
 
 
@@ -78,10 +79,10 @@ def main(argv=None) -> int:
 
     grid = [
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
-         "halves": hv[0], "ptx": hv[1]}
-        for hv, bn, bk, w, st in itertools.product(
+         "halves": hv[0], "ptx": hv[1], "split_k": sk}
+        for hv, bn, bk, w, st, sk in itertools.product(
             [VARIANTS[v] for v in args.variants.split(",")], *(_ints(a) for a in (args.block_n, args.block_k,
-                                                                                   args.warps, args.stages))
+                                                                                   args.warps, args.stages, args.split_k))
         )
     ]  # fmt: skip
     by_slots, dense = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"]

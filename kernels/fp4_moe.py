@@ -223,7 +223,8 @@ def _gate_up_kernel(
     w_ptr,  # W_gate_up: packed [E, 2I, H/2] (W_FP4) or dense [E, 2I, H]
     ws_ptr,  # [E, 2I, H/16]
     wg_ptr,  # [E] fp32
-    h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position
+    h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position; with SPLIT_K > 1 the raw partial sums of
+    # gate and up, fp32 [SPLIT_K, P, 2I], that `_silu_mul_kernel` finishes
     sorted_ptr,  # [P] int32 slot ids (token * top_k + k), num_slots for padding
     expert_ptr,  # [P / BLOCK_M] int32 expert of each row block, -1 past the end
     num_slots,
@@ -235,12 +236,14 @@ def _gate_up_kernel(
     DOT_BF16: tl.constexpr,
     HALVES: tl.constexpr,
     PTX: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
         return
@@ -254,7 +257,8 @@ def _gate_up_kernel(
     up_rows = gate_rows + NI
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    k_len = H // SPLIT_K
+    for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
         if HALVES:
             a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_K, PTX)
             g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
@@ -270,6 +274,20 @@ def _gate_up_kernel(
     if PTX:  # both operands carried 2^-14
         acc_g = acc_g * 268435456.0
         acc_u = acc_u * 268435456.0
+    if SPLIT_K == 1:
+        _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI, A_FP4, W_FP4)
+    else:
+        part = (
+            h_ptr + (pid_k * tl.num_programs(0) * BLOCK_M + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
+        )
+        tl.store(part, acc_g, mask=n_ok[None, :])
+        tl.store(part + NI, acc_u, mask=n_ok[None, :])
+
+
+@triton.jit
+def _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI,
+                    A_FP4: tl.constexpr, W_FP4: tl.constexpr):  # fmt: skip
+    """The gate/up epilogue: global scales, SiLU(gate) * up, padding rows zeroed, stored by sorted position."""
     if A_FP4:
         gx = tl.load(ag_ptr + row, mask=valid, other=0.0)
         acc_g = acc_g * gx[:, None]
@@ -281,6 +299,44 @@ def _gate_up_kernel(
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h = tl.where(valid[:, None], h, 0.0)
     tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * NI + offs_n[None, :], h, mask=n_ok[None, :])
+
+
+@triton.jit
+def _silu_mul_kernel(
+    part_ptr,  # fp32 [SPLIT_K, P, 2I] partial gate / up sums of `_gate_up_kernel`
+    ag_ptr,
+    wg_ptr,
+    h_ptr,  # out: fp32 [P, I]
+    sorted_ptr,
+    expert_ptr,
+    num_slots,
+    top_k,
+    NI,
+    P,
+    A_FP4: tl.constexpr,
+    W_FP4: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Split-K gate/up: sums the partials in split order (deterministic), then the same epilogue."""
+    pid_m = tl.program_id(0)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + offs_p)
+    valid = slot < num_slots
+    row = tl.where(valid, slot // top_k, 0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < NI
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(SPLIT_K):
+        part = part_ptr + (k * P + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
+        acc_g += tl.load(part, mask=n_ok[None, :], other=0.0)
+        acc_u += tl.load(part + NI, mask=n_ok[None, :], other=0.0)
+    _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI, A_FP4, W_FP4)
 
 
 @triton.jit
@@ -392,7 +448,8 @@ def _align_kernel(
 #: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
 #: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `_fp4_halves_f16` into fp16 operands (W4A4 on
-#: the GPU only; otherwise the fp32 decoding). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
+#: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
+#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`. The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
 #: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 48 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
 #: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
@@ -403,6 +460,7 @@ _DENSE = {
     "num_stages": 3,
     "halves": False,
     "ptx": False,
+    "split_k": 1,
 }
 _FP4 = {
     "block_n_gate_up": 128,
@@ -412,8 +470,9 @@ _FP4 = {
     "num_stages": 2,
     "halves": True,
     "ptx": True,
+    "split_k": 1,
 }
-CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=32, block_n_down=64, num_stages=3)), (1 << 62, _FP4)]}  # fmt: skip
+CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=32, block_n_down=64, num_stages=3, split_k=4)), (1 << 62, _FP4)]}  # fmt: skip
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
@@ -543,11 +602,20 @@ def experts_from_quantized(
         "num_warps": cfg["num_warps"],
         "num_stages": cfg["num_stages"],
     }
-    _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu))](
-        x_arg, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
+    split = cfg.get("split_k", 1)
+    while split > 1 and H % (split * bk_h):  # a launch knob: fewer splits where the K tiles do not divide evenly
+        split //= 2
+    part = h if split == 1 else torch.empty(split, P, 2 * NI, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu), split)](
+        x_arg, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), PTX=_ptx(cfg, a_fp4, w_fp4),
-        BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
+        SPLIT_K=split, BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
     )  # fmt: skip
+    if split > 1:
+        _silu_mul_kernel[(P // bm, triton.cdiv(NI, 128))](
+            part, xg, wgug, h, sorted_ids, expert_ids, n, K, NI, P,
+            A_FP4=a_fp4, W_FP4=w_fp4, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=128, num_warps=4,
+        )  # fmt: skip
     if hidden_fp4:
         hq = fp4_quant.quantize(h, "nvfp4", "row")
         h_arg, hs, hg, h_is_fp4 = hq.packed, hq.block_scale, hq.global_scale.reshape(-1), True

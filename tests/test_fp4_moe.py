@@ -69,19 +69,25 @@ def test_align_backends_agree():
     assert torch.equal(s1[valid], s2[valid])
 
 
-#: Operand layouts of the GEMM kernels: name -> (halves, ptx). The interpreter runs no PTX, so ``halves-ptx`` runs
-#: only in the GPU tests.
-LAYOUTS = {"interleaved": (False, False), "halves": (True, False), "halves-ptx": (True, True)}
+#: Operand layouts of the GEMM kernels: name -> (halves, ptx, split_k of gate/up). The interpreter runs no PTX, so
+#: the ``ptx`` layouts run only in the GPU tests.
+LAYOUTS = {
+    "interleaved": (False, False, 1),
+    "halves": (True, False, 1),
+    "halves-split-k": (True, False, 2),
+    "halves-ptx": (True, True, 1),
+    "halves-ptx-split-k": (True, True, 4),
+}
 
 
 def _use_layout(monkeypatch, name):
-    halves, ptx = LAYOUTS[name]
-    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, block_k=64)
+    halves, ptx, split_k = LAYOUTS[name]
+    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, split_k=split_k, block_k=64)
     monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
     monkeypatch.setitem(moe.CONFIG, "dense", cfg)
 
 
-@pytest.fixture(params=["interleaved", "halves"])
+@pytest.fixture(params=["interleaved", "halves", "halves-split-k"])
 def operand_layout(request, monkeypatch):
     """Run a test under each operand layout of the GEMM kernels (`fp4_moe.CONFIG`) that the interpreter runs."""
     _use_layout(monkeypatch, request.param)
