@@ -450,7 +450,7 @@ def _align_kernel(
 #: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `_fp4_halves_f16` into fp16 operands (W4A4 on
 #: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
 #: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`. The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
-#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 48 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
+#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
 #: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
     "block_n_gate_up": 32,
@@ -472,7 +472,7 @@ _FP4 = {
     "ptx": True,
     "split_k": 1,
 }
-CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=32, block_n_down=64, num_stages=3, split_k=4)), (1 << 62, _FP4)]}  # fmt: skip
+CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=64, block_n_down=128, num_stages=3, split_k=4)), (1 << 62, _FP4)]}  # fmt: skip
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
