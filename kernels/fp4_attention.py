@@ -11,7 +11,8 @@ q/k RMSNorm and RoPE, writes the post-RoPE Q (for the attention) and stores K an
 sequence's position, in one launch. `decode_attention` is flash-decoding: the sequence is cut into splits, each
 program handles one (sequence, KV head, split) with all the query heads of its GQA group as the rows of one
 ``tl.dot``, decodes K and V in registers (``E2M1 * s`` exact, the per-token row scale applied to the scores and
-to the probabilities), and `_combine_kernel` merges the splits by their log-sum-exp. The same kernels take a
+to the probabilities; on the GPU by inline PTX into fp16, `_attn_split_ptx`), and `_combine_kernel` merges the
+splits by their log-sum-exp. The same kernels take a
 BF16 cache (``KV_FP4=False``): the BF16 baseline.
 """
 

@@ -14,7 +14,8 @@ last fp32 bits and, rarely, round to a neighbouring FP4 code):
    also gives the hints of the token in the same pass;
 2. `moe_align`: (token, slot) pairs sorted by expert, each expert's segment padded to ``BLOCK_M`` rows (as
    vLLM's ``moe_align_block_size``), so every row block of the GEMMs belongs to one expert;
-3. `_gate_up_kernel`: gate and up projections of a row block in one pass over the input, then SiLU(gate) * up;
+3. `_gate_up_kernel`: gate and up projections of a row block in one pass over the input, then SiLU(gate) * up
+   (with ``split_k`` > 1, each program covers a slice of K and `_silu_mul_kernel` sums the slices in order);
 4. the hidden activation is quantized per (token, expert) row, exactly as ``fp4.quantize(h, "nvfp4", "row")``;
 5. `_down_kernel`: down projection, times the routing weight, written per slot; the caller sums the top-k
    slots of a token (the decode step fuses that sum into its next RMSNorm).
@@ -22,8 +23,9 @@ last fp32 bits and, rarely, round to a neighbouring FP4 code):
 The same kernels take dense (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline
 of the rollout benchmark runs the same code and differs only in the bytes it reads.
 
-Dot operands: bf16 on the GPU; fp32 under ``TRITON_INTERPRET=1``, where bf16 ``tl.dot`` is wrong (bf16 is raw
-uint16 there), with ``input_precision="ieee"``.
+Dot operands: for W4A4 on the GPU, fp16 from the inline-PTX decoding `_fp4_halves_f16` (exact; both operands
+carry 2^-14, taken off the accumulator); otherwise bf16 on the GPU, and fp32 under ``TRITON_INTERPRET=1``, where
+bf16 ``tl.dot`` is wrong (bf16 is raw uint16 there) and PTX does not run, with ``input_precision="ieee"``.
 """
 
 from __future__ import annotations
