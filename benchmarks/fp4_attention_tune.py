@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 import time
 
@@ -44,7 +42,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("fp4_attention_tune.py needs a CUDA GPU.", file=sys.stderr)
         return 2
-    from fp4_moe_tune import copy_bandwidth  # this script's neighbour (run as a script, its folder is on the path)
+    # this script's neighbour (run as a script, its folder is on the path)
+    from fp4_moe_tune import copy_bandwidth, save_sweep
 
     from trace_hf.kernels import fp4_attention as A
 
@@ -109,12 +108,7 @@ def main(argv=None) -> int:
             base = f"BF16 cache {t_bf16 * 1e6:.1f} us at {bf16_bytes / t_bf16 / copy_bw:.1%}" if t_bf16 else "no BF16"
             print(f"{spec}: current {d['us']:.1f} us ({d['fraction']:.1%} of copy), best {b['us']:.1f} us "
                   f"({b['fraction']:.1%}; {base}): { {k: b[k] for k in default} }", flush=True)  # fmt: skip
-    res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows, "best": best,
-           "seconds": time.perf_counter() - t0}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {len(rows)} configs in {res['seconds']:.0f} s; JSON: {args.out}")
+    save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 
 

@@ -128,13 +128,20 @@ def main(argv=None) -> int:
                   f"{t_bf16 * 1e6:.1f} us at {bf16_frac:.1%}): "
                   f"{ {k: b[k] for k in current} }", flush=True)  # fmt: skip
     moe.CONFIG["by_slots"], moe.CONFIG["dense"] = by_slots, dense
-    res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows,
-           "best": {str(k): v for k, v in best.items()}, "seconds": time.perf_counter() - t0}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {len(rows)} configs in {res['seconds']:.0f} s; JSON: {args.out}")
+    save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
+
+
+def save_sweep(path: str, rows: list, best: dict, copy_bw: float, seconds: float) -> None:
+    """Write a sweep's JSON (every config tried, the best per cell) and print its one-line summary."""
+    import torch
+
+    res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows,
+           "best": {str(k): v for k, v in best.items()}, "seconds": seconds}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {len(rows)} configs in {seconds:.0f} s; JSON: {path}")
 
 
 if __name__ == "__main__":

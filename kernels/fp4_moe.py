@@ -116,6 +116,25 @@ def _e4m3_hw(b):
     return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
+def _f16_halves_ptx() -> str:
+    """The PTX text, one block per pair of code bytes (bytes 0-1: prmt selector 0x1404, outputs $0 and $2, scales
+    s01; bytes 2-3: 0x3424, $1 and $3, s23)."""
+    pair = (
+        "prmt.b32 t, $4, 0, {sel};\n"
+        "shl.b32 u, t, 1;\nand.b32 u, u, 0x0E000E00;\nshl.b32 v, t, 4;\nand.b32 v, v, 0x80008000;\n"
+        "or.b32 u, u, v;\nmul.rn.f16x2 {lo}, u, {s};\n"
+        "shr.b32 u, t, 3;\nand.b32 u, u, 0x0E000E00;\nand.b32 v, t, 0x80008000;\n"
+        "or.b32 u, u, v;\nmul.rn.f16x2 {hi}, u, {s};\n"
+    )
+    return (
+        "{\n.reg .b32 t, u, v, s01, s23;\n.reg .b16 sl, sh;\nmov.b32 {sl, sh}, $5;\n"
+        "cvt.rn.f16x2.e4m3x2 s01, sl;\ncvt.rn.f16x2.e4m3x2 s23, sh;\n"
+        + pair.format(sel="0x1404", lo="$0", hi="$2", s="s01")
+        + pair.format(sel="0x3424", lo="$1", hi="$3", s="s23")
+        + "}\n"
+    )
+
+
 #: Inline PTX for `_fp4_halves_f16`: 4 code bytes ($4) and their 4 E4M3 scale bytes ($5) to the fp16 pairs
 #: ``E2M1 * s * 2^-14`` of the low nibbles ($0: bytes 0-1, $1: bytes 2-3) and the high nibbles ($2, $3). prmt puts
 #: byte j in the high byte of a 16-bit lane; a nibble's sign then needs one shift to bit 15 and its 3 magnitude bits
@@ -123,41 +142,7 @@ def _e4m3_hw(b):
 #: which f16 arithmetic without .ftz keeps); one f16x2 multiply by the scale, converted by the hardware (0x7F is
 #: NaN), is exact: the product has at most 6 significant bits, all at or above 2^-24, fp16's smallest subnormal.
 #: About 2.5 instructions per element against the dozen of the fp32 decoding.
-_F16_HALVES_PTX = tl.constexpr(
-    """
-{
-.reg .b32 t, u, v, s01, s23;
-.reg .b16 sl, sh;
-mov.b32 {sl, sh}, $5;
-cvt.rn.f16x2.e4m3x2 s01, sl;
-cvt.rn.f16x2.e4m3x2 s23, sh;
-prmt.b32 t, $4, 0, 0x1404;
-shl.b32 u, t, 1;
-and.b32 u, u, 0x0E000E00;
-shl.b32 v, t, 4;
-and.b32 v, v, 0x80008000;
-or.b32 u, u, v;
-mul.rn.f16x2 $0, u, s01;
-shr.b32 u, t, 3;
-and.b32 u, u, 0x0E000E00;
-and.b32 v, t, 0x80008000;
-or.b32 u, u, v;
-mul.rn.f16x2 $2, u, s01;
-prmt.b32 t, $4, 0, 0x3424;
-shl.b32 u, t, 1;
-and.b32 u, u, 0x0E000E00;
-shl.b32 v, t, 4;
-and.b32 v, v, 0x80008000;
-or.b32 u, u, v;
-mul.rn.f16x2 $1, u, s23;
-shr.b32 u, t, 3;
-and.b32 u, u, 0x0E000E00;
-and.b32 v, t, 0x80008000;
-or.b32 u, u, v;
-mul.rn.f16x2 $3, u, s23;
-}
-"""
-)
+_F16_HALVES_PTX = tl.constexpr(_f16_halves_ptx())
 
 
 @triton.jit
@@ -218,6 +203,14 @@ def _dot_nt(a, b, acc, DOT_BF16: tl.constexpr, PTX: tl.constexpr = False):
 
 
 @triton.jit
+def _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
+    """Sorted positions of row block ``pid_m``, their slots, and which are real (not padding)."""
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + offs_p)
+    return offs_p, slot, slot < num_slots
+
+
+@triton.jit
 def _gate_up_kernel(
     a_ptr,  # x: packed [M, H/2] (A_FP4) or dense [M, H]
     as_ptr,  # x block scales [M, H/16] (A_FP4)
@@ -249,9 +242,7 @@ def _gate_up_kernel(
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
         return
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_ptr + offs_p)
-    valid = slot < num_slots
+    offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
     row = tl.where(valid, slot // top_k, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < NI
@@ -326,9 +317,7 @@ def _silu_mul_kernel(
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
         return
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_ptr + offs_p)
-    valid = slot < num_slots
+    offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
     row = tl.where(valid, slot // top_k, 0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < NI
@@ -370,9 +359,7 @@ def _down_kernel(
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
         return
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_ptr + offs_p)
-    valid = slot < num_slots
+    offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     w_rows = e.to(tl.int64) * H + offs_n
