@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trace_hf.kernels.fp4_moe import DOT_BF16, INTERPRETED, _load_halves, load_fp4_rows  # noqa: E402
+from trace_hf.kernels.fp4_moe import DOT_BF16, INTERPRETED, _load_halves, hardware_fp8, load_fp4_rows  # noqa: E402
 from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale, check_device  # noqa: E402
 
 
@@ -438,7 +438,8 @@ def decode_attention(
     _attn_split_kernel[(B, HKV, S)](
         q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
         HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16, PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED,
+        BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
+        PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out

@@ -534,6 +534,13 @@ def _pick(n: int, preferred: int) -> int:
     return b
 
 
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts E4M3 in hardware (sm_89 and up: Ada, Hopper, Blackwell), which the halves and PTX
+    decodings use; older GPUs (A100) run the interleaved tiles with integer decoding. True in the interpreter,
+    which emulates the conversion."""
+    return INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _ptx(cfg: dict, a_fp4: bool, w_fp4: bool) -> bool:
     """Whether a GEMM decodes with `_fp4_halves_f16`: both operands packed FP4 (fp16 cannot hold bf16 activations
     exactly), halves layout, on the GPU (the interpreter runs no PTX)."""
@@ -583,6 +590,8 @@ def experts_from_quantized(
     dev = x_arg.device
     h = torch.empty(P, NI, dtype=torch.float32, device=dev)
     cfg = launch_config(n, w_fp4)
+    if not hardware_fp8(dev):
+        cfg = dict(cfg, halves=False, ptx=False)
     bk_h, bk_i = _pick(H, cfg["block_k"]), _pick(NI, cfg["block_k"])
     bn_gu, bn_d = cfg["block_n_gate_up"], cfg["block_n_down"]
     common = {

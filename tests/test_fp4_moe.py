@@ -94,6 +94,43 @@ def operand_layout(request, monkeypatch):
     return request.param
 
 
+def test_gpus_without_hardware_fp8_get_integer_decoding(monkeypatch):
+    """The halves and PTX decodings convert E4M3 in hardware (sm_89+); an A100 must get the interleaved tiles."""
+    seen = {}
+
+    def fake_capability(device=None):
+        return seen["cap"]
+
+    monkeypatch.setattr(moe, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", fake_capability)
+    for cap, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        seen["cap"] = cap
+        assert moe.hardware_fp8(torch.device("cuda")) is expected
+    assert moe.hardware_fp8(torch.device("cpu"))
+
+
+def test_without_hardware_fp8_the_experts_run_interleaved_tiles(monkeypatch):
+    launched = []
+    gate_up = moe._gate_up_kernel
+
+    class Spy:  # records the operand layout of each gate/up launch
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["HALVES"], kwargs["PTX"]))
+                return gate_up[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(moe, "_gate_up_kernel", Spy())
+    monkeypatch.setattr(moe, "hardware_fp8", lambda device: False)
+    mod = _experts(4, 64, 32, seed=14)
+    ids, w = _routing(5, 4, 2, seed=15)
+    x = torch.randn(5, 64)
+    out = moe.fp4_moe_experts(x, ids, w, *mod.packed_weights())
+    assert launched == [(False, False)]
+    assert _rel(out, mod(x, ids, w)) < 1e-5
+
+
 @pytest.mark.parametrize("M,E,H,NI,K", [(3, 8, 64, 32, 2), (40, 4, 128, 64, 2)])
 def test_fp4_experts_match_module_eval_path(M, E, H, NI, K, operand_layout):
     mod = _experts(E, H, NI)
