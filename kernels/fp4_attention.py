@@ -12,8 +12,7 @@ sequence's position, in one launch. `decode_attention` is flash-decoding: the se
 program handles one (sequence, KV head, split) with all the query heads of its GQA group as the rows of one
 ``tl.dot``, decodes K and V in registers (``E2M1 * s`` exact, the per-token row scale applied to the scores and
 to the probabilities; on the GPU by inline PTX into fp16, `_attn_split_ptx`), and `_combine_kernel` merges the
-splits by their log-sum-exp. The same kernels take a
-BF16 cache (``KV_FP4=False``): the BF16 baseline.
+splits by their log-sum-exp. The same kernels take a BF16 cache (``KV_FP4=False``): the BF16 baseline.
 """
 
 from __future__ import annotations
