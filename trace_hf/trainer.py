@@ -40,6 +40,7 @@ from .hints import HintBatch, HintRecorder, MismatchReport, aligned_positions, u
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_PRECISIONS = ("fp4", "bf16")
+ROLLOUT_ENGINES = ("auto", "engine", "generate")
 HINT_PREFIX = "trace_"
 
 
@@ -59,6 +60,11 @@ class TraceGRPOConfig(GRPOConfig):
             `"fp4"`: roll out with the packed FP4 experts (and FP4 KV cache) of a model loaded with
             [`TraceFP4Config`]. `"bf16"`: roll out with the model's unquantized weights; needs a plain model (no
             `TraceFP4Config`) and `trace_hints=False`, `routing_replay=False`. This is the unquantized baseline.
+        rollout_engine (`str`, *optional*, defaults to `"auto"`):
+            What generates the rollouts (`trace_hf.rollout`). `"engine"`: the static-shape, CUDA-graph decode engine
+            (Qwen3 MoE-style models whose every layer is full-attention MoE; FP4 or BF16). `"generate"`:
+            `model.generate` (any transformers MoE, Qwen3.5 hybrids included). `"auto"`: the engine on CUDA for a
+            model it supports, otherwise `generate`, with one log line that says why.
         trace_hints (`bool`, *optional*, defaults to `True`):
             Record the rollout's FP4 rounding hints at the hinted MoE layers and apply them in every training-side
             forward (old, reference and current log-probs). With `False` the trainer still rolls out in FP4 and trains
@@ -95,6 +101,14 @@ class TraceGRPOConfig(GRPOConfig):
             "help": "'fp4': roll out with the packed FP4 experts of a TraceFP4Config model. 'bf16': roll out with the "
             "unquantized weights of a plain model (the baseline; needs trace_hints=False, routing_replay=False).",
             "choices": list(ROLLOUT_PRECISIONS),
+        },
+    )
+    rollout_engine: str = field(
+        default="auto",
+        metadata={
+            "help": "'engine': the CUDA-graph decode engine (full-attention MoE models); 'generate': model.generate "
+            "(any MoE); 'auto': the engine on CUDA when the model is supported, else generate.",
+            "choices": list(ROLLOUT_ENGINES),
         },
     )
     trace_hints: bool = field(
@@ -153,6 +167,10 @@ class TraceGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"TraceGRPOConfig.rollout_precision={self.rollout_precision!r}: use 'fp4' (TraceFP4Config model) or "
                 "'bf16' (plain model)."
+            )
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_engine={self.rollout_engine!r}: use 'auto', 'engine' or 'generate'."
             )
         if self.rollout_precision == "bf16" and (self.trace_hints or self.routing_replay):
             raise ValueError(
