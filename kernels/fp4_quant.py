@@ -41,7 +41,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf import fp4  # noqa: E402
-from trace_hf.fp4 import FP4Format, FP4Hints, FP4Tensor, check_last_dim, get_format  # noqa: E402
+from trace_hf.fp4 import FP4Hints, FP4Tensor, check_hints, check_input, check_scale, get_format  # noqa: E402
 
 
 # Input and output element kinds (constexpr switches).
@@ -509,16 +509,6 @@ def _nvfp4_global(x: torch.Tensor, x2: torch.Tensor, kind: int, scale: str) -> t
     raise ValueError(f"Unknown scale mode {scale!r}: use 'row', 'tensor' or 'expert'.")
 
 
-def _check_hints(x: torch.Tensor, hints: FP4Hints) -> FP4Format:
-    f = check_last_dim(x, hints.fmt)
-    if hints.width != x.shape[-1] or hints.block_scale.shape[:-1] != x.shape[:-1]:
-        raise ValueError(
-            f"Hints of width {hints.width} and rows {tuple(hints.block_scale.shape[:-1])} do not fit an input of "
-            f"shape {tuple(x.shape)}: hints must be taken at the same site, token and width."
-        )
-    return f
-
-
 def _hint_tensors(x: torch.Tensor, hints: FP4Hints) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hints as the kernel reads them: scale bytes [M, K / bs], bits [M, K / 8], one global scale per row."""
     lead, K = x.shape[:-1], x.shape[-1]
@@ -533,7 +523,8 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
 
     With ``return_hints`` also returns the `FP4Hints` of the result (mantissa bits written in the same pass).
     """
-    f = check_last_dim(x, fmt)
+    f = check_input(x, fmt)
+    check_scale(x, scale)
     check_device(x)
     if x.numel() == 0:
         q = fp4.quantize(x, f.name, scale, backend="torch")
@@ -557,7 +548,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
 
 def guided_quantize(x: torch.Tensor, hints: FP4Hints) -> FP4Tensor:
     """`trace_hf.fp4.guided_quantize`: the rollout's scales, and of two neighbours the recorded mantissa bit."""
-    f = _check_hints(x, hints)
+    f = check_hints(x, hints)
     check_device(x)
     if x.numel() == 0:
         return fp4.guided_quantize(x, hints, backend="torch")
@@ -574,11 +565,16 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints) -> FP4Tensor:
     return FP4Tensor(packed, block_scale.to(torch.uint8), hints.global_scale, f.name)
 
 
-def fake_quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", hints: FP4Hints | None = None):
+def fake_quantize(x: torch.Tensor, fmt: str | None = None, scale: str = "row", hints: FP4Hints | None = None):
     """Quantize and dequantize in one pass, in ``x.dtype``: ``fp4.quantize(x, fmt, scale).dequantize(x.dtype)``,
     or with ``hints`` ``fp4.guided_quantize(x, hints).dequantize(x.dtype)``, bit for bit. No autograd here:
     `trace_hf.fp4.fake_quantize` wraps it in the straight-through estimator."""
-    f = _check_hints(x, hints) if hints is not None else check_last_dim(x, fmt)
+    fmt = fp4.fake_format(fmt, hints)
+    if hints is not None:
+        f = check_hints(x, hints)
+    else:
+        f = check_input(x, fmt)
+        check_scale(x, scale)
     check_device(x)
     if x.numel() == 0:
         return fp4.fake_quantize(x, f.name, scale, hints, backend="torch")

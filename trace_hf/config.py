@@ -98,10 +98,12 @@ class TraceFP4Config(QuantizationConfigMixin):
             raise ValueError(
                 f"TraceFP4Config.kv_cache={self.kv_cache!r}: use one of {sorted(FORMATS)}, or None for a BF16 cache."
             )
-        if self.hint_layers is not None and (not isinstance(self.hint_layers, int) or self.hint_layers < 0):
+        # bool is an int subclass: True would silently mean one layer.
+        hl = self.hint_layers
+        if hl is not None and (isinstance(hl, bool) or not isinstance(hl, int) or hl < 0):
             raise ValueError(
-                f"TraceFP4Config.hint_layers={self.hint_layers!r}: give a number of last MoE layers >= 0, or None "
-                "for half of them."
+                f"TraceFP4Config.hint_layers={self.hint_layers!r}: give an int number of last MoE layers >= 0 (not "
+                "a bool), or None for half of them."
             )
         bad = [s for s in self.hint_sites if s not in HINT_SITES]
         if bad:

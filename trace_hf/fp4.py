@@ -65,10 +65,76 @@ def get_format(fmt: str) -> FP4Format:
 
 def check_last_dim(x: torch.Tensor, fmt: str) -> FP4Format:
     f = get_format(fmt)
-    if x.ndim == 0 or x.shape[-1] % f.block_size != 0:
+    if x.ndim == 0 or x.shape[-1] == 0 or x.shape[-1] % f.block_size != 0:
         raise ValueError(
             f"{f.name} quantizes blocks of {f.block_size} along the last dimension, but the input has shape "
-            f"{tuple(x.shape)}; pad or choose a last dimension that is a multiple of {f.block_size}."
+            f"{tuple(x.shape)}; pad or choose a last dimension that is a non-zero multiple of {f.block_size}."
+        )
+    return f
+
+
+def check_input(x: torch.Tensor, fmt: str) -> FP4Format:
+    """What every quantizer (torch and Triton) accepts: a floating-point tensor whose values fit fp32, the dtype
+    all scales are computed in, with a last dimension of whole blocks."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(
+            f"FP4 quantization takes floating-point tensors, got {getattr(x, 'dtype', type(x))}: the result comes "
+            "back in the input's dtype, which would truncate it; convert with x.float() (or x.to(torch.bfloat16))."
+        )
+    f = check_last_dim(x, fmt)
+    if x.dtype == torch.float64 and x.numel() and bool((torch.isinf(x.float()) & torch.isfinite(x)).any()):
+        raise ValueError(
+            "The float64 input has finite values beyond the float32 range (|x| > 3.4e38), where the fp32 scales of "
+            "FP4 overflow and would turn their whole scale group into NaN; scale the tensor down or clamp it to "
+            "torch.finfo(torch.float32).max first."
+        )
+    return f
+
+
+SCALE_MODES = ("row", "tensor", "expert")
+
+
+def check_scale(x: torch.Tensor, scale: str) -> None:
+    """Validate the scale mode for every format, so a call that is valid for one format is valid for the other (the
+    mode picks the NVFP4 global-scale group; MXFP4 has only per-block scales, which no mode changes)."""
+    if not isinstance(scale, str) or scale not in SCALE_MODES:
+        raise ValueError(f"Unknown scale mode {scale!r}: use 'row', 'tensor' or 'expert'.")
+    if scale == "expert" and x.ndim < 2:
+        raise ValueError("scale='expert' needs a tensor with a leading expert dimension, e.g. [E, N, K].")
+
+
+def check_hints(x: torch.Tensor, hints: FP4Hints) -> FP4Format:
+    """Hints must match the input exactly (the torch path would otherwise broadcast a malformed hint silently):
+    uint8 bits [..., K / 8] and scale bytes [..., K / block], and an fp32 global scale per row, [..., 1] (or a
+    size-1 dimension shared by rows, as a tensor or expert scale is)."""
+    f = check_input(x, hints.fmt)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    if hints.width != k or tuple(hints.block_scale.shape[:-1]) != lead:
+        raise ValueError(
+            f"Hints of width {hints.width} and rows {tuple(hints.block_scale.shape[:-1])} do not fit an input of "
+            f"shape {tuple(x.shape)}: hints must be taken at the same site, token and width."
+        )
+    for name, t, want in (
+        ("mantissa_bits", hints.mantissa_bits, lead + (k // 8,)),
+        ("block_scale", hints.block_scale, lead + (k // f.block_size,)),
+    ):
+        if t.dtype != torch.uint8:
+            raise TypeError(
+                f"FP4Hints.{name} must be the raw uint8 bytes of the rollout, got {t.dtype}; keep hints in uint8 "
+                "(move them with .to(device), never .to(dtype))."
+            )
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"FP4Hints.{name} has shape {tuple(t.shape)} but an input of shape {tuple(x.shape)} needs {want} "
+                f"({f.name}); the hints do not fit: take them at the same site, token and width."
+            )
+    g = hints.global_scale
+    if g.dtype != torch.float32:
+        raise TypeError(f"FP4Hints.global_scale must be float32 (the rollout's fp32 row scales), got {g.dtype}.")
+    if g.ndim != x.ndim or g.shape[-1] != 1 or any(a not in (b, 1) for a, b in zip(g.shape[:-1], lead)):
+        raise ValueError(
+            f"FP4Hints.global_scale has shape {tuple(g.shape)} for an input of shape {tuple(x.shape)}: give one fp32 "
+            f"scale per row, shaped {lead + (1,)} (e.g. global_scale.unsqueeze(-1))."
         )
     return f
 
@@ -320,10 +386,12 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", backend: s
         fmt: ``"nvfp4"`` or ``"mxfp4"``.
         scale: where the NVFP4 global scale is taken: ``"row"`` (each row of the last dimension, used for
             activations and K/V), ``"expert"`` (each slice of dim 0, used for expert weights) or ``"tensor"``.
-            MXFP4 has no global scale and ignores it.
+            MXFP4 has only per-block scales, so every mode gives it the same result; the mode is still checked,
+            so that a call is valid for both formats or for neither.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
     """
-    f = check_last_dim(x, fmt)
+    f = check_input(x, fmt)
+    check_scale(x, scale)
     if _use_triton(x, backend):
         from trace_hf.kernels.fp4_quant import quantize as triton_quantize
 
@@ -346,12 +414,7 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints, backend: str = "auto") -> 
     """Quantize ``x`` with the rollout's scales, keeping of each value's two FP4 neighbours the one whose
     mantissa bit the rollout recorded (a value on the grid stays). Training then rounds as the rollout did
     wherever the two activations fall between the same pair of grid points."""
-    f = check_last_dim(x, hints.fmt)
-    if hints.width != x.shape[-1] or hints.block_scale.shape[:-1] != x.shape[:-1]:
-        raise ValueError(
-            f"Hints of width {hints.width} and rows {tuple(hints.block_scale.shape[:-1])} do not fit an input of "
-            f"shape {tuple(x.shape)}: hints must be taken at the same site, token and width."
-        )
+    f = check_hints(x, hints)
     if _use_triton(x, backend):
         from trace_hf.kernels.fp4_quant import guided_quantize as triton_guided_quantize
 
@@ -418,15 +481,29 @@ def straight_through(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _StraightThrough.apply(x, y.detach())
 
 
+def fake_format(fmt: str | None, hints: FP4Hints | None) -> str:
+    """The format of a fake quantization: the hints' (an explicit ``fmt`` must agree), else ``fmt`` or NVFP4."""
+    if hints is None:
+        return "nvfp4" if fmt is None else fmt
+    if fmt is not None and get_format(fmt).name != get_format(hints.fmt).name:
+        raise ValueError(
+            f"fake_quantize(fmt={fmt!r}) got hints recorded in {hints.fmt!r}: hints fix the format; pass "
+            f"fmt={hints.fmt!r} (or leave fmt out), or hints recorded in {fmt!r}."
+        )
+    return hints.fmt
+
+
 def fake_quantize(
     x: torch.Tensor,
-    fmt: str = "nvfp4",
+    fmt: str | None = None,
     scale: str = "row",
     hints: FP4Hints | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Quantize and dequantize ``x`` in its own dtype; the backward is a straight-through estimator.
 
-    With ``hints`` the rounding follows the rollout (`guided_quantize`), otherwise it is nearest (`quantize`).
+    With ``hints`` the rounding follows the rollout (`guided_quantize`) in the hints' format, otherwise it is
+    nearest (`quantize`) in ``fmt`` (default NVFP4).
     """
+    fmt = fake_format(fmt, hints)
     return _FakeQuantize.apply(x, fmt, scale, hints, backend)

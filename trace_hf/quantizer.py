@@ -12,10 +12,78 @@ from .config import QUANT_METHOD, TraceFP4Config
 logger = logging.get_logger(__name__)
 
 
+#: What the refusals below name as supported.
+SUPPORTED_FAMILIES = (
+    "qwen3_moe, qwen3_5_moe / qwen3_5_moe_text, qwen2_moe, qwen3_next (softmax top-k routers, GQA attention)"
+)
+
+
+def _softmax_topk_problems(model) -> list[str]:
+    """Why the routers of `model` are not plain softmax top-k, the rule routing replay rebuilds weights with."""
+    from .experts import is_fused_experts
+
+    text = model.config.get_text_config(decoder=True)
+    problems = []
+    scoring = getattr(text, "scoring_func", None)
+    if scoring not in (None, "softmax"):
+        problems.append(f"scoring_func={scoring!r}")
+    method = getattr(text, "topk_method", None)
+    if method not in (None, "greedy"):
+        problems.append(f"topk_method={method!r}")
+    factor = getattr(text, "routed_scaling_factor", None)
+    if factor not in (None, 1, 1.0):
+        problems.append(f"routed_scaling_factor={factor}")
+    for block in model.modules():
+        experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
+        if experts is not None and gate is not None and (is_fused_experts(experts) or hasattr(experts, "fmt")):
+            if hasattr(gate, "e_score_correction_bias"):
+                problems.append(f"{type(gate).__name__} (sigmoid scores with a selection bias, grouped top-k)")
+            break
+    return problems
+
+
+def check_supported(model, config: TraceFP4Config) -> None:
+    """Refuse at load time what would otherwise run and compute something else than TRACE describes."""
+    text = model.config.get_text_config(decoder=True)
+    if config.kv_cache is not None and getattr(text, "kv_lora_rank", None):
+        raise ValueError(
+            f"{text.model_type} uses MLA attention (kv_lora_rank={text.kv_lora_rank}), whose K/V trace-hf's FP4 KV "
+            f"cache does not model; pass TraceFP4Config(kv_cache=None) to keep the model's own cache (FP4 KV is "
+            f"supported for {SUPPORTED_FAMILIES})."
+        )
+    problems = _softmax_topk_problems(model)
+    if problems:
+        raise ValueError(
+            f"{text.model_type}'s router is not softmax top-k ({', '.join(problems)}): trace-hf's routing replay "
+            f"rebuilds the top-k weights as a softmax over the router logits, which would silently change this "
+            f"model's routing, so TraceFP4Config refuses it. "
+            f"Supported are {SUPPORTED_FAMILIES}."
+        )
+
+
+def _check_modules_to_not_convert(model, config: TraceFP4Config) -> None:
+    """A name that matches no module would leave the experts it meant quantized, silently."""
+    from .experts import _skipped, is_fused_experts
+
+    if not config.modules_to_not_convert:
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    unknown = [m for m in config.modules_to_not_convert if not any(_skipped(n, [m]) for n in names)]
+    if unknown:
+        experts = [n for n, m in model.named_modules() if is_fused_experts(m) or hasattr(m, "fmt")]
+        shown = experts[:8] + (["..."] if len(experts) > 8 else [])
+        raise ValueError(
+            f"TraceFP4Config.modules_to_not_convert has names that match no module of {type(model).__name__}: "
+            f"{unknown}. Use full module names or name suffixes; the experts modules are {shown}."
+        )
+
+
 def convert_experts(model, config: TraceFP4Config) -> list[str]:
     """Swap the routed experts for FP4 ones and mark the hinted layers (works on a meta skeleton too)."""
     from .experts import assign_hint_layers, replace_experts
 
+    check_supported(model, config)
+    _check_modules_to_not_convert(model, config)
     replaced = replace_experts(model, config)
     if not replaced:
         logger.warning("TraceFP4Config: every experts module is in modules_to_not_convert; nothing is quantized.")
@@ -76,5 +144,8 @@ class TraceFP4HfQuantizer(HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         raise NotImplementedError(
-            "TraceFP4 keeps BF16 master weights: load the checkpoint without quantization_config to get the plain model."
+            "TraceFP4 keeps BF16 master weights, but a saved config.json still applies FP4 when loaded. To get the "
+            "plain model, load the config, drop its quantization_config and pass it: config = "
+            "AutoConfig.from_pretrained(path); del config.quantization_config; "
+            "AutoModelForCausalLM.from_pretrained(path, config=config)."
         )
