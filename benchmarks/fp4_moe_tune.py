@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("fp4_moe_tune.py needs a CUDA GPU.", file=sys.stderr)
         return 2
-    from trace_hf.fast_decode import quantize_experts
     from trace_hf.kernels import fp4_moe as moe
     from trace_hf.kernels import fp4_quant
+    from trace_hf.rollout.decode import quantize_experts
 
     E, H, NI, K = 128, 2048, 768, 8
     dev = torch.device("cuda")

@@ -10,7 +10,7 @@ Setups, per cell (batch B x context T):
   1. ``hf``: `Qwen3MoeForCausalLM.generate` (BF16, default experts implementation, DynamicCache). The cache is
      prefilled with random K/V (no real prefill: a decode step costs the same whatever the values); the step
      time is (generate of 2 + N tokens - generate of 2 tokens) / N.
-  2. ``fast_bf16``: `trace_hf.fast_decode.FastDecoder` with the same BF16 weights and a BF16 KV cache, one CUDA
+  2. ``fast_bf16``: `trace_hf.rollout.decode.FastDecoder` with the same BF16 weights and a BF16 KV cache, one CUDA
      graph per step.
   3. ``fast_fp4``: the same decoder with NVFP4 experts (W4A4), an NVFP4 KV cache and hints recorded; the same
      step without hints is timed too (hint overhead).
@@ -58,8 +58,9 @@ def main(argv=None) -> int:
             return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import triton
+    from decode_setup import bytes_per_step, fill_random_context, kv_bytes_read, random_weights
 
-    from trace_hf.fast_decode import Dims, FastDecoder, bytes_per_step, random_weights, weights_from_hf
+    from trace_hf.rollout.decode import Dims, FastDecoder, weights_from_hf
 
     t_start = time.perf_counter()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
                 dec = None
                 try:
                     dec = FastDecoder(weights, B, T + pad, kv_fp4=kv_fp4, record_hints=hints)
-                    dec.fill_random_context(T)
+                    fill_random_context(dec, T)
                     out = {}
                     variants = [("hints", True), ("no_hints", False)] if hints else [("main", False)]
                     graphs = {}
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
                             dec.positions.fill_(T)
                             times[name].append(time_steps(g.replay if g is not None else dec.step, steps))
                     step = min(times[variants[0][0]])
-                    by = bytes_per_step(weights, B, dec.kv_bytes_read(T))
+                    by = bytes_per_step(weights, B, kv_bytes_read(dec, T))
                     out.update(status="ok", step_ms=step * 1e3, tokens_per_s=B / step, bytes_per_step=by["total"],
                                frac_copy_bw=by["total"] / step / copy_bw, bytes=by)  # fmt: skip
                     if hints:

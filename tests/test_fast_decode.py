@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""The static decode step (`trace_hf.fast_decode`) against the transformers model's eval path, fp32 on CPU.
+"""The static decode step (`trace_hf.rollout.decode`) against the transformers model's eval path, fp32 on CPU.
 
 The fast path is fed the sequence one token per step (teacher forcing) and its logits are compared with a
 full-sequence forward of the transformers model: with `TraceFP4Config` (W4A4 experts, FP4 KV cache) for the FP4
@@ -9,6 +9,9 @@ max relative); hints must equal the ones `HintRecorder` records from the transfo
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,7 +20,11 @@ from trace_hf.quantizer import quantize_model
 from trace_hf.testing import tiny_model
 
 
-fd = pytest.importorskip("trace_hf.fast_decode")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_setup  # noqa: E402
+
+
+fd = pytest.importorskip("trace_hf.rollout.decode")
 pytest.importorskip("trace_hf.kernels.fp4_moe")
 
 
@@ -91,27 +98,27 @@ def test_decode_ops_match_torch():
 
 def test_random_weights_share_and_count_bytes():
     dims = fd.Dims(64, 4, 2, 32, 8, 2, 32, 128, 2)
-    dense = fd.random_weights(dims, torch.float32, "cpu", fp4_experts=False)
-    q = fd.random_weights(dims, torch.float32, "cpu", fp4_experts=True, shared=dense)
+    dense = decode_setup.random_weights(dims, torch.float32, "cpu", fp4_experts=False)
+    q = decode_setup.random_weights(dims, torch.float32, "cpu", fp4_experts=True, shared=dense)
     assert q.fp4_experts and not dense.fp4_experts
     assert q.layers[0].w_qkv is dense.layers[0].w_qkv
     assert [lw.hinted for lw in q.layers] == [False, True]
-    b16, b4 = fd.bytes_per_step(dense, 1, 0), fd.bytes_per_step(q, 1, 0)
+    b16, b4 = decode_setup.bytes_per_step(dense, 1, 0), decode_setup.bytes_per_step(q, 1, 0)
     assert b4["experts"] < b16["experts"] / 3
 
 
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_gpu():
     dims = fd.Dims(256, 8, 2, 64, 16, 4, 128, 512, 3)
-    w = fd.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=True)
+    w = decode_setup.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=True)
     for hints in (True, False):
         dec = fd.FastDecoder(w, 4, 300, kv_fp4=True, record_hints=hints)
-        dec.fill_random_context(200)
+        decode_setup.fill_random_context(dec, 200)
         dec.step()
         eager_logits, eager_tokens = dec.logits.clone(), dec.tokens.clone()
         dec.positions.fill_(200)
         dec.tokens.copy_(torch.randint(0, 512, (4,), generator=torch.Generator().manual_seed(0)).cuda())
-        dec.fill_random_context(200)  # same seed: same cache and tokens as before the eager step
+        decode_setup.fill_random_context(dec, 200)  # same seed: same cache and tokens as before the eager step
         dec.capture()
         dec.run()
         torch.cuda.synchronize()

@@ -82,6 +82,7 @@ class TraceFP4Experts(nn.Module):
         self._trace_recorder = None
         self._trace_guide = None
         self._packed = None
+        self._packed_storage = None  # the packed tensors, kept across invalidations so refreshes reuse them
         self._fake = None
         _LIVE.add(self)
 
@@ -114,11 +115,27 @@ class TraceFP4Experts(nn.Module):
         step (a global step hook drops the cache) or any other in-place edit (the parameters' version counters)."""
         version = self._version()
         if self._packed is None or self._packed[0] != version:
-            with torch.no_grad():
-                gu = fp4.quantize(self.gate_up_proj.detach(), self.fmt, scale="expert")
-                d = fp4.quantize(self.down_proj.detach(), self.fmt, scale="expert")
-            self._packed = (version, gu, d)
+            self.refresh_packed()
         return self._packed[1], self._packed[2]
+
+    def refresh_packed(self) -> None:
+        """Re-quantize the packed weights from the masters now, whatever changed them (`.data` edits, weight sync,
+        an optimizer; none of these is guaranteed to bump the version counters). Rollout engines call it before
+        every rollout. Re-quantized in place when the previous packed tensors fit, so their storage (which a
+        captured CUDA graph reads) stays where it was."""
+        with torch.no_grad():
+            gu = fp4.quantize(self.gate_up_proj.detach(), self.fmt, scale="expert")
+            d = fp4.quantize(self.down_proj.detach(), self.fmt, scale="expert")
+            old = self._packed_storage
+            if old is not None and all(_same_layout(a, b) for a, b in zip(old, (gu, d))):
+                for a, b in zip(old, (gu, d)):
+                    a.packed.copy_(b.packed)
+                    a.block_scale.copy_(b.block_scale)
+                    a.global_scale.copy_(b.global_scale)
+                gu, d = old
+        self._packed_storage = (gu, d)
+        # A new tuple: the dequantized QAT cache (`_fake`) is keyed on its identity.
+        self._packed = (self._version(), gu, d)
 
     def fake_quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized packed weights in the masters' dtype, for the QAT forward (and the torch eval path).
@@ -133,7 +150,8 @@ class TraceFP4Experts(nn.Module):
         return self._fake[1], self._fake[2]
 
     def invalidate_packed(self) -> None:
-        """Drop the packed weights; the next rollout forward re-quantizes them from the masters."""
+        """Mark the packed weights stale; the next rollout forward re-quantizes them from the masters (into the same
+        storage)."""
         self._packed = None
         self._fake = None
 
@@ -143,6 +161,7 @@ class TraceFP4Experts(nn.Module):
             self.gate_up_proj.copy_(gate_up.dequantize(self.gate_up_proj.dtype))
             self.down_proj.copy_(down.dequantize(self.down_proj.dtype))
         self._packed = (self._version(), gate_up, down)
+        self._packed_storage = (gate_up, down)
 
     def packed_nbytes(self) -> int:
         gu, d = self.packed_weights()
@@ -229,6 +248,13 @@ class TraceFP4Experts(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return y[inverse].view(t, k, -1).float().sum(1).to(x.dtype)
+
+
+def _same_layout(a: fp4.FP4Tensor, b: fp4.FP4Tensor) -> bool:
+    return all(
+        x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+        for x, y in ((a.packed, b.packed), (a.block_scale, b.block_scale), (a.global_scale, b.global_scale))
+    )
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

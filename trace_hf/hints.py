@@ -170,6 +170,44 @@ class HintRecorder:
     def record_routing(self, module: TraceFP4Experts, top_k_index: torch.Tensor) -> None:
         self._routing[module.moe_index].append(self._store(self._shape(top_k_index.to(torch.int16))))
 
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        """The recorded forwards as per-column tensors [B, cols, n_layers, ...] (bits, block scales, row scales of
+        the hinted layers; routing of every MoE layer), column ``j`` being the ``j``-th fed position of the padded
+        batch. Checks that the forwards are one cached decode: a prefill, then one column per step."""
+        if not self._steps:
+            raise RuntimeError("HintRecorder recorded nothing: run generate (or a forward) inside the `with` block.")
+        b = self._steps[0][0]
+        if any(sb != b for sb, _ in self._steps):
+            raise RuntimeError(
+                f"HintRecorder saw forwards of batch sizes {sorted({sb for sb, _ in self._steps})}: it records one "
+                "batch. Beam search and other batch-reshaping strategies are not supported; sample instead."
+            )
+        if any(s_ != 1 for _, s_ in self._steps[1:]):
+            raise RuntimeError(
+                "HintRecorder saw a multi-token forward after the first one: either generate(use_cache=False), which "
+                "re-feeds the whole sequence each step, or several generate calls inside one recorder. Generate with "
+                "use_cache=True, and use one `with HintRecorder(...)` block (and one collect) per generate call."
+            )
+
+        def cat(parts):
+            return torch.cat(parts, dim=1)
+
+        def stack(per_layer):
+            return torch.stack([cat(p) for p in per_layer], dim=2)
+
+        routing = stack([self._routing[m.moe_index] for m in self.experts])
+        if not self.hint_layers:  # no hinted layers: empty hint tensors keep the batch layout uniform
+            h, bs = self.experts[0].hidden_dim, fp4.get_format(self.fmt).block_size
+            cols = routing.shape[1]
+            return (
+                routing.new_zeros((b, cols, 0, h // 8), dtype=torch.uint8),
+                routing.new_zeros((b, cols, 0, h // bs), dtype=torch.uint8),
+                routing.new_zeros((b, cols, 0), dtype=torch.float32),
+                routing,
+            )
+        parts = [[[p[k] for p in self._inputs[i]] for i in self.hint_layers] for k in range(3)]
+        return (*(stack(p) for p in parts), routing)
+
     def collect(self, attention_mask: torch.Tensor) -> HintBatch:
         """Turn the recorded forwards into a `HintBatch`.
 
@@ -179,41 +217,48 @@ class HintRecorder:
                 position of its sample. Columns the rollout never fed through the model (the last generated token)
                 get no hint.
         """
-        if not self._steps:
-            raise RuntimeError("HintRecorder recorded nothing: run generate (or a forward) inside the `with` block.")
-        b = self._steps[0][0]
-        if attention_mask.shape[0] != b:
-            raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the rollout had {b}.")
+        bits, scales, gscale, routing = self.columns()
+        return hint_batch_from_columns(bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers)
 
-        def cat(parts):
-            return torch.cat(parts, dim=1)
 
-        cols = sum(s for _, s in self._steps)
-        mask = attention_mask[:, :cols].to(torch.bool).cpu()
-        lengths = mask.sum(1)
-        lmax = int(lengths.max())
+def hint_batch_from_columns(
+    bits: torch.Tensor,
+    scales: torch.Tensor,
+    gscale: torch.Tensor,
+    routing: torch.Tensor,
+    attention_mask: torch.Tensor,
+    fmt: str,
+    hint_layers: tuple[int, ...],
+) -> HintBatch:
+    """Records by padded column ([B, cols, n_layers, ...]) -> a `HintBatch` by sample position: the one layout
+    every rollout path (`HintRecorder.collect`, the rollout engine) produces.
 
-        def compact(x: torch.Tensor) -> torch.Tensor:
-            """[B, cols, ...] by padded column -> [B, lmax, ...] by position."""
-            out = x.new_zeros((b, lmax, *x.shape[2:]))
-            for r in range(b):
-                out[r, : lengths[r]] = x[r, mask[r].to(x.device)]
-            return out
+    ``attention_mask`` [B, N >= cols] covers the whole sequences; columns past ``cols`` were never fed."""
+    b, cols = routing.shape[:2]
+    if attention_mask.shape[0] != b:
+        raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the rollout had {b}.")
+    if attention_mask.shape[1] < cols:
+        raise ValueError(
+            f"attention_mask has {attention_mask.shape[1]} columns but the rollout fed {cols}: pass the mask of the "
+            "whole sequences (prompt mask and completion mask concatenated)."
+        )
+    mask = attention_mask[:, :cols].to(torch.bool).cpu()
+    lengths = mask.sum(1)
+    lmax = int(lengths.max())
+    dev = routing.device
+    # Position p of row r is its p-th real column: a stable sort of (not real) brings real columns first, in order.
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :lmax].to(dev)
+    keep = (torch.arange(lmax)[None, :] < lengths[:, None]).to(dev)
 
-        def stack(per_layer: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([compact(t) for t in per_layer], dim=2)
+    def compact(x: torch.Tensor) -> torch.Tensor:
+        idx = order.reshape(b, lmax, *([1] * (x.ndim - 2))).expand(b, lmax, *x.shape[2:])
+        out = torch.gather(x, 1, idx.to(x.device))
+        return out * keep.reshape(b, lmax, *([1] * (x.ndim - 2))).to(device=x.device, dtype=out.dtype)
 
-        bits = stack([cat([p[0] for p in self._inputs[i]]) for i in self.hint_layers]) if self.hint_layers else None
-        scales = stack([cat([p[1] for p in self._inputs[i]]) for i in self.hint_layers]) if self.hint_layers else None
-        gscale = stack([cat([p[2] for p in self._inputs[i]]) for i in self.hint_layers]) if self.hint_layers else None
-        routing = stack([cat(self._routing[m.moe_index]) for m in self.experts])
-        if bits is None:  # no hinted layers: empty hint tensors keep the batch layout uniform
-            h = self.experts[0].hidden_dim
-            bs = fp4.get_format(self.fmt).block_size
-            bits = routing.new_zeros((b, lmax, 0, h // 8), dtype=torch.uint8)
-            scales = routing.new_zeros((b, lmax, 0, h // bs), dtype=torch.uint8)
-            gscale = routing.new_zeros((b, lmax, 0), dtype=torch.float32)
-        return HintBatch(bits, scales, gscale, routing, lengths.to(bits.device), self.fmt, self.hint_layers)
+    return HintBatch(
+        compact(bits), compact(scales), compact(gscale), compact(routing), lengths.to(bits.device), fmt,
+        tuple(hint_layers),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 
 What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
 
-* `_generate_single_turn`: the model generates in ``eval()`` (the packed-FP4 experts and the FP4 KV cache) inside a
-  `HintRecorder`, with ``output_logits=True`` so the sampler's own log-probs come back (TRL's plain-HF path returns
-  none). The hints are kept per generated row, in generation order.
+* `_generate_single_turn`: rolls out through the rollout seam (`trace_hf.rollout`, chosen by `rollout_engine`): the
+  CUDA-graph engine or `model.generate`, in ``eval()`` (packed FP4 experts, FP4 KV cache). It returns the sampler's
+  log-probs (TRL's plain-HF path returns none) and, when recording, the hints; the trainer keeps that record for the
+  generation batch being scored (`_trace_batch`).
 * `_generate_and_score_completions`: attaches the hints as per-row ``trace_*`` tensors (so TRL's shuffle and split
   carry them with their rows), computes ``old_per_token_logps`` under the hint-guided forward, the importance-sampling
   ratio against the sampler's log-probs, and the ``trace/*`` metrics.
@@ -15,14 +16,13 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   the forward there.
 * `_compute_loss`: applies the IS ratio through TRL's support for per-token advantages.
 
-Packed rollout weights are re-quantized from the master weights after every optimizer step: `trace_hf.experts`
-drops them from a global optimizer step hook (fused AdamW does not bump the parameters' version counters).
+Packed rollout weights are re-quantized from the master weights after every optimizer step (a global optimizer step
+hook in `trace_hf.experts`), and the engine re-quantizes them before every rollout whatever changed them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -32,10 +32,10 @@ from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import pad
 
 from .experts import TraceFP4Experts, fp4_experts
-from .hints import HintBatch, HintRecorder, MismatchReport, aligned_positions, use_hints
+from .hints import HintBatch, MismatchReport, aligned_positions, use_hints
+from .rollout import RolloutOutput, make_rollout
 
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -221,13 +221,11 @@ class TraceGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._trace_validate_model()
         self._trace_rows: HintBatch | None = None  # hints of the rows passed to the next log-prob forwards
-        self._trace_pending: HintBatch | None = None  # hints of the rollout, generation (pre-shuffle) order
+        self._trace_batch: RolloutOutput | None = None  # the generation batch being scored
+        self._trace_rollout = None  # the rollout path (trace_hf.rollout), chosen at the first rollout
         self._trace_reports: list[MismatchReport] | None = None  # collects reports of the old-logp forwards
         self._trace_stack: contextlib.ExitStack | None = None  # keeps the training forward's context to backward
         self._trace_train_reports: list[MismatchReport] = []
-        self._trace_gen_config = copy.deepcopy(self.generation_config)
-        self._trace_gen_config.output_logits = True
-        self._trace_gen_config.return_dict_in_generate = True
 
     # ------------------------------------------------------------------------------------------------------
     # Model checks
@@ -294,25 +292,20 @@ class TraceGRPOTrainer(GRPOTrainer):
     # Rollout
     # ------------------------------------------------------------------------------------------------------
 
+    def _trace_rollout_for(self, model):
+        """The rollout path (`trace_hf.rollout`), chosen once from `rollout_engine` and the unwrapped model."""
+        if self._trace_rollout is None:
+            self._trace_rollout = make_rollout(model, self.args.rollout_engine, self.generation_config)
+        return self._trace_rollout
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None or multimodal_fields:
             raise NotImplementedError("TraceGRPOTrainer supports text-only models; got images or multimodal inputs.")
-        device = self.accelerator.device
-        prompts = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(
-            prompts,
-            padding_value=self._tokenizer.pad_token_id,
-            padding_side="left",
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
-        prompt_mask = pad(
-            [torch.ones_like(t) for t in prompts],
-            padding_value=0,
-            padding_side="left",
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
-        input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
-
+        if self._trace_batch is not None:
+            raise NotImplementedError(
+                "TraceGRPOTrainer rolls out once per generation batch; tool calling (a second generation over the "
+                "same rows) is not supported, because the hints of tool-result tokens would be missing."
+            )
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,
@@ -324,53 +317,33 @@ class TraceGRPOTrainer(GRPOTrainer):
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            core = self._trace_core(unwrapped)
+            rollout = self._trace_rollout_for(unwrapped)
             was_training = unwrapped.training
-            unwrapped.eval()  # the FP4 rollout path: packed experts, FP4 KV cache
+            unwrapped.eval()  # the rollout path: packed FP4 experts, FP4 KV cache
             try:
-                recorder = (
-                    HintRecorder(core, storage=self.args.trace_hint_storage)
-                    if self._trace_records
-                    else contextlib.nullcontext()
+                out = rollout(
+                    unwrapped,
+                    prompt_ids,
+                    self.generation_config,
+                    record=self._trace_records,
+                    storage=self.args.trace_hint_storage,
                 )
-                with recorder:
-                    out = unwrapped.generate(
-                        input_ids=input_ids, attention_mask=prompt_mask, generation_config=self._trace_gen_config
-                    )
             finally:
                 unwrapped.train(was_training)
-
-        completion = out.sequences[:, input_ids.size(1) :]
-        # Cut after the first EOS, as TRL does.
-        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=completion.device))
-        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion.device)
-        eos_idx[is_eos.any(1)] = is_eos.int().argmax(1)[is_eos.any(1)]
-        completion_mask = torch.arange(is_eos.size(1), device=completion.device)[None] <= eos_idx[:, None]
-        # The sampler's log-probs, scaled by the trainer's temperature exactly as TRL's log-prob forward scales them.
-        logits = torch.stack(out.logits, dim=1).float()
-        del out
-        logps = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        del logits
-
-        self._trace_pending = None
-        if self._trace_records:
-            full_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-            self._trace_pending = recorder.collect(full_mask)
-        completion_ids = [c[m].tolist() for c, m in zip(completion.cpu(), completion_mask.cpu(), strict=True)]
-        logprobs = [lp[m].tolist() for lp, m in zip(logps.cpu(), completion_mask.cpu(), strict=True)]
-        return completion_ids, logprobs
+        self._trace_batch = out
+        return out.completion_ids, out.logprobs
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
-        self._trace_pending = None
-        # TRL's own old/ref log-prob forwards (inside super) see the rollout's rows in generation order.
-        self._trace_rows = _Pending(self)
+        # The record of this generation batch: set by the rollout, read by TRL's own old/ref log-prob forwards
+        # inside super (rows still in generation order), dropped once the batch is scored.
+        self._trace_batch = None
         try:
             output = super()._generate_and_score_completions(inputs)
+            batch = self._trace_batch
         finally:
-            self._trace_rows = None
-        hints = self._trace_pending
-        self._trace_pending = None
+            self._trace_batch = None
+        hints = batch.hints if batch is not None else None
         if hints is not None and len(hints) != output["prompt_ids"].size(0):
             raise RuntimeError(
                 f"TraceGRPOTrainer recorded hints for {len(hints)} rows but the batch has {output['prompt_ids'].size(0)}."
@@ -501,8 +474,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                 f"TraceGRPOTrainer supports text-only models; got multimodal inputs {sorted(kwargs)}."
             )
         rows = self._trace_rows
-        if isinstance(rows, _Pending):
-            rows = rows.get()
+        if rows is None and self._trace_batch is not None:
+            rows = self._trace_batch.hints  # TRL's forwards during scoring: the rollout's rows, in its order
         if rows is not None and len(rows) != input_ids.size(0):
             raise RuntimeError(
                 f"TraceGRPOTrainer: {len(rows)} hint rows for a log-prob forward over {input_ids.size(0)} rows."
@@ -602,16 +575,6 @@ class TraceGRPOTrainer(GRPOTrainer):
 
     def _trace_hint_layers(self) -> tuple[int, ...]:
         return tuple(m.moe_index for m in fp4_experts(self._trace_core(self.model)) if m.hinted)
-
-
-class _Pending:
-    """Placeholder for "the hints of the rollout in progress": they exist only once generation has run."""
-
-    def __init__(self, trainer: TraceGRPOTrainer):
-        self.trainer = trainer
-
-    def get(self) -> HintBatch | None:
-        return self.trainer._trace_pending
 
 
 def _check_peft(model, peft_config) -> None:

@@ -11,7 +11,7 @@ Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM), q/k R
 (`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm, router GEMM, softmax + top-k,
 experts input quantized per token (writing the hints of hinted layers straight into a static buffer), routed
 experts (`fp4_moe`), whose per-slot outputs the next norm sums. Then the final norm, lm_head and the greedy next
-token, which becomes the next step's input.
+token (or the rollout engine's sampler, `trace_hf.rollout.engine`), which becomes the next step's input.
 
 The kernels are also registered as torch custom ops (``torch.ops.trace_hf.*``, with fake implementations) so
 that `torch.compile` can trace code that calls them.
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import fp4
-from .fp4 import FP4Tensor
+from .. import fp4
+from ..fp4 import FP4Tensor
 
 
 def _kernels():
@@ -131,7 +131,7 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
     FP4 experts (`TraceFP4Experts`) give their cached packed weights and hinted flags; plain experts stay dense
     unless ``fp4_experts=True`` (then they are quantized here, and the last half of the layers is hinted).
     """
-    from .experts import TraceFP4Experts
+    from ..experts import TraceFP4Experts
 
     dims = Dims.from_config(model.config)
     inner = model.model
@@ -169,59 +169,6 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
         )
     return DecodeWeights(dims, inner.embed_tokens.weight.detach(), inner.norm.weight.detach(),
                          model.lm_head.weight.detach(), layers)  # fmt: skip
-
-
-def random_weights(
-    dims: Dims,
-    dtype=torch.bfloat16,
-    device="cuda",
-    fp4_experts: bool = True,
-    hint_layers: int | None = None,
-    seed: int = 0,
-    shared: DecodeWeights | None = None,
-) -> DecodeWeights:
-    """Random weights with the given shapes, built directly as tensors (std 0.02, norms 1). With ``shared``,
-    every non-expert tensor is taken from it (and its dense experts are quantized if ``fp4_experts``), so two
-    setups of a benchmark hold one copy of the weights."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    H, D, E, NI = dims.hidden, dims.head_dim, dims.num_experts, dims.expert_dim
-    n_hint = (dims.num_layers + 1) // 2 if hint_layers is None else hint_layers
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
-
-    def ones(n):
-        return torch.ones(n, dtype=dtype, device=device)
-
-    if shared is not None:
-        layers = []
-        for i, lw in enumerate(shared.layers):
-            gu, d = lw.gate_up, lw.down
-            if fp4_experts and not isinstance(gu, FP4Tensor):
-                gu, d = quantize_experts(gu, d)
-            layers.append(LayerWeights(lw.ln_in, lw.w_qkv, lw.q_norm, lw.k_norm, lw.w_o, lw.ln_post, lw.w_router,
-                                       gu, d, i >= dims.num_layers - n_hint))  # fmt: skip
-        return DecodeWeights(dims, shared.embed, shared.norm, shared.lm_head, layers)
-    layers = []
-    for i in range(dims.num_layers):
-        gu, d = rnd(E, 2 * NI, H), rnd(E, H, NI)
-        if fp4_experts:
-            gu, d = quantize_experts(gu, d)
-        layers.append(
-            LayerWeights(
-                ones(H),
-                rnd((dims.num_heads + 2 * dims.num_kv_heads) * D, H),
-                ones(D),
-                ones(D),
-                rnd(H, dims.num_heads * D),
-                ones(H),
-                rnd(E, H),
-                gu,
-                d,
-                i >= dims.num_layers - n_hint,
-            )  # fmt: skip
-        )
-    return DecodeWeights(dims, rnd(dims.vocab, H), ones(H), rnd(dims.vocab, H), layers)
 
 
 def rope_tables(dims: Dims, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,6 +313,9 @@ class FastDecoder:
         record_hints: write the hints of hinted layers (mantissa bits, block scales, row scale of the experts
             input) of every step into `hint_bits` / `hint_scale` / `hint_g` ([n_hinted, batch, ...]).
         use_ops: call the kernels through the ``torch.ops.trace_hf`` custom ops (else directly).
+        record_routing: write every layer's routed expert ids into `routing` ([num_layers, batch, top_k] int16).
+        sample: called at the end of each step with the decoder, instead of the greedy argmax: it reads `logits` and
+            writes the next `tokens` (the rollout engine's sampler and stop bookkeeping; must be graph-safe).
 
     `tokens` [B] (int64) holds the step's input tokens and receives the greedy next tokens; `positions` [B]
     (int32) the position each sequence writes (its cache length before the step), incremented by the step;
@@ -380,6 +330,8 @@ class FastDecoder:
         kv_fp4: bool = True,
         record_hints: bool = True,
         use_ops: bool = True,
+        record_routing: bool = False,
+        sample=None,
     ):
         _, A, _, _ = _kernels()
         self.w = weights
@@ -405,6 +357,10 @@ class FastDecoder:
         self.hint_scale = torch.zeros(n_h, batch, H // 16, dtype=torch.uint8, device=self.device)
         self.hint_g = torch.zeros(n_h, batch, dtype=torch.float32, device=self.device)
         self._direct_hints = self.record_hints and _direct_hints_ok(self.device, H)
+        self.record_routing = record_routing
+        self.routing = torch.zeros(d.num_layers if record_routing else 0, batch, d.top_k, dtype=torch.int16,
+                                   device=self.device)  # fmt: skip
+        self.sample = sample
         self.graph = None
 
     # -- pieces ---------------------------------------------------------------------------------------------
@@ -456,6 +412,8 @@ class FastDecoder:
                 ids, tw = ops.router_topk(rl, d.top_k, d.norm_topk_prob)
             else:
                 ids, tw = dec.router_topk(rl, d.top_k, d.norm_topk_prob)
+            if self.record_routing:
+                self.routing[i].copy_(ids)
             xq = self._quantize_input(xn, i) if self.fp4_experts else xn
             if self.use_ops:
                 pending = ops.moe_experts(*_fp4_parts(xq), ids, tw, *_fp4_parts(lw.gate_up), *_fp4_parts(lw.down),
@@ -465,7 +423,10 @@ class FastDecoder:
         xn = self._add_rmsnorm(res, pending, self.w.norm)
         logits = F.linear(xn, self.w.lm_head)
         self.logits.copy_(logits)
-        self.tokens.copy_(torch.argmax(logits, dim=-1))
+        if self.sample is None:
+            self.tokens.copy_(torch.argmax(logits, dim=-1))
+        else:
+            self.sample(self)
         self.positions.add_(1)
 
     # -- graph ----------------------------------------------------------------------------------------------
@@ -495,22 +456,6 @@ class FastDecoder:
             self.step()
 
     # -- content --------------------------------------------------------------------------------------------
-
-    def fill_random_context(self, length: int, seed: int = 0) -> None:
-        """Every sequence holds ``length`` cached tokens of random K/V (benchmarks: the step costs the same
-        whatever the values)."""
-        A = _kernels()[1]
-        g = torch.Generator(device=self.device).manual_seed(seed)
-        for c in self.caches:
-            A.fill_random(c, g)
-        self.positions.fill_(length)
-        self.tokens.random_(0, self.dims.vocab, generator=g)
-
-    def kv_bytes_read(self, length: int) -> int:
-        A = _kernels()[1]
-        per_tok = A.kv_bytes_per_token(self.dims.num_kv_heads, self.dims.head_dim, self.kv_fp4,
-                                       torch.finfo(self.dtype).bits // 8)  # fmt: skip
-        return per_tok * length * self.batch * self.dims.num_layers
 
     def hints(self) -> fp4.FP4Hints:
         """This step's hints, [n_hinted, B, ...] (copies)."""
@@ -554,39 +499,12 @@ def _direct_hints_ok(device, width: int) -> bool:
     return _DIRECT_OK[key]
 
 
-def bytes_per_step(weights: DecodeWeights, batch: int, kv_bytes: int) -> dict:
-    """Bytes a decode step must read at least: non-expert weights, the experts the batch is expected to touch
-    (uniform routing: ``E * (1 - (1 - k/E)^B)`` distinct experts per layer), the lm_head and the KV cache."""
-    d = weights.dims
-    dense = sum(lw.nbytes_dense() for lw in weights.layers)
-    head = weights.lm_head.numel() * weights.lm_head.element_size()
-    distinct = d.num_experts * (1.0 - (1.0 - d.top_k / d.num_experts) ** batch)
-    experts = distinct * weights.expert_bytes() * d.num_layers
-    total = dense + head + experts + kv_bytes
-    return {"dense_weights": dense, "lm_head": head, "experts": experts, "distinct_experts_per_layer": distinct,
-            "kv": kv_bytes, "total": total}  # fmt: skip
-
-
-def prefill_by_steps(dec: FastDecoder, tokens: torch.Tensor) -> torch.Tensor:
-    """Feed ``tokens`` [B, T] one position per step (teacher forcing); returns the logits of every step
-    [B, T, V]. Slow; for validation against the transformers model."""
-    out = []
-    for t in range(tokens.shape[1]):
-        dec.tokens.copy_(tokens[:, t])
-        dec.step()
-        out.append(dec.logits.clone())
-    return torch.stack(out, dim=1)
-
-
 __all__ = [
     "Dims",
     "LayerWeights",
     "DecodeWeights",
     "FastDecoder",
     "weights_from_hf",
-    "random_weights",
     "quantize_experts",
     "rope_tables",
-    "bytes_per_step",
-    "prefill_by_steps",
 ]

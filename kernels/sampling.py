@@ -1,0 +1,57 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Gumbel-max sampling from processed logits with counter-based noise, for the rollout engine's decode step.
+
+A draw is ``argmax_v(x_v + G_v)`` with ``G_v = -log(-log(u_v))`` and ``u_v`` Philox noise (`tl.rand`) keyed by
+(seed + step * 1000003, row * V + v): the same (seed, step) always gives the same tokens, nothing holds generator
+state, and the seed and step are read from device memory, so a captured CUDA graph replays with fresh draws. One
+program per row streams the row once (the logits are read once, no sort, no softmax).
+"""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError("Import trace_hf.kernels.sampling (see kernels/README.md), not kernels.sampling.")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from trace_hf.kernels.fp4_quant import check_device  # noqa: E402
+
+
+@triton.jit
+def _gumbel_argmax_kernel(x_ptr, out_ptr, seed_ptr, step_ptr, V, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seed_ptr) + tl.load(step_ptr) * 1000003
+    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < V
+        x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf"))
+        u = tl.rand(seed, row * V + offs)
+        y = x - tl.log(-tl.log(u))  # u == 0 gives -inf: never drawn
+        take = ok & (y > best_v)
+        best_v = tl.where(take, y, best_v)
+        best_i = tl.where(take, offs, best_i)
+    top = tl.max(best_v, 0)
+    idx = tl.min(tl.where(best_v == top, best_i, V), 0)  # ties (measure zero): the lowest id
+    tl.store(out_ptr + row, idx.to(tl.int64))
+
+
+def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, out: torch.Tensor | None = None):
+    """Token ids int64 [B] drawn from ``softmax(x)`` (``x`` fp32 [B, V], -inf for excluded tokens); ``seed`` and
+    ``step`` are int64 device tensors of one element."""
+    check_device(x)
+    if x.dtype != torch.float32 or x.ndim != 2:
+        raise ValueError(f"gumbel_argmax takes fp32 [B, V] logits, got {x.dtype} {tuple(x.shape)}.")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    B, V = x.shape
+    if B * V >= 2**31:
+        raise ValueError(f"gumbel_argmax: batch x vocab = {B * V} exceeds the 2^31 noise counter; draw in chunks.")
+    out = torch.empty(B, dtype=torch.int64, device=x.device) if out is None else out
+    block = min(4096, triton.next_power_of_2(V))
+    _gumbel_argmax_kernel[(B,)](x, out, seed, step, V, x.stride(0), BLOCK=block, num_warps=8)
+    return out
