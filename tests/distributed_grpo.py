@@ -30,6 +30,7 @@ def main(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
+    from trace_hf import data as D
     from trace_hf import testing as T
 
     torch.set_num_threads(1)
@@ -37,7 +38,7 @@ def main(out_dir: str) -> None:
     model_dir = T.save_tiny_model(os.path.join(out_dir, f"model-{os.environ.get('RANK', '0')}"))
     rows = [(a, b) for a in range(4) for b in range(4)]
     dataset = Dataset.from_dict(
-        {"prompt": [T.format_prompt(f"{a}+{b}") for a, b in rows], "answer": [f"#### {a + b}" for a, b in rows]}
+        {"prompt": [D.format_prompt(f"{a}+{b}") for a, b in rows], "answer": [f"#### {a + b}" for a, b in rows]}
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=TraceFP4Config())
     args = TraceGRPOConfig(
@@ -58,7 +59,7 @@ def main(out_dir: str) -> None:
     )
     trainer = TraceGRPOTrainer(
         model,
-        [T.arithmetic_reward, varied_reward],
+        [D.arithmetic_reward, varied_reward],
         args=args,
         train_dataset=dataset,
         processing_class=T.build_char_tokenizer(),

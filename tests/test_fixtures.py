@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from trace_hf import data as D
 from trace_hf import testing as T
 
 
@@ -86,13 +87,13 @@ def test_tokenizer_save_load_same_ids(tokenizer, tmp_path):
 
 
 def test_dataset_columns_and_determinism():
-    ds = T.arithmetic_dataset(n_train=40, n_test=10, seed=3)
+    ds = D.arithmetic_dataset(n_train=40, n_test=10, seed=3)
     assert set(ds) == {"train", "test"}
     assert ds["train"].column_names == ["question", "answer"] == ds["test"].column_names
     assert (ds["train"].num_rows, ds["test"].num_rows) == (40, 10)
-    again = T.arithmetic_dataset(n_train=40, n_test=10, seed=3)
+    again = D.arithmetic_dataset(n_train=40, n_test=10, seed=3)
     assert ds["train"][:] == again["train"][:] and ds["test"][:] == again["test"][:]
-    assert T.arithmetic_dataset(n_train=40, n_test=10, seed=4)["train"][:] != ds["train"][:]
+    assert D.arithmetic_dataset(n_train=40, n_test=10, seed=4)["train"][:] != ds["train"][:]
     for row in ds["train"]:
         assert row["question"].endswith("?")
         assert "\n#### " in row["answer"]
@@ -100,18 +101,18 @@ def test_dataset_columns_and_determinism():
 
 
 def test_load_math_dataset_offline(tmp_path):
-    assert T.load_math_dataset(None, "test", n_train=5, n_test=3)[:] == T.arithmetic_dataset(5, 3)["test"][:]
-    both = T.load_math_dataset(T.OFFLINE_DATASET, None, n_train=5, n_test=3)
+    assert D.load_math_dataset(None, "test", n_train=5, n_test=3)[:] == D.arithmetic_dataset(5, 3)["test"][:]
+    both = D.load_math_dataset(D.OFFLINE_DATASET, None, n_train=5, n_test=3)
     assert set(both) == {"train", "test"}
     both.save_to_disk(str(tmp_path / "saved"))
-    assert T.load_math_dataset(str(tmp_path / "saved"), "train")[:] == both["train"][:]
+    assert D.load_math_dataset(str(tmp_path / "saved"), "train")[:] == both["train"][:]
 
 
 def test_grpo_dataset_has_plain_prompts():
-    ds = T.to_grpo_dataset(T.arithmetic_dataset(n_train=6, n_test=2))
+    ds = D.to_grpo_dataset(D.arithmetic_dataset(n_train=6, n_test=2))
     row = ds["train"][0]
     assert isinstance(row["prompt"], str)
-    assert row["prompt"] == T.format_prompt(row["question"])
+    assert row["prompt"] == D.format_prompt(row["question"])
     assert row["prompt"].startswith("Q: ") and row["prompt"].endswith("\nA:")
     assert "answer" in ds["train"].column_names
 
@@ -132,19 +133,19 @@ def test_grpo_dataset_has_plain_prompts():
     ],
 )
 def test_extract_final_number(text, expected):
-    assert T.extract_final_number(text) == expected
+    assert D.extract_final_number(text) == expected
 
 
 def test_reward_scores_references_one_and_wrong_answers_zero():
-    ds = T.arithmetic_dataset(n_train=64, n_test=0, seed=1)["train"]
+    ds = D.arithmetic_dataset(n_train=64, n_test=0, seed=1)["train"]
     answers = ds["answer"]
-    assert T.arithmetic_reward(answers, answers) == [1.0] * len(answers)
-    wrong = [f"#### {int(T.extract_final_number(a)) + 1}" for a in answers]
-    assert T.arithmetic_reward(wrong, answers) == [0.0] * len(answers)
+    assert D.arithmetic_reward(answers, answers) == [1.0] * len(answers)
+    wrong = [f"#### {int(D.extract_final_number(a)) + 1}" for a in answers]
+    assert D.arithmetic_reward(wrong, answers) == [0.0] * len(answers)
     # Plain completions are scored by their last number; conversational ones by their content.
     ref = ["Tom has 3+4=<<3+4=7>>7 apples.\n#### 7"] * 4
     completions = [" 3+4=7. So 7", " I think 8", "", [{"role": "assistant", "content": "#### 7"}]]
-    assert T.arithmetic_reward(completions, ref, prompts=["p"] * 4) == [1.0, 0.0, 0.0, 1.0]
+    assert D.arithmetic_reward(completions, ref, prompts=["p"] * 4) == [1.0, 0.0, 0.0, 1.0]
 
 
 # ----------------------------------------------------------------------------------------------------------

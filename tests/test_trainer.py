@@ -11,6 +11,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trace_hf import TraceFP4Config, fp4
+from trace_hf import data as D
 from trace_hf import testing as T
 from trace_hf.experts import fp4_experts
 from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
@@ -45,7 +46,7 @@ def model_dir(tmp_path_factory):
 def dataset():
     rows = [(a, b) for a in range(4) for b in range(4)]
     return Dataset.from_dict(
-        {"prompt": [T.format_prompt(f"{a}+{b}") for a, b in rows], "answer": [f"#### {a + b}" for a, b in rows]}
+        {"prompt": [D.format_prompt(f"{a}+{b}") for a, b in rows], "answer": [f"#### {a + b}" for a, b in rows]}
     )
 
 
@@ -105,7 +106,7 @@ def varied_reward(completions, **kwargs):
 def make(model, tmp_path, dataset, peft_config=None, **kw):
     return TraceGRPOTrainer(
         model,
-        [T.arithmetic_reward, varied_reward],
+        [D.arithmetic_reward, varied_reward],
         args=config(tmp_path, **kw),
         train_dataset=dataset,
         processing_class=T.build_char_tokenizer(),
@@ -150,7 +151,7 @@ def test_trainer_refuses_mismatched_models(tmp_path, model_dir, dataset):
     with pytest.raises(TypeError, match="TraceGRPOConfig"):
         TraceGRPOTrainer(
             plain,
-            T.arithmetic_reward,
+            D.arithmetic_reward,
             args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
             train_dataset=dataset,
         )

@@ -79,7 +79,7 @@ def model_config(size: str, tokenizer):
 
 
 def data(seed: int):
-    from trace_hf.testing import arithmetic_dataset, to_grpo_dataset
+    from trace_hf.data import arithmetic_dataset, to_grpo_dataset
 
     ds = arithmetic_dataset(n_train=4096, n_test=512, seed=seed, max_operand=12)
     return to_grpo_dataset(ds["train"]), to_grpo_dataset(ds["test"])
@@ -151,7 +151,7 @@ def evaluate(model, tokenizer, test, n: int, batch: int = 128, max_new_tokens: i
     """Greedy accuracy on the first `n` test problems (the arithmetic reward on the completion)."""
     import torch
 
-    from trace_hf.testing import arithmetic_reward
+    from trace_hf.data import arithmetic_reward
 
     was_training = model.training
     model.eval()
@@ -201,7 +201,7 @@ def grpo(args) -> None:
 
     from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
     from trace_hf.experts import fp4_experts
-    from trace_hf.testing import arithmetic_reward
+    from trace_hf.data import arithmetic_reward
 
     quantized, qat, hints, replay, fraction = REGIMES[args.regime]
     set_seed(args.seed)

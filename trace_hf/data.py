@@ -1,0 +1,193 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Math tasks for GRPO: GSM8K-shaped data sets (offline arithmetic or the Hub's), prompts, and the reward.
+
+What a training script imports to build a data set and score completions; it needs no model. The offline problems
+exist because no machine this project runs on reaches the Hugging Face Hub: they have GSM8K's ``question`` /
+``answer`` columns, so ``openai/gsm8k`` drops in wherever the Hub is reachable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+
+__all__ = [
+    "OFFLINE_DATASET",
+    "addition_dataset",
+    "arithmetic_dataset",
+    "load_math_dataset",
+    "format_prompt",
+    "to_grpo_dataset",
+    "extract_final_number",
+    "arithmetic_reward",
+]
+
+# ----------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------
+
+#: The name `load_math_dataset` maps to the offline arithmetic problems.
+OFFLINE_DATASET = "offline-arithmetic"
+
+_NAMES = (("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Mia", "she"), ("Leo", "he"), ("Eva", "she"))
+_ITEMS = ("apple", "book", "coin", "pen", "card", "egg", "shell", "stamp")
+
+
+def _problem(rng: random.Random, max_operand: int) -> tuple[str, str]:
+    name, pron = rng.choice(_NAMES)
+    item = rng.choice(_ITEMS)
+    kind = rng.randrange(4)
+    a = rng.randint(1, max_operand)
+    b = rng.randint(1, max_operand)
+    if kind == 0:
+        n = a + b
+        q = f"{name} has {a} {item}s and buys {b} more. How many {item}s does {pron} have?"
+        w = f"{name} has {a}+{b}=<<{a}+{b}={n}>>{n} {item}s."
+    elif kind == 1:
+        a, b = max(a, b), min(a, b)
+        n = a - b
+        q = f"{name} has {a} {item}s and gives {b} to a friend. How many {item}s does {pron} have left?"
+        w = f"{name} has {a}-{b}=<<{a}-{b}={n}>>{n} {item}s left."
+    elif kind == 2:
+        n = a * b
+        q = f"{name} buys {a} bags with {b} {item}s in each bag. How many {item}s does {pron} buy?"
+        w = f"{name} buys {a}*{b}=<<{a}*{b}={n}>>{n} {item}s."
+    else:
+        c = rng.randint(0, a + b)
+        s = a + b
+        n = s - c
+        q = f"{name} has {a} {item}s, finds {b} more and then loses {c}. How many {item}s does {pron} have now?"
+        w = f"After finding, {name} has {a}+{b}=<<{a}+{b}={s}>>{s} {item}s.\nAfter losing, {pron} has {s}-{c}=<<{s}-{c}={n}>>{n}."
+    return q, f"{w}\n#### {n}"
+
+
+def arithmetic_dataset(n_train: int = 512, n_test: int = 64, seed: int = 0, max_operand: int = 20):
+    """GSM8K-shaped offline problems: a ``DatasetDict`` with "train"/"test" splits of ``question``/``answer``.
+
+    Answers are worked like GSM8K's (with ``<<a+b=c>>`` calculator notes) and end in ``#### N``. The same
+    arguments always give the same rows; train and test come from one generator, so they never share state.
+    """
+    from datasets import Dataset, DatasetDict
+
+    rng = random.Random(seed)
+    rows = [_problem(rng, max_operand) for _ in range(n_train + n_test)]
+    splits = {"train": rows[:n_train], "test": rows[n_train:]}
+    return DatasetDict(
+        {
+            name: Dataset.from_dict({"question": [q for q, _ in part], "answer": [a for _, a in part]})
+            for name, part in splits.items()
+        }
+    )
+
+
+def addition_dataset(seed: int = 0, max_operand: int = 9):
+    """Every single-digit addition "a+b" once (100 rows), shuffled, in GSM8K's question/answer columns.
+
+    The task of the offline main job: prompts and answers of a few characters keep a CPU GRPO run to minutes.
+    """
+    from datasets import Dataset
+
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
+    return Dataset.from_dict(
+        {
+            "question": [f"{a}+{b}" for a, b in pairs],
+            "answer": [f"{a}+{b}=<<{a}+{b}={a + b}>>\n#### {a + b}" for a, b in pairs],
+        }
+    )
+
+
+def load_math_dataset(name_or_path: str | None = None, split: str | None = "train", **kwargs):
+    """Load a math data set with GSM8K's ``question``/``answer`` columns.
+
+    ``None`` or ``"offline-arithmetic"`` give `arithmetic_dataset` (keyword arguments go to it); ``"openai/gsm8k"``
+    (or ``"gsm8k"``) loads config ``"main"`` with ``datasets.load_dataset``; a directory written by
+    ``save_to_disk`` is loaded with ``load_from_disk``; any other name or path goes to ``load_dataset``.
+    ``split=None`` returns every split.
+    """
+    if name_or_path is None or name_or_path == OFFLINE_DATASET:
+        ds = arithmetic_dataset(**kwargs)
+        return ds if split is None else ds[split]
+    import datasets
+
+    if os.path.isdir(name_or_path) and (
+        os.path.exists(os.path.join(name_or_path, "dataset_dict.json"))
+        or os.path.exists(os.path.join(name_or_path, "state.json"))
+    ):
+        ds = datasets.load_from_disk(name_or_path)
+        return ds[split] if split is not None and isinstance(ds, datasets.DatasetDict) else ds
+    if name_or_path in ("openai/gsm8k", "gsm8k"):
+        return datasets.load_dataset("openai/gsm8k", kwargs.pop("name", "main"), split=split, **kwargs)
+    return datasets.load_dataset(name_or_path, split=split, **kwargs)
+
+
+def format_prompt(question: str) -> str:
+    """The plain-text prompt the model completes: short, so the character tokenizer keeps it cheap."""
+    return f"Q: {question.strip()}\nA:"
+
+
+def to_grpo_dataset(ds):
+    """Add TRL's ``prompt`` column (plain text) to every row; ``answer`` stays for the reward function.
+
+    Works on a ``Dataset`` or a ``DatasetDict``.
+    """
+    return ds.map(lambda row: {"prompt": format_prompt(row["question"])})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reward
+# ----------------------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)")
+
+
+def _canonical(num: str) -> str | None:
+    try:
+        d = Decimal(num.replace(",", ""))
+    except InvalidOperation:
+        return None
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def extract_final_number(text: str) -> str | None:
+    """The answer a text commits to, as a canonical string ("1,234.50" -> "1234.5", "-0" -> "0"), or None.
+
+    GSM8K-style answers put it after the last ``####``; otherwise it is the last number in the text.
+    """
+    if text is None:
+        return None
+    marker = text.rfind("####")
+    if marker >= 0:
+        found = _NUMBER.search(text[marker + 4 :])
+        return _canonical(found.group()) if found else None
+    found = _NUMBER.findall(text)
+    return _canonical(found[-1]) if found else None
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):  # TRL's conversational form: [{"role": "assistant", "content": ...}]
+        return "".join(m.get("content", "") if isinstance(m, dict) else str(m) for m in completion)
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    return str(completion)
+
+
+def arithmetic_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """TRL reward function: 1.0 where a completion's final number equals the reference's ``#### N``, else 0.0.
+
+    Takes plain-text or conversational completions; TRL passes the data set's ``answer`` column by name.
+    """
+    rewards = []
+    for completion, ref in zip(completions, answer, strict=True):
+        want = extract_final_number(ref)
+        got = extract_final_number(_completion_text(completion))
+        rewards.append(1.0 if want is not None and got == want else 0.0)
+    return rewards
