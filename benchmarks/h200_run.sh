@@ -2,7 +2,8 @@
 # One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
 # `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `attn` (the FP4 decode attention
 # sweep, ATTN_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode benchmark, extra
-# arguments in ROLLOUT_ARGS). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so
+# arguments in ROLLOUT_ARGS), `grpo` (whole GRPO steps with generate / the engine, benchmarks/grpo_step.py, extra
+# arguments in GRPO_ARGS). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so
 # a hang in one part does not lose the others.
 #
 #   PARTS="tests tune train" bash benchmarks/h200_run.sh
@@ -14,7 +15,7 @@
 set -u
 ROOT=$(pwd)
 OUT=${OUT:-outputs/h200}
-PARTS=${PARTS:-tests tune attn train decode}
+PARTS=${PARTS:-tests tune attn train decode grpo}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PKG=$(mktemp -d)
@@ -37,7 +38,7 @@ if has tests; then
   # trace_hf with kernels/ linked in, not the repository's source folder.
   (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -q -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
     "$ROOT/tests/test_fp4_moe.py" "$ROOT/tests/test_hints.py" "$ROOT/tests/test_fp4_attention.py" \
-    "$ROOT/tests/test_fast_decode.py" "$ROOT/tests/test_fp4_kernels.py") > "$OUT/gpu_tests.log" 2>&1
+    "$ROOT/tests/test_fast_decode.py" "$ROOT/tests/test_fp4_kernels.py" "$ROOT/tests/test_rollout.py") > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"
   grep -E "cuda:|passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 20
 fi
@@ -71,5 +72,12 @@ if has decode; then
     --budget-s ${ROLLOUT_BUDGET_S:-250} ${ROLLOUT_ARGS:-} > "$OUT/rollout_decode.log" 2>&1
   echo "rc=$?" >> "$OUT/rollout_decode.log"
   tail -n 25 "$OUT/rollout_decode.log"
+fi
+if has grpo; then
+  echo "== GRPO step benchmark"
+  timeout ${GRPO_BUDGET_S:-420} $PY benchmarks/grpo_step.py --out "$OUT/grpo_step${GRPO_TAG:-}.json" ${GRPO_ARGS:-} \
+    > "$OUT/grpo_step${GRPO_TAG:-}.log" 2>&1
+  echo "rc=$?" >> "$OUT/grpo_step${GRPO_TAG:-}.log"
+  grep -E '^\{"setup"|rc=|Error' "$OUT/grpo_step${GRPO_TAG:-}.log" | tail -n 12
 fi
 rm -rf "$PKG"

@@ -344,6 +344,10 @@ class TraceGRPOTrainer(GRPOTrainer):
         finally:
             self._trace_batch = None
         hints = batch.hints if batch is not None else None
+        if batch is not None and batch.seconds > 0:
+            metrics = self._metrics[mode]
+            metrics["trace/rollout/seconds"].append(batch.seconds)
+            metrics["trace/rollout/tokens_per_second"].append(batch.num_tokens / batch.seconds)
         if hints is not None and len(hints) != output["prompt_ids"].size(0):
             raise RuntimeError(
                 f"TraceGRPOTrainer recorded hints for {len(hints)} rows but the batch has {output['prompt_ids'].size(0)}."
