@@ -1,19 +1,40 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""GRPO on a MoE model with an FP4 rollout: the BF16 baseline, FP4 QAT without hints, and TRACE.
+"""GRPO on a MoE model with an FP4 rollout: the regimes side by side, from one warm start and one seed.
 
-    python examples/grpo.py                                  # offline: tiny Qwen3 MoE, SFT warm-up, TRACE
-    python examples/grpo.py --rollout fp4                    # FP4 rollout + QAT, no hints, no routing replay
-    python examples/grpo.py --rollout bf16                   # unquantized baseline
-    python examples/grpo.py --model /path/Qwen3-30B-A3B --dataset openai/gsm8k --dtype bf16 \
+    python examples/grpo.py                                  # offline: tiny Qwen3 MoE, all four regimes (CPU ok)
+    python examples/grpo.py --rollout fp4,trace              # a comma list of regimes
+    python examples/grpo.py --rollout trace --report-to tensorboard
+    python examples/grpo.py --model /path/Qwen3-30B-A3B --dataset openai/gsm8k --rollout fp4,trace \
         --max-completion-length 512 --gradient-checkpointing
 
-With no `--model`, a tiny Qwen3 MoE from `trace_hf.testing` is built and warmed up with a short supervised run on
-the offline task (so that rewards are not all zero and can move), and cached under `<output-dir>/sft-warm` so that
-reruns (and the other `--rollout` settings) start from the same weights. The offline default task is single-digit
-addition ("Q: 3+4\\nA:" -> " 7"): short prompts and completions keep a CPU run to a few minutes.
+Regimes (`--rollout`, default `all`):
+    bf16   BF16 rollout, BF16 training: no FP4 anywhere, the baseline
+    naive  FP4 rollout, BF16 training of the masters (`TraceFP4Config(qat=False)`): naive FP4
+    fp4    FP4 rollout, FP4 QAT training, no hints, no routing replay
+    trace  FP4 rollout, QAT with TRACE hints and routing replay
 
-Writes `<output-dir>/<rollout>/metrics.json` (TRL's log history), a plot `<output-dir>/<rollout>/grpo.png` of reward
-and mismatch metrics by step, and prints a summary table.
+Every regime loads the same warm weights, uses the same seed (same prompts, same sampling seeds) and the same
+settings, so the differences in the table and the plot come from the regime alone.
+
+Where the mismatch comes from. TRACE removes the part of the rollout/training mismatch that FP4 rounding amplifies:
+the rollout and the training forward compute slightly different activations (different kernels), and a value near
+an FP4 rounding boundary then lands on different grid points. On CUDA that happens by itself: `generate` runs the
+fused Triton experts and training the torch grouped GEMMs. On CPU both sides run the same torch kernels and, row by
+row, compute bit-identical values, so there would be nothing for TRACE to remove. The CPU default therefore
+recreates the GPU's situation with two choices (`--rollout-attention auto`): BF16 weights (`--dtype bf16`), where
+one rounding step is ~0.4% and a differently summed value often rounds differently, and a rollout whose attention
+runs transformers' eager kernel while training runs SDPA (mathematically the same, summed in another order). The
+two kernels differ by an ulp here and there, as the GPU's do; `--rollout-attention same` turns that off (then CPU
+rollout and training agree to ~1e-7 and every regime looks alike).
+
+With no `--model`, a tiny Qwen3 MoE from `trace_hf.testing` is warmed up with a short supervised run (fp32, no
+quantization) on single-digit addition ("Q: 3+4\\nA:" -> " 7"), so that rewards are neither all zero nor all one,
+and cached under `<output-dir>/sft-warm/` for reruns. Under several processes the main process warms up and the
+others wait for it.
+
+Writes, under `<output-dir>/<run-name>/` (run name: `--run-name`, default the start time; an existing run is
+never overwritten without `--overwrite`): `<regime>/metrics.json` (TRL's log history; TensorBoard or W&B logs too
+with `--report-to`), `summary.json`, `table.md` and `grpo.png` (all regimes overlaid), and prints the table.
 """
 
 from __future__ import annotations
@@ -21,8 +42,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import shutil
+import sys
 import time
+
+
+REGIMES = {
+    "bf16": "BF16 rollout, BF16 training",
+    "naive": "FP4 rollout, BF16 training (naive)",
+    "fp4": "FP4 rollout, QAT, no hints",
+    "trace": "TRACE: QAT + hints + routing replay",
+}
+# Metric names, newest first: the trainer's names may follow TRL's `sampling/*` where TRL has one.
+METRICS = {
+    "gap_mean": ("sampling/sampling_logp_difference/mean", "trace/logp_diff/mean"),
+    "gap_max": ("sampling/sampling_logp_difference/max", "trace/logp_diff/max"),
+    "kl": ("trace/kl_rollout_train",),
+    "flips": ("trace/hint_flip_rate",),
+    "routing": ("trace/routing_mismatch",),
+}
+
+
+# Without QAT, training rounds nothing to FP4, so the logged flip rate is a zero that measures nothing.
+NOT_MEASURED = {"naive": ("flips",)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,19 +78,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--rollout",
-        choices=["bf16", "fp4", "trace"],
-        default="trace",
-        help="bf16: unquantized; fp4: FP4 rollout + QAT, no hints/replay; trace: FP4 + hints + routing replay",
+        default="all",
+        help=f"regimes to run, 'all' or a comma list of {', '.join(REGIMES)} (see above)",
     )
-    p.add_argument("--max-steps", type=int, default=80)
     p.add_argument("--output-dir", default="outputs/grpo")
+    p.add_argument("--run-name", default=None, help="folder under --output-dir; default: the start time")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --run-name folder")
+    p.add_argument("--max-steps", type=int, default=40, help="GRPO steps per regime")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--dtype", choices=["bf16", "fp32"], default="fp32", help="weights dtype (fp32: faster and steadier on CPU)"
+        "--dtype", choices=["bf16", "fp32"], default="bf16", help="weights dtype (bf16: where FP4 mismatch shows)"
+    )
+    p.add_argument(
+        "--rollout-attention",
+        choices=["auto", "eager", "same"],
+        default="auto",
+        help="eager: the rollout computes attention with the eager kernel, training with SDPA (different kernels, "
+        "as on the GPU); same: one kernel for both; auto: eager on CPU, same on CUDA",
+    )
+    p.add_argument(
+        "--rollout-engine",
+        choices=["auto", "engine", "generate"],
+        default="auto",
+        help="TraceGRPOConfig.rollout_engine: the CUDA-graph decode engine, model.generate, or auto",
     )
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=16, help="distinct prompts per optimizer step")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="distinct prompts per optimizer step")
     p.add_argument("--max-completion-length", type=int, default=4)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-importance-sampling", action="store_true", help="turn off the IS correction")
@@ -57,7 +113,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=100, help="warm-up steps for the default tiny model")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="on for large models; off by default")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--report-to",
+        default="none",
+        help="TRL/transformers' report_to: none, tensorboard, wandb, all, or a comma list (offline: tensorboard)",
+    )
+    p.add_argument("--logging-steps", type=int, default=1, help="log (and plot) every N steps")
+    args = p.parse_args(argv)
+    names = list(REGIMES) if args.rollout == "all" else [r.strip() for r in args.rollout.split(",") if r.strip()]
+    bad = [r for r in names if r not in REGIMES]
+    if bad or not names:
+        p.error(f"--rollout {args.rollout!r}: use 'all' or a comma list of {', '.join(REGIMES)}")
+    args.regimes = list(dict.fromkeys(names))
+    args.report_to = [r.strip() for r in args.report_to.split(",")] if "," in args.report_to else args.report_to
+    return args
+
+
+def one_gpu_unless_launched() -> None:
+    """One process on several GPUs would make the Trainer wrap the model in DataParallel, which GRPO cannot run.
+
+    Use the first GPU and say how to use them all (a launcher starts one process per GPU).
+    """
+    if "WORLD_SIZE" in os.environ or os.environ.get("TRACE_GRPO_ONE_GPU"):
+        return
+    import torch
+
+    n = torch.cuda.device_count()
+    if n <= 1:
+        return
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    print(
+        f"{n} GPUs and one process: running on GPU {first} only. For all {n}, launch one process per GPU: "
+        f"`torchrun --nproc_per_node {n} examples/grpo.py ...` or `accelerate launch --multi_gpu --num_processes {n} "
+        "examples/grpo.py ...`.",
+        flush=True,
+    )
+    # CUDA has not been initialised yet, but torch has counted the devices: start afresh with one visible.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first, "TRACE_GRPO_ONE_GPU": "1"}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,22 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def addition_dataset(seed: int = 0, max_operand: int = 9):
-    """Every single-digit addition "a+b" once (100 rows), shuffled, in GSM8K's question/answer columns."""
-    from datasets import Dataset
-
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    random.Random(seed).shuffle(pairs)
-    return Dataset.from_dict(
-        {
-            "question": [f"{a}+{b}" for a, b in pairs],
-            "answer": [f"{a}+{b}=<<{a}+{b}={a + b}>>\n#### {a + b}" for a, b in pairs],
-        }
-    )
-
-
 def load_dataset(name: str, seed: int):
-    from trace_hf.testing import load_math_dataset, to_grpo_dataset
+    from trace_hf.data import addition_dataset, load_math_dataset, to_grpo_dataset
 
     if name == "offline-addition":
         ds = addition_dataset(seed)
@@ -93,7 +172,7 @@ def load_dataset(name: str, seed: int):
 
 def target_completion(answer: str) -> str:
     """The short answer the warm-up teaches: " N" (the final number of a GSM8K-style answer)."""
-    from trace_hf.testing import extract_final_number
+    from trace_hf.data import extract_final_number
 
     return " " + extract_final_number(answer)
 
@@ -106,8 +185,8 @@ def target_completion(answer: str) -> str:
 def sft_warmup(out_dir: str, dataset, steps: int, seed: int) -> str:
     """Build the tiny Qwen3 MoE and teach it the task's answer format (and some answers) with a plain loop.
 
-    fp32 and no quantization: the warm-up only needs to make rewards non-zero; the FP4 runs then start from the
-    same weights as the BF16 baseline, and QAT is part of what GRPO does. Cached: reruns load `out_dir`.
+    fp32 and no quantization: the warm-up only needs to make rewards non-zero; every regime then starts from the
+    same weights, and QAT is part of what GRPO does. Cached: reruns load `out_dir`.
     """
     import torch
 
@@ -144,12 +223,47 @@ def sft_warmup(out_dir: str, dataset, steps: int, seed: int) -> str:
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"SFT warm-up step {step:4d}  loss {out.loss.item():.3f}")
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    print(f"SFT warm-up: {steps} steps in {time.time() - t0:.0f}s, saved to {out_dir}")
+    tmp = f"{out_dir}.tmp"  # written whole, then renamed: a reader never sees half a checkpoint
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    print(f"SFT warm-up: {steps} steps in {time.time() - t0:.0f}s (final loss {out.loss.item():.3f}), {out_dir}")
     return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CPU mismatch: rollout and training attention on different kernels
+# ----------------------------------------------------------------------------------------------------------
+
+SPLIT_ATTENTION = "rollout_eager_train_sdpa"
+
+
+def _eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Textbook attention (matmul, fp32 softmax, matmul): the same math as SDPA, summed in another order."""
+    import torch
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def register_split_attention() -> str:
+    """Register an attention implementation that runs eager in eval mode (the rollout) and SDPA in training."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    def attention(module, *args, **kwargs):
+        return (sdpa_attention_forward if module.training else _eager_attention)(module, *args, **kwargs)
+
+    AttentionInterface.register(SPLIT_ATTENTION, attention)
+    AttentionMaskInterface.register(SPLIT_ATTENTION, eager_mask)  # additive float masks suit both kernels
+    return SPLIT_ATTENTION
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,27 +271,50 @@ def sft_warmup(out_dir: str, dataset, steps: int, seed: int) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_trainer(args, model_path: str, dataset, run_dir: str):
+def compact_progress_callback():
+    """TRL's progress bar with the step's reward and log-prob gap beside it, instead of a metrics dict per step."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class CompactProgress(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or self.training_bar is None or not logs:
+                return
+            parts = []
+            if "reward" in logs:
+                parts.append(f"reward {logs['reward']:.3f}")
+            gap = next((logs[k] for k in METRICS["gap_mean"] if k in logs), None)
+            if gap is not None:
+                parts.append(f"|dlogp| {gap:.2e}")
+            if parts:
+                self.training_bar.set_postfix_str(", ".join(parts), refresh=False)
+
+    return CompactProgress()
+
+
+def build_trainer(args, regime: str, model_path: str, dataset, run_dir: str, attn: str | None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
-    from trace_hf.testing import arithmetic_reward
+    from trace_hf.data import arithmetic_reward
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     quant = None
-    if args.rollout != "bf16":
+    if regime != "bf16":
         kv = None if args.kv_cache.lower() == "none" else args.kv_cache
-        quant = TraceFP4Config(kv_cache=kv, hint_layers=args.hint_layers)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant)
+        quant = TraceFP4Config(kv_cache=kv, hint_layers=args.hint_layers, qat=regime != "naive")
+    extra = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant, **extra)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    trace = args.rollout == "trace"
+    trace = regime == "trace"
     config = TraceGRPOConfig(
         output_dir=run_dir,
-        rollout_precision="bf16" if args.rollout == "bf16" else "fp4",
+        rollout_precision="bf16" if regime == "bf16" else "fp4",
+        rollout_engine=args.rollout_engine,
         trace_hints=trace,
         routing_replay=trace,
         rollout_importance_sampling=not args.no_importance_sampling,
@@ -190,113 +327,205 @@ def build_trainer(args, model_path: str, dataset, run_dir: str):
         warmup_steps=0,
         beta=0.0,
         max_steps=args.max_steps,
-        logging_steps=1,
+        logging_steps=args.logging_steps,
         save_strategy="no",
-        report_to="none",
+        report_to=args.report_to,
+        run_name=f"{os.path.basename(os.path.dirname(run_dir))}/{regime}",
         seed=args.seed,
         bf16=False,  # no autocast: the weights are already in the dtype asked for
-        gradient_checkpointing=args.gradient_checkpointing,
+        activation_checkpointing=args.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
         dataloader_pin_memory=torch.cuda.is_available(),
     )
-    return TraceGRPOTrainer(
+    trainer = TraceGRPOTrainer(
         model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer
     )
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(compact_progress_callback())
+    trainer.pop_callback(PrinterCallback)  # the dict-per-step printer, used when tqdm is off
+    return trainer
 
 
-def summarize(history: list[dict], rollout: str) -> dict:
+def first_of(entry: dict, names) -> float | None:
+    return next((entry[k] for k in names if k in entry), None)
+
+
+def summarize(history: list[dict], regime: str) -> dict:
     steps = [h for h in history if "reward" in h]
     rewards = [h["reward"] for h in steps]
     k = max(1, min(5, len(rewards) // 3))
     summary = {
-        "rollout": rollout,
+        "regime": regime,
         "steps": len(steps),
-        "reward/first": rewards[0] if rewards else float("nan"),
-        "reward/last": rewards[-1] if rewards else float("nan"),
-        f"reward/first{k}_mean": sum(rewards[:k]) / k if rewards else float("nan"),
-        f"reward/last{k}_mean": sum(rewards[-k:]) / k if rewards else float("nan"),
+        "reward_first": sum(rewards[:k]) / k if rewards else float("nan"),
+        "reward_last": sum(rewards[-k:]) / k if rewards else float("nan"),
+        "reward_window": k,
     }
-    for key in (
-        "trace/logp_diff/mean",
-        "trace/logp_diff/max",
-        "trace/kl_rollout_train",
-        "trace/hint_flip_rate",
-        "trace/routing_mismatch",
-        "trace/is_ratio/mean",
-        "trace/hint_bytes_per_token",
-    ):
-        vals = [h[key] for h in steps if key in h]
+    for name, keys in METRICS.items():
+        if name in NOT_MEASURED.get(regime, ()):
+            continue
+        vals = [v for v in (first_of(h, keys) for h in steps) if v is not None]
         if vals:
-            summary[f"{key} (mean)"] = sum(vals) / len(vals)
+            summary[name] = max(vals) if name == "gap_max" else sum(vals) / len(vals)
     return summary
 
 
-def print_table(summary: dict) -> None:
-    width = max(len(k) for k in summary)
-    print("\n" + "=" * (width + 16))
-    for k, v in summary.items():
-        print(f"{k:<{width}}  {v:>12.5g}" if isinstance(v, float) else f"{k:<{width}}  {v!s:>12}")
-    print("=" * (width + 16))
+def table(summaries: list[dict]) -> str:
+    """A Markdown table, one row per regime (the console prints the same text).
+
+    logp gap: |log p_train - log p_rollout| per completion token (mean over the run, and its largest); KL: the
+    rollout-training KL per token; flip rate: hinted elements whose nearest rounding in training differs from the
+    rollout's FP4 code; routing mismatch: (token, MoE layer) pairs whose own top-k differs from the rollout's.
+    """
+    cols = [
+        ("regime", lambda s: REGIMES[s["regime"]]),
+        ("reward first -> last", lambda s: f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}"),
+        ("mean logp gap", lambda s: _num(s.get("gap_mean"))),
+        ("max logp gap", lambda s: _num(s.get("gap_max"))),
+        ("KL rollout/train", lambda s: _num(s.get("kl"))),
+        ("hint flip rate", lambda s: _num(s.get("flips"))),
+        ("routing mismatch", lambda s: _num(s.get("routing"))),
+        ("train s", lambda s: f"{s['train_s']:.0f}"),
+    ]
+    rows = [[name for name, _ in cols]] + [[fn(s) for _, fn in cols] for s in summaries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(lines)
 
 
-def plot(history: list[dict], path: str, title: str) -> None:
+def _num(v) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
+def plot(histories: dict[str, list[dict]], path: str, title: str) -> None:
+    """All regimes overlaid, one panel per metric that some regime logged; gaps and KL on log axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h for h in history if "reward" in h]
-    x = [h["step"] for h in steps]
     panels = [
-        ("reward", ["reward"]),
-        ("log-prob gap (rollout vs train)", ["trace/logp_diff/mean", "trace/kl_rollout_train"]),
-        ("mismatch", ["trace/hint_flip_rate", "trace/routing_mismatch"]),
+        ("reward", ("reward",), "mean reward", False),
+        ("mean |log p_train - log p_rollout|", METRICS["gap_mean"], "nats per token (log)", True),
+        ("KL(rollout || train)", METRICS["kl"], "nats per token (log)", True),
+        ("hint flip rate (nearest rounding != rollout's)", METRICS["flips"], "fraction of elements (log)", True),
+        ("routing mismatch (own top-k != rollout's)", METRICS["routing"], "fraction of (token, layer) (log)", True),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
-    for ax, (name, keys) in zip(axes, panels, strict=True):
-        for key in keys:
-            ys = [h.get(key) for h in steps]
-            if any(y is not None for y in ys):
-                ax.plot(x, [float("nan") if y is None else y for y in ys], marker=".", label=key)
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
+
+    def series(regime, keys, log):
+        if any(keys == METRICS[name] for name in NOT_MEASURED.get(regime, ())):
+            return []
+        pts = [(h["step"], first_of(h, keys)) for h in histories[regime] if "reward" in h]
+        pts = [(x, y) for x, y in pts if y is not None]
+        return [(x, y if (y > 0 or not log) else float("nan")) for x, y in pts]  # log axes cannot show 0
+
+    panels = [p for p in panels if any(any(y == y for _, y in series(r, p[1], p[3])) for r in histories)]
+    ncols = min(3, len(panels))
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.remove()
+    for ax, (name, keys, ylabel, log) in zip(axes.flat, panels, strict=False):
+        for i, regime in enumerate(histories):
+            pts = series(regime, keys, log)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker=".", ms=3, lw=1.2, color=f"C{i}", label=REGIMES[regime])
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both" if log else "major")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def prepare_run_dir(args, state) -> str:
+    """`<output-dir>/<run-name>`, the same on every process; an existing one is refused unless --overwrite."""
+    from accelerate.utils import broadcast_object_list
+
+    name = [args.run_name or time.strftime("%Y%m%d-%H%M%S")]
+    if state.num_processes > 1:
+        broadcast_object_list(name)  # the main process's clock names the run for all
+    run_dir = os.path.join(args.output_dir, name[0])
+    if os.path.exists(run_dir) and not args.overwrite:
+        sys.exit(f"{run_dir} exists: pass another --run-name, or --overwrite to replace it.")
+    state.wait_for_everyone()
+    if state.is_main_process:
+        if os.path.exists(run_dir):
+            shutil.rmtree(run_dir)
+        os.makedirs(run_dir)
+    state.wait_for_everyone()
+    return run_dir
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    one_gpu_unless_launched()
     import torch
+    from accelerate import PartialState
     from transformers import set_seed
 
     torch.set_num_threads(args.threads)
-    set_seed(args.seed)
+    state = PartialState()
+    run_dir = prepare_run_dir(args, state)
     t0 = time.time()
     dataset = load_dataset(args.dataset, args.seed)
     model_path = args.model
     if model_path is None:
-        model_path = sft_warmup(os.path.join(args.output_dir, "sft-warm"), dataset, args.sft_steps, args.seed)
-    run_dir = os.path.join(args.output_dir, args.rollout)
-    os.makedirs(run_dir, exist_ok=True)
-    trainer = build_trainer(args, model_path, dataset, run_dir)
-    trainer.train()
-    history = trainer.state.log_history
-    if not trainer.accelerator.is_main_process:  # under accelerate launch, one process reports
+        key = f"{args.dataset}-seed{args.seed}-steps{args.sft_steps}"
+        with state.main_process_first():  # the main process trains and saves; the others then load its weights
+            model_path = sft_warmup(os.path.join(args.output_dir, "sft-warm", key), dataset, args.sft_steps, args.seed)
+    mode = args.rollout_attention
+    if mode == "auto":
+        mode = "same" if torch.cuda.is_available() else "eager"
+    attn = register_split_attention() if mode == "eager" else None
+
+    histories, summaries = {}, []
+    for regime in args.regimes:
+        set_seed(args.seed)
+        if state.is_main_process:
+            print(f"\n== {regime}: {REGIMES[regime]}", flush=True)
+        regime_dir = os.path.join(run_dir, regime)
+        trainer = build_trainer(args, regime, model_path, dataset, regime_dir, attn)
+        t = time.time()
+        trainer.train()
+        history = trainer.state.log_history
+        histories[regime] = history
+        summary = summarize(history, regime)
+        summary["train_s"] = time.time() - t
+        summaries.append(summary)
+        if state.is_main_process:
+            with open(os.path.join(regime_dir, "metrics.json"), "w") as f:
+                json.dump(history, f, indent=1)
+        del trainer
+    if not state.is_main_process:  # one process reports
         return {}
-    with open(os.path.join(run_dir, "metrics.json"), "w") as f:
-        json.dump(history, f, indent=1)
-    summary = summarize(history, args.rollout)
-    summary["wall_time_s"] = time.time() - t0
-    print_table(summary)
+
+    text = table(summaries)
+    with open(os.path.join(run_dir, "table.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({"args": vars(args), "regimes": summaries}, f, indent=1)
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny Qwen3 MoE (SFT-warmed)"
+    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    attention = {"eager": "eager rollout / SDPA training attention", "same": "one attention kernel"}[mode]
+    title = (
+        f"GRPO on {name}: rollout vs training by regime\n"
+        f"{args.dtype} weights, {device}, {attention}, {args.max_steps} steps, seed {args.seed}"
+    )
     png = os.path.join(run_dir, "grpo.png")
-    plot(history, png, f"GRPO, rollout={args.rollout}, dtype={args.dtype}")
-    print(f"metrics: {os.path.join(run_dir, 'metrics.json')}\nplot:    {png}")
-    return summary
+    plot(histories, png, title)
+    print(
+        f"\n{text}\n\n{time.time() - t0:.0f}s in all. Written to {run_dir}: table.md, summary.json, grpo.png, "
+        "<regime>/metrics.json"
+    )
+    return {"run_dir": run_dir, "regimes": summaries}
 
 
 if __name__ == "__main__":

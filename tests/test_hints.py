@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from trace_hf import HintBatch, HintRecorder, TraceFP4Config, fp4, use_hints
+from trace_hf.data import arithmetic_dataset, format_prompt
 from trace_hf.experts import TraceFP4Experts
 from trace_hf.hints import _Guide, hint_bytes_per_token, position_ids_from_mask
-from trace_hf.data import arithmetic_dataset, format_prompt
 from trace_hf.testing import build_char_tokenizer, tiny_model
 
 

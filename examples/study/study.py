@@ -200,8 +200,8 @@ def grpo(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
-    from trace_hf.experts import fp4_experts
     from trace_hf.data import arithmetic_reward
+    from trace_hf.experts import fp4_experts
 
     quantized, qat, hints, replay, fraction = REGIMES[args.regime]
     set_seed(args.seed)
