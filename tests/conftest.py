@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    # trace_hf silences this at import, but pytest restores the warning filters around collection and each test.
+    # TRL reads the deprecated `is_gradient_checkpointing`; no test (or user) causes it.
+    config.addinivalue_line("filterwarnings", "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

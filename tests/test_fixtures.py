@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -247,6 +248,14 @@ def test_kernels_install_as_trace_hf_kernels(tmp_path):
     kernel_module, top_level = _run_python(code, tmp_path).splitlines()
     assert kernel_module.endswith(os.path.join("kernels", "fp4_quant.py")), kernel_module
     assert not top_level.startswith(os.path.realpath(PROJECT_ROOT) + os.sep), top_level
+
+
+def test_import_names_the_fix_when_trace_hf_kernels_is_missing(tmp_path):
+    """What the default editable install (or the source tree first on sys.path) gives: trace_hf without kernels/."""
+    shutil.copytree(os.path.join(PROJECT_ROOT, "trace_hf"), tmp_path / "trace_hf")
+    code = "try:\n    import trace_hf\nexcept ImportError as e:\n    print(e)\n"
+    message = _run_python(code, tmp_path)
+    assert "trace_hf.kernels" in message and "editable_mode=strict" in message and "python -m pytest" in message
 
 
 def test_kernels_folder_is_ignored_by_transformers_from_the_repo_root():
