@@ -472,7 +472,7 @@ def main(argv=None) -> dict:
     from transformers import set_seed
 
     torch.set_num_threads(args.threads)
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # as TraceGRPOConfig(use_cpu=...) will: one state
     run_dir = prepare_run_dir(args, state)
     t0 = time.time()
     dataset = load_dataset(args.dataset, args.seed)
