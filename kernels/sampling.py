@@ -3,8 +3,8 @@
 
 A draw is ``argmax_v(x_v + G_v)`` with ``G_v = -log(-log(u_v))`` and ``u_v`` Philox noise (`tl.rand`) keyed by
 (seed + step * 1000003, row * V + v): the same (seed, step) always gives the same tokens, nothing holds generator
-state, and the seed and step are read from device memory, so a captured CUDA graph replays with fresh draws. One
-program per row streams the row once (the logits are read once, no sort, no softmax).
+state, and the seed and step are read from device memory, so a captured CUDA graph replays with fresh draws. On the
+GPU one program per row streams the row once (the logits are read once, no sort, no softmax).
 """
 
 from __future__ import annotations
@@ -21,23 +21,24 @@ from trace_hf.kernels.fp4_quant import check_device  # noqa: E402
 
 
 @triton.jit
-def _gumbel_argmax_kernel(x_ptr, out_ptr, seed_ptr, step_ptr, V, stride, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gumbel_argmax_kernel(x_ptr, out_ptr, seed_ptr, step_ptr, B, V, stride, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < B
     seed = tl.load(seed_ptr) + tl.load(step_ptr) * 1000003
-    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], dtype=tl.int32)
+    best_v = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        ok = offs < V
-        x = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf"))
-        u = tl.rand(seed, row * V + offs)
+        ok = row_ok[:, None] & (offs < V)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + offs[None, :], mask=ok, other=float("-inf"))
+        u = tl.rand(seed, rows[:, None] * V + offs[None, :])
         y = x - tl.log(-tl.log(u))  # u == 0 gives -inf: never drawn
         take = ok & (y > best_v)
         best_v = tl.where(take, y, best_v)
-        best_i = tl.where(take, offs, best_i)
-    top = tl.max(best_v, 0)
-    idx = tl.min(tl.where(best_v == top, best_i, V), 0)  # ties (measure zero): the lowest id
-    tl.store(out_ptr + row, idx.to(tl.int64))
+        best_i = tl.where(take, offs[None, :], best_i)
+    top = tl.max(best_v, 1)
+    idx = tl.min(tl.where(best_v == top[:, None], best_i, V), 1)  # ties (measure zero): the lowest id
+    tl.store(out_ptr + rows, idx.to(tl.int64), mask=row_ok)
 
 
 def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, out: torch.Tensor | None = None):
@@ -53,5 +54,9 @@ def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, out: 
         raise ValueError(f"gumbel_argmax: batch x vocab = {B * V} exceeds the 2^31 noise counter; draw in chunks.")
     out = torch.empty(B, dtype=torch.int64, device=x.device) if out is None else out
     block = min(4096, triton.next_power_of_2(V))
-    _gumbel_argmax_kernel[(B,)](x, out, seed, step, V, x.stride(0), BLOCK=block, num_warps=8)
+    # One row per program on the GPU (rows in parallel); the interpreter runs programs one after another, so
+    # there a program takes many rows. The draws do not depend on the tiling.
+    rows = 1 if x.is_cuda else max(1, min(triton.next_power_of_2(B), 8192 // block))
+    _gumbel_argmax_kernel[(triton.cdiv(B, rows),)](x, out, seed, step, B, V, x.stride(0), ROWS=rows, BLOCK=block,
+                                                   num_warps=8)  # fmt: skip
     return out

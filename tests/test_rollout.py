@@ -1,0 +1,236 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The rollout seam (`trace_hf.rollout`): the engine against `generate`, its sampler, stops and hints, and the
+trainer rolling out through it. CPU: the engine runs eagerly through the Triton interpreter, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trace_hf import TraceFP4Config
+from trace_hf import testing as T
+from trace_hf.experts import fp4_experts
+from trace_hf.hints import use_hints
+from trace_hf.quantizer import quantize_model
+from trace_hf.rollout import EngineRollout, GenerateRollout, SamplingSettings, make_rollout
+
+
+pytest.importorskip("trace_hf.kernels.sampling")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(fp4: bool, device="cpu"):
+    torch.manual_seed(0)
+    model = T.tiny_model(num_hidden_layers=2)
+    if fp4:
+        quantize_model(model, TraceFP4Config(hint_layers=2))
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _prompts(model, lengths=(5, 3, 7), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def _gc(**kw):
+    base = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": [1], "pad_token_id": 0}
+    return GenerationConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+def test_engine_greedy_matches_generate(fp4):
+    """Same tokens; log-probs and hints equal up to fp32 summation order (the engine's kernels vs torch's, ~4e-7
+    relative on the logits, measured in test_fast_decode)."""
+    model = _model(fp4)
+    prompts = _prompts(model)
+    a = GenerateRollout()(model, prompts, _gc(), record=fp4)
+    b = EngineRollout()(model, prompts, _gc(), record=fp4)
+    assert a.completion_ids == b.completion_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4)
+    if fp4:
+        ha, hb = a.hints, b.hints
+        assert torch.equal(ha.lengths, hb.lengths) and ha.hint_layers == hb.hint_layers
+        assert (ha.mantissa_bits == hb.mantissa_bits).float().mean() > 0.999
+        assert (ha.block_scale == hb.block_scale).float().mean() > 0.999
+        assert (ha.routing == hb.routing).float().mean() > 0.999
+        assert torch.allclose(ha.global_scale, hb.global_scale, rtol=1e-5, atol=0)
+
+
+def test_sampler_matches_truncated_softmax():
+    """Empirical frequencies of the engine's draws match transformers' top-k/top-p/min-p truncated softmax."""
+    from trace_hf.rollout.sampling import draw, process_logits
+
+    n, V = 2048, 12
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0)).repeat(n, 1) * 2
+    s = SamplingSettings(max_new_tokens=1, temperature=0.7, top_k=6, top_p=0.85, min_p=0.02)
+    x = process_logits(logits, s)
+    # The same truncation by transformers' own warpers, in their order.
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    ref = logits[:1]
+    for w in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(6), TopPLogitsWarper(0.85), MinPLogitsWarper(0.02)):
+        ref = w(None, ref)
+    assert torch.equal(torch.isinf(x[:1]), torch.isinf(ref)) and torch.allclose(x[:1], ref)
+    seed, step = torch.tensor([7]), torch.tensor([0])
+    tok = draw(x, s, seed, step)
+    assert torch.equal(tok, draw(x, s, seed, step))  # same (seed, step): same draws
+    assert not torch.equal(tok, draw(x, s, seed, torch.tensor([1])))
+    freq = torch.bincount(tok, minlength=V).float() / n
+    want = torch.softmax(ref[0], -1)
+    assert freq[torch.isinf(ref[0])].sum() == 0  # truncated tokens are never drawn
+    assert (freq - want).abs().max() < 0.045, (freq, want)  # ~4 standard errors at n = 2048
+
+
+def test_engine_seeded_eos_and_repetition_penalty():
+    model = _model(False)  # the sampler and stops are the same in both precisions; the dense model is faster here
+    prompts = _prompts(model, (4, 6, 5))
+    gc = _gc(do_sample=True, temperature=1.3, top_k=50, max_new_tokens=6, eos_token_id=None)
+    eng = EngineRollout()
+    torch.manual_seed(5)
+    a = eng(model, prompts, gc)
+    torch.manual_seed(5)
+    b = eng(model, prompts, gc)
+    torch.manual_seed(6)
+    c = eng(model, prompts, gc)
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert a.completion_ids != c.completion_ids
+    assert all(len(x) == 6 for x in a.completion_ids)
+    # Make the second token of row 0 an EOS: row 0 stops there, the others run on.
+    eos = a.completion_ids[0][1]
+    torch.manual_seed(5)
+    d = eng(model, prompts, _gc(do_sample=True, temperature=1.3, top_k=50, max_new_tokens=6, eos_token_id=[eos]))
+    assert d.completion_ids[0] == a.completion_ids[0][:2]
+    others = [r for r in range(1, 3) if eos not in a.completion_ids[r]]
+    assert others and all(d.completion_ids[r] == a.completion_ids[r] for r in others)
+    # A repetition penalty changes the draws and is applied, not ignored.
+    torch.manual_seed(5)
+    e = eng(
+        model, prompts, _gc(do_sample=True, top_k=50, max_new_tokens=6, repetition_penalty=50.0, eos_token_id=None)
+    )
+    for p, row in zip(prompts, e.completion_ids, strict=True):
+        assert len(set(row)) == len(row) and not set(row) & set(p)  # a huge penalty forbids repeats
+
+
+def test_engine_hints_guide_training():
+    """Training codes at hinted sites equal the engine's rollout codes (>= 99.9%), and routing replay reproduces
+    the engine's top-k in the training forward."""
+    model = _model(True)
+    prompts = _prompts(model, (6, 4, 7))
+    torch.manual_seed(0)
+    out = EngineRollout()(model, prompts, _gc(do_sample=True, max_new_tokens=6), record=True)
+    rows = [p + c for p, c in zip(prompts, out.completion_ids, strict=True)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, x in enumerate(rows):
+        ids[r, width - len(x) :], mask[r, width - len(x) :] = torch.tensor(x), 1
+    seen = []
+    handles = [m.register_forward_pre_hook(lambda mod, a: seen.append(a[1].clone())) for m in fp4_experts(model)]
+    model.train()
+    try:
+        with use_hints(model, out.hints, mask) as report:
+            model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    finally:
+        model.eval()
+        for h in handles:
+            h.remove()
+    assert report.hint_coverage > 0.9 and sum(report.elements.values()) > 0
+    assert report.hint_flip_rate <= 1e-3, report.flip_rate_by_layer()
+    has = (mask.bool() & ((mask.cumsum(1) - 1) < out.hints.lengths[:, None])).flatten()
+    pos = (mask.cumsum(1) - 1).clamp(min=0, max=out.hints.routing.shape[1] - 1)
+    for layer, top_k in enumerate(seen):
+        recorded = out.hints.routing[:, :, layer].gather(1, pos[..., None].expand(-1, -1, top_k.shape[-1]))
+        assert torch.equal(top_k[has].long(), recorded.flatten(0, 1)[has].long())
+
+
+def test_engine_refuses_what_it_does_not_implement():
+    model = _model(True)
+    with pytest.raises(ValueError, match="rollout_engine='generate'"):
+        EngineRollout()(model, _prompts(model), _gc(no_repeat_ngram_size=2))
+    with pytest.raises(ValueError, match="num_beams"):
+        EngineRollout()(model, _prompts(model), _gc(num_beams=2))
+    with pytest.raises(ValueError, match="num_beams"):
+        GenerateRollout()(model, _prompts(model), _gc(num_beams=2))
+    hybrid = T.tiny_model("qwen3_5_moe").eval()
+    with pytest.raises(ValueError, match="cannot roll out"):
+        make_rollout(hybrid, "engine")
+    assert isinstance(make_rollout(hybrid, "auto"), GenerateRollout)
+    assert isinstance(make_rollout(model, "auto"), GenerateRollout)  # CPU: auto means generate
+    assert isinstance(make_rollout(model, "engine"), EngineRollout)  # ... unless asked (interpreter)
+
+
+def test_engine_sees_data_updates():
+    """A `.data` edit of the masters (no optimizer, no version bump) reaches the engine's next rollout."""
+    model = _model(True)
+    prompts = _prompts(model)
+    eng = EngineRollout()
+    a = eng(model, prompts, _gc(max_new_tokens=2))
+    for m in fp4_experts(model):
+        m.down_proj.data.mul_(-3.0)
+    model.lm_head.weight.data.mul_(-1.0)
+    b = eng(model, prompts, _gc(max_new_tokens=2))
+    c = GenerateRollout()(model, prompts, _gc(max_new_tokens=2))
+    assert b.completion_ids == c.completion_ids and b.completion_ids != a.completion_ids
+
+
+def test_trainer_rolls_out_through_the_engine(tmp_path):
+    from datasets import Dataset
+
+    from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+
+    path = T.save_tiny_model(tmp_path / "tiny")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 quantization_config=TraceFP4Config(hint_layers=2))  # fmt: skip
+    ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
+    args = TraceGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_completion_length=3,
+        max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = TraceGRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                               train_dataset=ds, processing_class=T.build_char_tokenizer())  # fmt: skip
+    trainer.train()
+    assert isinstance(trainer._trace_rollout, EngineRollout)
+    logged = {k for h in trainer.state.log_history for k in h}
+    for key in ("trace/hint_flip_rate", "trace/routing_mismatch", "trace/logp_diff/mean", "trace/logp_diff/max",
+                "trace/kl_rollout_train", "trace/hint_bytes_per_token", "trace/is_ratio/mean", "trace/hint_coverage",
+                "trace/rollout/tokens_per_second", "trace/train/hint_flip_rate"):  # fmt: skip
+        assert key in logged, key
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert any("experts" in n for n in changed) and any("q_proj" in n for n in changed)
+
+
+@pytest.mark.gpu
+def test_engine_graphs_match_eager_gpu():
+    """On the GPU: the captured step replays exactly what the eager step computes (same seed, same tokens), and
+    the greedy engine's first tokens equal generate's (bf16: later tokens may part on near-ties)."""
+    model = _model(True, "cuda")
+    prompts = _prompts(model, (9, 3, 17, 5, 12))
+    gc = _gc(do_sample=True, temperature=0.9, top_p=0.9, max_new_tokens=24)
+    torch.manual_seed(3)
+    a = EngineRollout(use_graphs=True)(model, prompts, gc, record=True)
+    torch.manual_seed(3)
+    b = EngineRollout(use_graphs=False)(model, prompts, gc, record=True)
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert torch.equal(a.hints.mantissa_bits, b.hints.mantissa_bits)
+    g = GenerateRollout()(model, prompts, _gc(max_new_tokens=1))
+    e = EngineRollout()(model, prompts, _gc(max_new_tokens=1))
+    assert g.completion_ids == e.completion_ids
