@@ -43,6 +43,9 @@ _LAZY = {
     "use_hints": "hints",
     "MismatchReport": "hints",
     "hint_bytes_per_token": "hints",
+    "refresh_fp4_weights": "experts",
+    "make_rollout": "rollout",
+    "RolloutOutput": "rollout",
     "TraceGRPOConfig": "trainer",
     "TraceGRPOTrainer": "trainer",
 }

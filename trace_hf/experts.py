@@ -22,6 +22,9 @@ are recorded and replayed through two attributes that `trace_hf.hints` sets: `_t
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import weakref
 
 import torch
@@ -42,6 +45,52 @@ def _invalidate_after_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_invalidate_after_step)
+
+# TRACE_HF_DEBUG=1: every reuse of packed weights checks that the masters still hold what was quantized (one pass
+# over them, and a host sync), so an update that bypassed every refresh path raises instead of training on stale FP4.
+_DEBUG = os.environ.get("TRACE_HF_DEBUG", "0") not in ("", "0")
+_SKIP_REFRESH = threading.local()
+
+
+def refresh_fp4_weights(model: nn.Module) -> None:
+    """Re-quantize every FP4 experts module's packed weights from its masters, now.
+
+    The packed weights follow the masters on their own after optimizer steps and after in-place edits that bump the
+    parameters' version counters, and every eval forward that starts a sequence (a `generate` call, a prefill)
+    refreshes them. Call this after anything else that changes the masters in place before a training forward:
+    ``p.data.copy_(...)``, ``p.data.add_(...)``, weight sync from another process, `load_state_dict` into the
+    same storage."""
+    for m in fp4_experts(model):
+        m.refresh_packed()
+
+
+@contextlib.contextmanager
+def no_prefill_refresh():
+    """Inside, eval forwards do not refresh the packed weights (a caller that just refreshed them, e.g. the rollout
+    engine before its prefill)."""
+    prev = getattr(_SKIP_REFRESH, "on", False)
+    _SKIP_REFRESH.on = True
+    try:
+        yield
+    finally:
+        _SKIP_REFRESH.on = prev
+
+
+def install_prefill_refresh(model: nn.Module) -> None:
+    """Refresh the packed weights at every eval forward that starts a sequence (no cache, or an empty one): once per
+    `generate` call, so no rollout ever runs on packed weights older than the masters, however they were changed."""
+
+    def hook(module, args, kwargs):
+        if module.training or getattr(_SKIP_REFRESH, "on", False):
+            return None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or (hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0):
+            refresh_fp4_weights(module)
+        return None
+
+    if not getattr(model, "_trace_prefill_refresh", False):
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        model._trace_prefill_refresh = True
 
 
 class TraceFP4Experts(nn.Module):
@@ -116,7 +165,19 @@ class TraceFP4Experts(nn.Module):
         version = self._version()
         if self._packed is None or self._packed[0] != version:
             self.refresh_packed()
+        elif _DEBUG and self._fingerprint() != self._packed_fingerprint:
+            raise RuntimeError(
+                "TraceFP4Experts: the BF16 masters changed without a refresh (an in-place `.data` edit or a weight "
+                "sync), so the packed FP4 weights are stale. Call trace_hf.refresh_fp4_weights(model) after such "
+                "updates."
+            )
         return self._packed[1], self._packed[2]
+
+    def _fingerprint(self) -> tuple[float, ...]:
+        with torch.no_grad():
+            return tuple(float(t.detach().float().sum()) for t in (self.gate_up_proj, self.down_proj)) + tuple(
+                float(t.detach().float().abs().sum()) for t in (self.gate_up_proj, self.down_proj)
+            )
 
     def refresh_packed(self) -> None:
         """Re-quantize the packed weights from the masters now, whatever changed them (`.data` edits, weight sync,
@@ -136,6 +197,8 @@ class TraceFP4Experts(nn.Module):
         self._packed_storage = (gu, d)
         # A new tuple: the dequantized QAT cache (`_fake`) is keyed on its identity.
         self._packed = (self._version(), gu, d)
+        if _DEBUG:
+            self._packed_fingerprint = self._fingerprint()
 
     def fake_quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized packed weights in the masters' dtype, for the QAT forward (and the torch eval path).

@@ -17,6 +17,7 @@ block-scale bytes and fp32 row scale (DESIGN/docs: numerics.md, hints section).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -44,6 +45,9 @@ class HintBatch:
         global_scale: fp32 [B, L, n_hint_layers] (ones for MXFP4).
         routing: int16 [B, L, n_moe_layers, top_k], the rollout's routed experts of every MoE layer.
         lengths: int64 [B], positions recorded per sample.
+        token_ids: int32 [B, L], the token the rollout fed at each position (None if it fed embeddings). It is
+            what proves the hints belong to the rows they are applied to: `use_hints` compares it with the
+            forward's own ids and refuses permuted rows, other sequences or a misaligned attention mask.
     """
 
     mantissa_bits: torch.Tensor
@@ -53,6 +57,7 @@ class HintBatch:
     lengths: torch.Tensor
     fmt: str = "nvfp4"
     hint_layers: tuple[int, ...] = ()
+    token_ids: torch.Tensor | None = None
 
     _TENSORS = ("mantissa_bits", "block_scale", "global_scale", "routing", "lengths")
 
@@ -65,7 +70,9 @@ class HintBatch:
         return self._replace(lambda t: t[idx])
 
     def _replace(self, fn) -> HintBatch:
-        return HintBatch(*(fn(getattr(self, n)) for n in self._TENSORS), fmt=self.fmt, hint_layers=self.hint_layers)
+        ids = None if self.token_ids is None else fn(self.token_ids)
+        return HintBatch(*(fn(getattr(self, n)) for n in self._TENSORS), fmt=self.fmt, hint_layers=self.hint_layers,
+                         token_ids=ids)  # fmt: skip
 
     def to(self, device, non_blocking: bool = False) -> HintBatch:
         return self._replace(lambda t: t.to(device, non_blocking=non_blocking))
@@ -79,11 +86,15 @@ class HintBatch:
         return len(self.hint_layers) * fp4.hint_bytes_per_row(self.width, self.fmt)
 
     def to_inputs(self, prefix: str = "trace_") -> dict[str, torch.Tensor]:
-        return {prefix + n: getattr(self, n) for n in self._TENSORS}
+        out = {prefix + n: getattr(self, n) for n in self._TENSORS}
+        if self.token_ids is not None:
+            out[prefix + "token_ids"] = self.token_ids
+        return out
 
     @classmethod
     def from_inputs(cls, inputs: dict, fmt: str, hint_layers, prefix: str = "trace_") -> HintBatch:
-        return cls(*(inputs[prefix + n] for n in cls._TENSORS), fmt=fmt, hint_layers=tuple(hint_layers))
+        return cls(*(inputs[prefix + n] for n in cls._TENSORS), fmt=fmt, hint_layers=tuple(hint_layers),
+                   token_ids=inputs.get(prefix + "token_ids"))  # fmt: skip
 
     @staticmethod
     def input_keys(prefix: str = "trace_") -> list[str]:
@@ -119,6 +130,8 @@ class HintRecorder:
         self.fmt = self.experts[0].fmt
         self.hint_layers = tuple(m.moe_index for m in self.experts if m.hinted)
         self._steps: list[tuple[int, int]] = []
+        self._ids: list[torch.Tensor | None] = []
+        self._reordered = False
         self._inputs: dict[int, list] = {}
         self._routing: dict[int, list] = {}
         self._hook = None
@@ -127,6 +140,8 @@ class HintRecorder:
         if self.model.training:
             raise RuntimeError("HintRecorder records the FP4 rollout path: call model.eval() before recording.")
         self._steps.clear()
+        self._ids.clear()
+        self._reordered = False
         self._inputs = {i: [] for i in self.hint_layers}
         self._routing = {m.moe_index: [] for m in self.experts}
         self._hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
@@ -141,9 +156,25 @@ class HintRecorder:
 
     def _on_forward(self, module, args, kwargs):
         x = kwargs.get("input_ids", args[0] if args else None)
+        self._ids.append(None if x is None else self._store(x.to(torch.int32)))
         if x is None:
             x = kwargs["inputs_embeds"]
         self._steps.append((x.shape[0], x.shape[1]))
+        for name in ("cache", "past_key_values"):
+            cache = kwargs.get(name)
+            if cache is not None and hasattr(cache, "reorder_cache") and not hasattr(cache, "_trace_watch"):
+                self._watch(cache)
+
+    def _watch(self, cache) -> None:
+        """Beam search reorders the cache's rows between steps; the recorded columns would then mix beams."""
+        original = cache.reorder_cache
+
+        def reorder_cache(beam_idx, *a, **kw):
+            self._reordered = True
+            return original(beam_idx, *a, **kw)
+
+        cache.reorder_cache = reorder_cache
+        cache._trace_watch = True
 
     def _store(self, t: torch.Tensor) -> torch.Tensor:
         if self.storage == "cpu" and t.device.type != "cpu":
@@ -172,10 +203,15 @@ class HintRecorder:
 
     def columns(self) -> tuple[torch.Tensor, ...]:
         """The recorded forwards as per-column tensors [B, cols, n_layers, ...] (bits, block scales, row scales of
-        the hinted layers; routing of every MoE layer), column ``j`` being the ``j``-th fed position of the padded
-        batch. Checks that the forwards are one cached decode: a prefill, then one column per step."""
+        the hinted layers; routing of every MoE layer; the fed token ids [B, cols] or None), column ``j`` being the
+        ``j``-th fed position of the padded batch. Checks that the forwards are one cached decode: a prefill, then one column per step."""
         if not self._steps:
             raise RuntimeError("HintRecorder recorded nothing: run generate (or a forward) inside the `with` block.")
+        if self._reordered:
+            raise RuntimeError(
+                "HintRecorder saw beam search reorder the batch between steps, so the recorded hints mix beams. "
+                "Hints are recorded from sampled rollouts: generate with num_beams=1 (do_sample=True)."
+            )
         b = self._steps[0][0]
         if any(sb != b for sb, _ in self._steps):
             raise RuntimeError(
@@ -196,6 +232,7 @@ class HintRecorder:
             return torch.stack([cat(p) for p in per_layer], dim=2)
 
         routing = stack([self._routing[m.moe_index] for m in self.experts])
+        ids = None if any(t is None for t in self._ids) else cat(self._ids)
         if not self.hint_layers:  # no hinted layers: empty hint tensors keep the batch layout uniform
             h, bs = self.experts[0].hidden_dim, fp4.get_format(self.fmt).block_size
             cols = routing.shape[1]
@@ -204,9 +241,10 @@ class HintRecorder:
                 routing.new_zeros((b, cols, 0, h // bs), dtype=torch.uint8),
                 routing.new_zeros((b, cols, 0), dtype=torch.float32),
                 routing,
+                ids,
             )
         parts = [[[p[k] for p in self._inputs[i]] for i in self.hint_layers] for k in range(3)]
-        return (*(stack(p) for p in parts), routing)
+        return (*(stack(p) for p in parts), routing, ids)
 
     def collect(self, attention_mask: torch.Tensor) -> HintBatch:
         """Turn the recorded forwards into a `HintBatch`.
@@ -217,8 +255,8 @@ class HintRecorder:
                 position of its sample. Columns the rollout never fed through the model (the last generated token)
                 get no hint.
         """
-        bits, scales, gscale, routing = self.columns()
-        return hint_batch_from_columns(bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers)
+        bits, scales, gscale, routing, ids = self.columns()
+        return hint_batch_from_columns(bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers, ids)
 
 
 def hint_batch_from_columns(
@@ -229,6 +267,7 @@ def hint_batch_from_columns(
     attention_mask: torch.Tensor,
     fmt: str,
     hint_layers: tuple[int, ...],
+    token_ids: torch.Tensor | None = None,
 ) -> HintBatch:
     """Records by padded column ([B, cols, n_layers, ...]) -> a `HintBatch` by sample position: the one layout
     every rollout path (`HintRecorder.collect`, the rollout engine) produces.
@@ -257,7 +296,7 @@ def hint_batch_from_columns(
 
     return HintBatch(
         compact(bits), compact(scales), compact(gscale), compact(routing), lengths.to(bits.device), fmt,
-        tuple(hint_layers),
+        tuple(hint_layers), None if token_ids is None else compact(token_ids[:, :cols].to(torch.int32)),
     )  # fmt: skip
 
 
@@ -284,21 +323,24 @@ class MismatchReport:
     real_tokens: int = 0
     hint_bytes_per_token: int = 0
 
+    # A rate over zero elements is NaN, never a perfect 0: nothing was checked.
     @property
     def hint_flip_rate(self) -> float:
         n = sum(self.elements.values())
-        return float(sum(self.flips.values())) / n if n else 0.0
+        return float(sum(self.flips.values())) / n if n else math.nan
 
     def flip_rate_by_layer(self) -> dict[int, float]:
-        return {k: float(self.flips[k]) / max(self.elements[k], 1) for k in sorted(self.flips)}
+        return {
+            k: float(self.flips[k]) / self.elements[k] if self.elements[k] else math.nan for k in sorted(self.flips)
+        }
 
     @property
     def routing_mismatch(self) -> float:
-        return float(self.routing_diff) / self.routing_total if self.routing_total else 0.0
+        return float(self.routing_diff) / self.routing_total if self.routing_total else math.nan
 
     @property
     def hint_coverage(self) -> float:
-        return self.hinted_tokens / self.real_tokens if self.real_tokens else 0.0
+        return self.hinted_tokens / self.real_tokens if self.real_tokens else math.nan
 
     def as_metrics(self, prefix: str = "trace/") -> dict[str, float]:
         return {
@@ -400,11 +442,25 @@ def use_hints(
             f"use_hints: hints were recorded at MoE layers {list(hint_batch.hint_layers)} but this model hints "
             f"{[m.moe_index for m in hinted]}; record and train with the same TraceFP4Config.hint_layers."
         )
+    if hinted and hint_batch.fmt != hinted[0].fmt:
+        raise ValueError(
+            f"use_hints: the hints are {hint_batch.fmt} but this model's experts are {hinted[0].fmt}; record and train "
+            "with the same TraceFP4Config.fmt."
+        )
+    if routing_replay:
+        for m in experts:
+            _check_replayable(router_of(model, m))
     if hinted and hint_batch.width != hinted[0].hidden_dim:
         raise ValueError(f"use_hints: hints of width {hint_batch.width} for experts of width {hinted[0].hidden_dim}.")
     if hint_batch.routing.shape[2] != len(experts):
         raise ValueError(
             f"use_hints: routing recorded for {hint_batch.routing.shape[2]} MoE layers, the model has {len(experts)}."
+        )
+    if experts and not model.training:
+        raise RuntimeError(
+            "use_hints guides the training (QAT) forward, but the model is in eval mode, where the experts run the "
+            "rollout path and would apply no hint. Call model.train() inside the block (or leave use_hints out for "
+            "an eval forward)."
         )
     pos, has, mask = _positions(hint_batch, attention_mask)
     report = MismatchReport(
@@ -425,6 +481,8 @@ def use_hints(
             m._trace_guide = _Guide(hints, has_flat.to(hints.mantissa_bits.device), m.moe_index, report, apply_hints)
         if align_positions:
             handles.append(_register_position_hook(model, attention_mask))
+        if hint_batch.token_ids is not None:
+            handles.append(_register_token_check(model, hint_batch.token_ids, pos, has))
         for m in experts:
             recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
             hook = _routing_hook(recorded, has_flat, routing_replay, report)
@@ -435,6 +493,40 @@ def use_hints(
             m._trace_guide = None
         for h in handles:
             h.remove()
+
+
+def _register_token_check(model: torch.nn.Module, token_ids: torch.Tensor, pos: torch.Tensor, has: torch.Tensor):
+    """Every forward inside `use_hints` must feed, at each hinted position, the token the rollout fed there."""
+    want = torch.gather(token_ids, 1, pos.to(token_ids.device))
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.shape != want.shape:
+            return None
+        bad = ((ids.to(want.device) != want) & has.to(want.device)).sum()
+        if int(bad):
+            raise ValueError(
+                f"use_hints: at {int(bad)} of {int(has.sum())} hinted positions the forward's tokens differ from "
+                "the ones the rollout recorded: the hint rows belong to other sequences, are permuted against "
+                "these rows, or the attention_mask does not mark these rows' real tokens. Pass hint_batch[rows] "
+                "with the same rows, in the same order, and their own attention mask."
+            )
+        return None
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+# Routers whose weights replay can recompute: softmax over the logits, top-k, renormalized per `norm_topk_prob`
+# (the Qwen3.5 router always renormalizes and has no such attribute).
+_REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen3_5MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter")
+
+
+def _check_replayable(router: torch.nn.Module) -> None:
+    if type(router).__name__ not in _REPLAYABLE_ROUTERS and not hasattr(router, "norm_topk_prob"):
+        raise ValueError(
+            f"Routing replay recomputes the routing weights as a softmax top-k (the Qwen MoE routers); "
+            f"{type(router).__name__} may weight its experts another way. Set routing_replay=False."
+        )
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,11 @@ class FP4KVLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map(lambda t: t[indices, ...])
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder the packed codes and scales this layer actually reads (the base class would reorder
+        only `keys`/`values`, which here are views for its length bookkeeping)."""
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
     def nbytes(self) -> int:
         return 0 if self._k is None else self._k.nbytes() + self._v.nbytes()
 

@@ -92,9 +92,12 @@ def convert_experts(model, config: TraceFP4Config) -> list[str]:
 
 
 def install_kv_cache(model, config: TraceFP4Config) -> None:
-    """FP4 KV for `generate` and the matching K/V fake quantization in training, if the config asks for it."""
+    """FP4 KV for `generate` and the matching K/V fake quantization in training, if the config asks for it; and the
+    refresh of the packed FP4 experts at the start of every rollout (`experts.install_prefill_refresh`)."""
+    from .experts import install_prefill_refresh
     from .kv_cache import install_fp4_generate_cache, install_kv_fake_quant
 
+    install_prefill_refresh(model)
     if config.kv_cache is not None:
         install_kv_fake_quant(model, config.kv_cache, config.qat)
         install_fp4_generate_cache(model, config.kv_cache)

@@ -280,7 +280,8 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _trace_forward(self, model, hints: HintBatch | None, attention_mask: torch.Tensor):
         """The context of one training-side forward: hints and routing replay for its rows, position ids always."""
         core = self._trace_core(model)
-        if hints is None or not fp4_experts(core):  # no hints, or a plain reference model
+        # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to guide).
+        if hints is None or not fp4_experts(core) or not core.training:
             with aligned_positions(core, attention_mask):
                 yield None
             return
@@ -443,7 +444,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         n_proc = self.accelerator.num_processes
 
         def ratio_of(a, b):
-            return a / b if b else 0.0
+            return a / b if b else math.nan  # nothing counted: not a perfect 0
 
         metrics = self._metrics[mode]
         metrics["trace/logp_diff/mean"].append(ratio_of(s[0], s[1]))
@@ -558,8 +559,8 @@ class TraceGRPOTrainer(GRPOTrainer):
             device=self.accelerator.device,
         )
         flips, elements, diff, total = self.accelerator.reduce(sums, reduction="sum").tolist()
-        self._metrics["train"]["trace/train/hint_flip_rate"].append(flips / elements if elements else 0.0)
-        self._metrics["train"]["trace/train/routing_mismatch"].append(diff / total if total else 0.0)
+        self._metrics["train"]["trace/train/hint_flip_rate"].append(flips / elements if elements else math.nan)
+        self._metrics["train"]["trace/train/routing_mismatch"].append(diff / total if total else math.nan)
 
     def _compute_loss(self, model, inputs):
         keys = HintBatch.input_keys(HINT_PREFIX)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
-from ..experts import TraceFP4Experts, fp4_experts
+from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
 from ..hints import HintRecorder, hint_batch_from_columns
 from ..kv_cache import FP4KVLayer, fp4_cache
 from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists
@@ -304,7 +304,7 @@ class EngineRollout:
         cache = fp4_cache(lm.config, "nvfp4") if kv_fp4 else DynamicCache(config=lm.config)
         recorder = HintRecorder(lm) if record else contextlib.nullcontext()
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        with recorder:
+        with recorder, no_prefill_refresh():  # _weights_for has just refreshed the packed experts
             kw = {_cache_kwarg(lm): cache}
             logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                         **kw).logits[:, -1].float()  # fmt: skip
@@ -376,7 +376,7 @@ class EngineRollout:
     @staticmethod
     def _hints(recorder: HintRecorder, r: _Runner, B: int, steps: int, full_mask: torch.Tensor):
         """Prompt columns from the prefill's recorder, then one column per decode step (its input token)."""
-        bits, scales, gscale, routing = recorder.columns()
+        bits, scales, gscale, routing, ids = recorder.columns()
 
         def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
             return t[:, :B, :steps].movedim(0, 2)
@@ -385,4 +385,6 @@ class EngineRollout:
         scales = torch.cat([scales, cols(r.rec_scale)], dim=1)
         gscale = torch.cat([gscale, cols(r.rec_g)], dim=1)
         routing = torch.cat([routing, cols(r.rec_route)], dim=1)
-        return hint_batch_from_columns(bits, scales, gscale, routing, full_mask, recorder.fmt, recorder.hint_layers)
+        ids = torch.cat([ids, r.out_tokens[:B, :steps].to(ids.dtype)], dim=1)  # decode step s fed completion token s
+        return hint_batch_from_columns(bits, scales, gscale, routing, full_mask, recorder.fmt, recorder.hint_layers,
+                                       ids)  # fmt: skip
