@@ -53,18 +53,14 @@ REGIMES = {
     "fp4": "FP4 rollout, QAT, no hints",
     "trace": "TRACE: QAT + hints + routing replay",
 }
-# Metric names, newest first: the trainer's names may follow TRL's `sampling/*` where TRL has one.
+# The trainer's metric names: TRL's `sampling/*` where TRL logs the same quantity, `trace/*` for TRACE's own.
 METRICS = {
-    "gap_mean": ("sampling/sampling_logp_difference/mean", "trace/logp_diff/mean"),
-    "gap_max": ("sampling/sampling_logp_difference/max", "trace/logp_diff/max"),
+    "gap_mean": ("sampling/sampling_logp_difference/mean",),
+    "gap_max": ("sampling/sampling_logp_difference/max",),
     "kl": ("trace/kl_rollout_train",),
     "flips": ("trace/hint_flip_rate",),
     "routing": ("trace/routing_mismatch",),
 }
-
-
-# Without QAT, training rounds nothing to FP4, so the logged flip rate is a zero that measures nothing.
-NOT_MEASURED = {"naive": ("flips",)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -362,8 +358,6 @@ def summarize(history: list[dict], regime: str) -> dict:
         "reward_window": k,
     }
     for name, keys in METRICS.items():
-        if name in NOT_MEASURED.get(regime, ()):
-            continue
         vals = [v for v in (first_of(h, keys) for h in steps) if v is not None]
         if vals:
             summary[name] = max(vals) if name == "gap_max" else sum(vals) / len(vals)
@@ -414,8 +408,6 @@ def plot(histories: dict[str, list[dict]], path: str, title: str) -> None:
     ]
 
     def series(regime, keys, log):
-        if any(keys == METRICS[name] for name in NOT_MEASURED.get(regime, ())):
-            return []
         pts = [(h["step"], first_of(h, keys)) for h in histories[regime] if "reward" in h]
         pts = [(x, y) for x, y in pts if y is not None]
         return [(x, y if (y > 0 or not log) else float("nan")) for x, y in pts]  # log axes cannot show 0

@@ -210,8 +210,8 @@ def test_trainer_rolls_out_through_the_engine(tmp_path):
     trainer.train()
     assert isinstance(trainer._trace_rollout, EngineRollout)
     logged = {k for h in trainer.state.log_history for k in h}
-    for key in ("trace/hint_flip_rate", "trace/routing_mismatch", "trace/logp_diff/mean", "trace/logp_diff/max",
-                "trace/kl_rollout_train", "trace/hint_bytes_per_token", "trace/is_ratio/mean", "trace/hint_coverage",
+    for key in ("trace/hint_flip_rate", "trace/routing_mismatch", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                "trace/kl_rollout_train", "trace/hint_bytes_per_token", "sampling/importance_sampling_ratio/mean", "trace/hint_coverage",
                 "trace/rollout/tokens_per_second", "trace/train/hint_flip_rate"):  # fmt: skip
         assert key in logged, key
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]

@@ -20,11 +20,11 @@ from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
 METRICS = (
     "trace/hint_flip_rate",
     "trace/routing_mismatch",
-    "trace/logp_diff/mean",
-    "trace/logp_diff/max",
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
     "trace/kl_rollout_train",
     "trace/hint_bytes_per_token",
-    "trace/is_ratio/mean",
+    "sampling/importance_sampling_ratio/mean",
 )
 
 
@@ -136,6 +136,13 @@ def test_config_validation(tmp_path):
         config(tmp_path, trace_hint_storage="disk")
     with pytest.raises(ValueError, match="clip_min"):
         config(tmp_path, rollout_importance_sampling_clip_min=4.0)
+    # TRL's vLLM correction fields are never silently ignored: they name their counterparts here.
+    with pytest.raises(ValueError, match="rollout_importance_sampling_mode"):
+        config(tmp_path, vllm_importance_sampling_mode="token_truncate")
+    with pytest.raises(ValueError, match="rollout_importance_sampling_clip_max"):
+        config(tmp_path, vllm_importance_sampling_clip_max=5.0)
+    with pytest.raises(ValueError, match="rollout_engine"):
+        config(tmp_path, rollout_engine="vllm")
 
 
 def test_trainer_refuses_mismatched_models(tmp_path, model_dir, dataset):
@@ -224,7 +231,7 @@ def test_train_hints_on_and_off(tmp_path, model_dir, dataset):
             # The gradient forward, after TRL's shuffle and split, met its own rows' hints: misaligned hints would
             # disagree with nearest rounding on a large fraction of elements.
             assert max(history(trainer, "trace/train/hint_flip_rate")) < 0.2
-        gaps[hints] = sum(history(trainer, "trace/logp_diff/mean")) / 3
+        gaps[hints] = sum(history(trainer, "sampling/sampling_logp_difference/mean")) / 3
     print("mean logp gap rollout/train, hints on/off:", gaps)
     assert gaps[True] < 0.5 * gaps[False], gaps
 
@@ -235,7 +242,7 @@ def test_bf16_rollout_baseline(tmp_path, model_dir, dataset):
     trainer = make(model, tmp_path, dataset, rollout_precision="bf16", trace_hints=False, routing_replay=False)
     trainer.train()
     assert not torch.equal(before, model.lm_head.weight)
-    assert len(history(trainer, "trace/logp_diff/mean")) == 2
+    assert len(history(trainer, "sampling/sampling_logp_difference/mean")) == 2
     assert "trace/hint_flip_rate" not in trainer.state.log_history[0]
 
 
@@ -249,7 +256,7 @@ def test_sequence_is_and_cpu_storage(tmp_path, model_dir, dataset):
         max_steps=1,
     )
     trainer.train()
-    assert len(history(trainer, "trace/is_ratio/mean")) == 1
+    assert len(history(trainer, "sampling/importance_sampling_ratio/mean")) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -39,7 +39,12 @@ def test_two_process_cpu_run(tmp_path):
     assert logged["packed_matches_full_masters"]
     steps = [h for h in logged["history"] if "reward" in h]
     assert len(steps) == 2
-    for key in ("trace/logp_diff/mean", "trace/hint_flip_rate", "trace/routing_mismatch", "trace/is_ratio/mean"):
+    for key in (
+        "sampling/sampling_logp_difference/mean",
+        "trace/hint_flip_rate",
+        "trace/routing_mismatch",
+        "sampling/importance_sampling_ratio/mean",
+    ):
         assert all(key in h and h[key] == h[key] for h in steps), key
     assert all(h["trace/train/hint_flip_rate"] < 0.2 for h in steps)
 

@@ -38,6 +38,13 @@ from .hints import HintBatch, MismatchReport, aligned_positions, use_hints
 from .rollout import RolloutOutput, make_rollout
 
 
+# TRL's vLLM importance-sampling fields and their counterparts here (same meaning, applied to the FP4 sampler).
+_TRL_IS_FIELDS = (
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+)
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_PRECISIONS = ("fp4", "bf16")
 ROLLOUT_ENGINES = ("auto", "engine", "generate")
@@ -49,9 +56,12 @@ class TraceGRPOConfig(GRPOConfig):
     r"""
     Configuration class for the [`TraceGRPOTrainer`]: [`~trl.GRPOConfig`] plus the TRACE options.
 
-    Rollouts run through the model's own FP4 path (`model.generate` in eval mode), never vLLM, so `use_vllm` must stay
-    `False`. The `vllm_importance_sampling_*` options have a counterpart here, `rollout_importance_sampling_*`, that
-    corrects for the FP4 sampler instead.
+    Rollouts run through the model's own FP4 path (the rollout engine or `model.generate`, in eval mode), never vLLM,
+    so `use_vllm` must stay `False`. TRL's `vllm_importance_sampling_{correction,mode,clip_min,clip_max}` have
+    counterparts here, `rollout_importance_sampling{,_mode,_clip_min,_clip_max}`, that correct for the FP4 sampler
+    instead; setting TRL's raises. The shared quantities are logged under TRL's names
+    (`sampling/sampling_logp_difference/{mean,max}`, `sampling/importance_sampling_ratio/{min,mean,max}`), TRACE's own
+    under `trace/*`.
 
     Parameters:
         > Parameters that control the rollout
@@ -167,6 +177,14 @@ class TraceGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"TraceGRPOConfig.rollout_precision={self.rollout_precision!r}: use 'fp4' (TraceFP4Config model) or "
                 "'bf16' (plain model)."
+            )
+        changed = [f for f in _TRL_IS_FIELDS if getattr(self, f) != GRPOConfig.__dataclass_fields__[f].default]
+        if changed:
+            raise ValueError(
+                f"TraceGRPOConfig: {changed} configure TRL's correction for vLLM rollouts, which TraceGRPOTrainer does "
+                "not use. Its correction for the FP4 sampler has the same meaning under rollout_importance_sampling, "
+                "rollout_importance_sampling_mode, rollout_importance_sampling_clip_min and "
+                "rollout_importance_sampling_clip_max: set those instead."
             )
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ValueError(
@@ -442,22 +460,31 @@ class TraceGRPOTrainer(GRPOTrainer):
         dmax = self.accelerator.gather(d.abs().max() if d.numel() else torch.zeros((), device=device)).max()
         s = sums.tolist()
         n_proc = self.accelerator.num_processes
-
-        def ratio_of(a, b):
-            return a / b if b else math.nan  # nothing counted: not a perfect 0
-
         metrics = self._metrics[mode]
-        metrics["trace/logp_diff/mean"].append(ratio_of(s[0], s[1]))
-        metrics["trace/logp_diff/max"].append(dmax.item())
-        metrics["trace/kl_rollout_train"].append(ratio_of(s[2], s[1]))
+
+        def put(key, a, b):  # a rate over nothing is not logged: it would claim agreement it never checked
+            if b:
+                metrics[key].append(a / b)
+
+        # TRL's names where TRL logs the same quantity for vLLM rollouts; trace/* for what is TRACE's own.
+        put("sampling/sampling_logp_difference/mean", s[0], s[1])
+        if s[1]:
+            metrics["sampling/sampling_logp_difference/max"].append(dmax.item())
+        put("trace/kl_rollout_train", s[2], s[1])
         if self._trace_fp4:
-            metrics["trace/hint_flip_rate"].append(ratio_of(s[3], s[4]))
-            metrics["trace/routing_mismatch"].append(ratio_of(s[5], s[6]))
-            metrics["trace/hint_coverage"].append(ratio_of(s[7], s[8]))
+            put("trace/hint_flip_rate", s[3], s[4])
+            put("trace/routing_mismatch", s[5], s[6])
+            put("trace/hint_coverage", s[7], s[8])
             # Bytes a rollout must keep for training; without trace_hints they are recorded only to measure flips.
             metrics["trace/hint_bytes_per_token"].append(s[11] / n_proc if self.args.trace_hints else 0.0)
-        if ratio is not None:
-            metrics["trace/is_ratio/mean"].append(ratio_of(s[9], s[10]))
+        if ratio is not None and s[10]:
+            r = ratio.flatten() if ratio.size(-1) == 1 else ratio[m]
+            inf = torch.tensor(math.inf, device=device)
+            lo = self.accelerator.gather(r.min() if r.numel() else inf).min()
+            hi = self.accelerator.gather(r.max() if r.numel() else -inf).max()
+            metrics["sampling/importance_sampling_ratio/min"].append(lo.item())
+            metrics["sampling/importance_sampling_ratio/mean"].append(s[9] / s[10])
+            metrics["sampling/importance_sampling_ratio/max"].append(hi.item())
 
     # ------------------------------------------------------------------------------------------------------
     # Training-side forwards
@@ -559,8 +586,10 @@ class TraceGRPOTrainer(GRPOTrainer):
             device=self.accelerator.device,
         )
         flips, elements, diff, total = self.accelerator.reduce(sums, reduction="sum").tolist()
-        self._metrics["train"]["trace/train/hint_flip_rate"].append(flips / elements if elements else math.nan)
-        self._metrics["train"]["trace/train/routing_mismatch"].append(diff / total if total else math.nan)
+        if elements:
+            self._metrics["train"]["trace/train/hint_flip_rate"].append(flips / elements)
+        if total:
+            self._metrics["train"]["trace/train/routing_mismatch"].append(diff / total)
 
     def _compute_loss(self, model, inputs):
         keys = HintBatch.input_keys(HINT_PREFIX)

@@ -265,8 +265,8 @@ def grpo(args) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 COLUMNS = [
-    ("trace/logp_diff/mean", "mean |dlogp|"),
-    ("trace/logp_diff/max", "max |dlogp|"),
+    ("sampling/sampling_logp_difference/mean", "mean |dlogp|"),
+    ("sampling/sampling_logp_difference/max", "max |dlogp|"),
     ("trace/kl_rollout_train", "KL roll/train"),
     ("trace/hint_flip_rate", "flip rate"),
     ("trace/routing_mismatch", "routing mismatch"),
@@ -314,7 +314,7 @@ def report(args) -> None:
         steps = [h for h in r["history"] if "reward" in h]
         x = [h["step"] for h in steps]
         axes[0].plot(x, [h["reward"] for h in steps], label=regime)
-        axes[1].plot(x, [h.get("trace/logp_diff/mean", float("nan")) for h in steps], label=regime)
+        axes[1].plot(x, [h.get("sampling/sampling_logp_difference/mean", float("nan")) for h in steps], label=regime)
         axes[2].plot(x, [h.get("trace/kl_rollout_train", float("nan")) for h in steps], label=regime)
     for ax, title in zip(axes, ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)"], strict=True):
         ax.set_title(title)
