@@ -3,6 +3,9 @@
 
     python benchmarks/grpo_step.py --out outputs/grpo_step.json                # H200, 8 layers, a few minutes
     python benchmarks/grpo_step.py --smoke --out /tmp/grpo_step_smoke.json     # CPU, tiny model, interpreter
+    torchrun --nproc_per_node 2 benchmarks/grpo_step.py --setups engine_fp4 --out ...   # DDP, 64 rows per GPU
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml benchmarks/grpo_step.py --setups engine_fp4 \
+        --layers 28 --out ...                                                     # FSDP2 over the GPUs
 
 Setups (the same random weights, prompts and TRL settings; one rollout and one optimizer step per GRPO step):
   ``generate_bf16``  the plain model, `model.generate` (what a TRL user gets without vLLM);
@@ -11,7 +14,8 @@ Setups (the same random weights, prompts and TRL settings; one rollout and one o
 Batch: ``--prompts`` x ``--num-generations`` rows of ``--prompt-len`` random tokens, completions of
 ``--completion`` tokens (EOS is a token the random model almost never draws, so they run to length). Reported
 per setup: rollout seconds and tokens/s, whole-step seconds (steps after the first, which compiles and captures),
-peak memory, and the ratios to ``generate_bf16``. Run it as a script so that the installed trace_hf is imported.
+peak memory (per GPU), and the ratios to ``generate_bf16``. Under several processes every GPU rolls out its own
+64 rows; tokens/s are per GPU and in all (``*_total``), and the main process writes the JSON. Run it as a script so that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
@@ -73,7 +77,9 @@ def build_model(args, fp4: bool, dev):
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if fp4:
-        quantize_model(model, TraceFP4Config())
+        # Under FSDP2 the QAT weight cache would hold every layer's full dequantized experts on every GPU.
+        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        quantize_model(model, TraceFP4Config(cache_qat_weights=not fsdp))
     return model
 
 
@@ -133,6 +139,9 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    world = trainer.accelerator.num_processes
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    peaks = trainer.accelerator.gather(torch.tensor([peak], device=trainer.accelerator.device)).tolist()
     hist = [h for h in trainer.state.log_history if "trace/rollout/tokens_per_second" in h]
     later = hist[1:] or hist
     steps = timer.steps[1:] or timer.steps
@@ -143,7 +152,11 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
         "step_s": statistics.mean(steps),
         "step_s_all": timer.steps,
         "completion_mean_length": statistics.mean(h.get("completions/mean_length", 0) for h in later),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+        "peak_gib": max(peaks) if dev.type == "cuda" else None,
+        "peak_gib_per_gpu": peaks,
+        "processes": world,
+        "distributed": trainer.accelerator.distributed_type.value,
+        "rollout_tokens_per_s_total": world * statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
         "trace_metrics": {k: v for k, v in later[-1].items() if k.startswith("trace/")},
     }
     del trainer, model
@@ -175,7 +188,10 @@ def main(argv=None) -> int:
         )
     import tempfile
 
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    main_process = int(os.environ.get("RANK", 0)) == 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.setups.split(","):
@@ -199,8 +215,9 @@ def main(argv=None) -> int:
         table.append(row)
     out = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "results": results,
            "table": table}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    if main_process:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
     for row in table:
         print(json.dumps(row))
     return 0 if all("error" not in r for r in results) else 1

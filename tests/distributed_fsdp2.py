@@ -61,7 +61,21 @@ def main(out_dir: str) -> None:
         torch.equal(m._packed[1].packed, fp4.quantize(m.gate_up_proj.full_tensor().detach(), m.fmt, "expert").packed)
         for m in experts
     )
+    # The rollout engine on the sharded model: it gathers one layer at a time into its own weights and packs the
+    # experts from the updated masters; greedy, it must produce what generate produces on the same model.
+    from transformers import GenerationConfig
+
+    from trace_hf.rollout import EngineRollout, GenerateRollout
+
+    gc = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    rows = prompts.tolist()
+    engine_out = EngineRollout()(model, rows, gc, record=True)
+    generate_out = GenerateRollout()(model, rows, gc, record=True)
     result = {
+        "engine_matches_generate": engine_out.completion_ids == generate_out.completion_ids,
+        "engine_hint_bits_agree": float(
+            (engine_out.hints.mantissa_bits == generate_out.hints.mantissa_bits).float().mean()
+        ),
         "rank": rank,
         "sharded": sharded,
         "loss": loss.item(),

@@ -51,10 +51,13 @@ def test_two_process_cpu_run(tmp_path):
 
 def test_fsdp2_sharded_masters_two_cpu_processes(tmp_path):
     """FSDP2 (`fully_shard`, gloo): hints recorded and applied with sharded masters; packed rollout weights are
-    built from the gathered layer and equal the quantization of the full masters after an optimizer step."""
+    built from the gathered layer and equal the quantization of the full masters after an optimizer step; the rollout
+    engine gathers the sharded weights itself and rolls out what generate does."""
     run_two_processes("distributed_fsdp2.py", tmp_path)
     for rank in (0, 1):
         with open(tmp_path / f"fsdp2-{rank}.json") as f:
             r = json.load(f)
         assert r["sharded"] and r["packed_matches_full_masters"], r
         assert r["loss"] == r["loss"]  # finite
+        # The rollout engine on sharded masters: same tokens as generate, the same hints to fp32 summation order.
+        assert r["engine_matches_generate"] and r["engine_hint_bits_agree"] > 0.999, r

@@ -183,7 +183,12 @@ class TraceFP4Experts(nn.Module):
         """Re-quantize the packed weights from the masters now, whatever changed them (`.data` edits, weight sync,
         an optimizer; none of these is guaranteed to bump the version counters). Rollout engines call it before
         every rollout. Re-quantized in place when the previous packed tensors fit, so their storage (which a
-        captured CUDA graph reads) stays where it was."""
+        captured CUDA graph reads) stays where it was. Masters sharded by FSDP2 (outside their layer's forward) are
+        only marked stale: the layer's next forward, with the gathered masters, re-quantizes them."""
+        if _is_dtensor(self.gate_up_proj):
+            self._packed = None
+            self._fake = None
+            return
         with torch.no_grad():
             gu = fp4.quantize(self.gate_up_proj.detach(), self.fmt, scale="expert")
             d = fp4.quantize(self.down_proj.detach(), self.fmt, scale="expert")
@@ -311,6 +316,10 @@ class TraceFP4Experts(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return y[inverse].view(t, k, -1).float().sum(1).to(x.dtype)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def _same_layout(a: fp4.FP4Tensor, b: fp4.FP4Tensor) -> bool:

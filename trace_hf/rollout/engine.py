@@ -16,8 +16,9 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
 
 Before every rollout the engine refreshes what it reads from the model: packed FP4 experts are re-quantized from
 the masters in place (`TraceFP4Experts.refresh_packed`), the fused QKV weight is re-copied, and any parameter whose
-storage moved (reloaded, resharded) rebuilds the weights and drops the graphs. So the engine sees every update,
-however it was made. On CPU it runs eagerly through the Triton interpreter (tests).
+storage moved (reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it
+was made. Under FSDP2 the engine owns full copies of what it reads, refreshed by gathering one layer at a time
+(`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
 from ..hints import HintRecorder, hint_batch_from_columns
 from ..kv_cache import FP4KVLayer, fp4_cache
 from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists
-from .decode import DecodeWeights, Dims, FastDecoder, _kernels, weights_from_hf
+from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, weights_from_hf
 from .generate import check_sampling
 from .sampling import SamplingSettings, draw, process_logits, sampler_logprobs
 
@@ -66,6 +67,8 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
         return f"experts activation {text.hidden_act!r} is not SiLU"
     if getattr(text, "attention_bias", False):
         return "attention biases are not implemented"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in lm.modules()):
+        return "FSDP1 flat parameters are not supported (FSDP2, `fully_shard`, is)"
     experts = fp4_experts(lm)
     if experts and any(m.fmt != "nvfp4" or m.activations != "fp4" for m in experts):
         return "its FP4 experts are not NVFP4 W4A4 (the engine's kernels)"
@@ -133,6 +136,77 @@ class _Weights:
                 a = layer.self_attn
                 torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=lw.w_qkv)
         return True
+
+
+def _sharded(lm) -> bool:
+    """Whether FSDP2 (`fully_shard`) holds the parameters as DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in lm.parameters())
+
+
+@contextlib.contextmanager
+def _unsharded(modules):
+    """Full parameters of these FSDP2 modules' own parameter groups inside (an all-gather each; collective: every
+    rank must enter in the same order)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in modules if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in reversed(mods):
+            m.reshard()
+
+
+class _ShardedWeights:
+    """FSDP2: the engine owns full copies of the non-expert weights (and of the experts for the BF16 engine); FP4
+    experts are packed by their own modules from the gathered masters. Each refresh gathers the root's parameters
+    and then one decoder layer at a time, so no layer's full BF16 experts outlive its turn."""
+
+    def __init__(self, lm):
+        self.lm = lm
+        self.experts = fp4_experts(lm)
+        self.w = self._gather(None)
+
+    def refresh(self) -> bool:
+        self._gather(self.w)
+        return True
+
+    def _gather(self, w: DecodeWeights | None) -> DecodeWeights:
+        lm, inner = self.lm, self.lm.model
+
+        def own(dst, src):
+            src = src.detach()
+            return src.clone() if dst is None else dst.copy_(src)
+
+        with torch.no_grad(), _unsharded([lm]):
+            embed = own(w and w.embed, inner.embed_tokens.weight)
+            norm = own(w and w.norm, inner.norm.weight)
+            head = own(w and w.lm_head, lm.lm_head.weight)
+            layers = []
+            for i, layer in enumerate(inner.layers):
+                old = w.layers[i] if w is not None else None
+                with _unsharded(list(layer.modules())):
+                    a, m = layer.self_attn, layer.mlp
+                    qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                    if isinstance(m.experts, TraceFP4Experts):
+                        m.experts.refresh_packed()
+                        gu, d, hinted = m.experts._packed[1], m.experts._packed[2], m.experts.hinted
+                    else:
+                        gu = own(old and old.gate_up, m.experts.gate_up_proj)
+                        d, hinted = own(old and old.down, m.experts.down_proj), False
+                    layers.append(LayerWeights(
+                        own(old and old.ln_in, layer.input_layernorm.weight), own(old and old.w_qkv, qkv),
+                        own(old and old.q_norm, a.q_norm.weight), own(old and old.k_norm, a.k_norm.weight),
+                        own(old and old.w_o, a.o_proj.weight), own(old and old.ln_post, layer.post_attention_layernorm.weight),
+                        own(old and old.w_router, m.gate.weight), gu, d, hinted,
+                    ))  # fmt: skip
+        if w is not None:
+            return w
+        return DecodeWeights(Dims.from_config(lm.config), embed, norm, head, layers)
 
 
 class _Runner:
@@ -216,7 +290,7 @@ class EngineRollout:
     def _weights_for(self, lm) -> DecodeWeights:
         if self._model is not lm:
             self._runners.clear()
-            self._weights, self._model = _Weights(lm), lm
+            self._weights, self._model = (_ShardedWeights if _sharded(lm) else _Weights)(lm), lm
         elif not self._weights.refresh():
             self._runners.clear()
         return self._weights.w
