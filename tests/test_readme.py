@@ -14,10 +14,11 @@ def snippets() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", open(README, encoding="utf-8").read(), flags=re.S | re.M)
 
 
-def test_readme_has_the_three_usage_snippets():
+def test_readme_has_the_usage_snippets():
     found = snippets()
-    assert len(found) == 3
-    assert "save_tiny_model" in found[0] and "TraceGRPOTrainer" in found[1] and "use_hints" in found[2]
+    assert len(found) == 4
+    assert "save_tiny_model" in found[0] and "TraceGRPOTrainer" in found[1]
+    assert "make_rollout" in found[2] and "use_hints" in found[3]
 
 
 def test_readme_snippets_run(tmp_path, monkeypatch):
@@ -30,5 +31,8 @@ def test_readme_snippets_run(tmp_path, monkeypatch):
             pytest.fail(f"README.md python block {i + 1} raised {type(e).__name__}: {e}")
     # The GRPO snippet trained, and the no-TRL one measured hint flips and routing under replay.
     assert namespace["trainer"].state.global_step == 2
+    out = namespace["out"]  # the rollout seam: ids, one log-prob per id, hints over every fed token
+    assert [len(x) for x in out.logprobs] == [len(x) for x in out.completion_ids]
+    assert out.hints is not None and len(out.hints) == 2
     metrics = namespace["report"].as_metrics()
     assert metrics["trace/hint_coverage"] > 0 and metrics["trace/routing_mismatch"] >= 0
