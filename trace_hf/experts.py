@@ -189,9 +189,14 @@ class TraceFP4Experts(nn.Module):
             self._packed = None
             self._fake = None
             return
+        self.pack_from(self.gate_up_proj, self.down_proj)
+
+    def pack_from(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Quantize given full master tensors into the packed weights (in place when they fit): `refresh_packed`,
+        or a caller that gathered sharded masters itself (the rollout engine under FSDP2)."""
         with torch.no_grad():
-            gu = fp4.quantize(self.gate_up_proj.detach(), self.fmt, scale="expert")
-            d = fp4.quantize(self.down_proj.detach(), self.fmt, scale="expert")
+            gu = fp4.quantize(gate_up.detach(), self.fmt, scale="expert")
+            d = fp4.quantize(down.detach(), self.fmt, scale="expert")
             old = self._packed_storage
             if old is not None and all(_same_layout(a, b) for a, b in zip(old, (gu, d))):
                 for a, b in zip(old, (gu, d)):

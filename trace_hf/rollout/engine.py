@@ -178,8 +178,11 @@ class _ShardedWeights:
     def _gather(self, w: DecodeWeights | None) -> DecodeWeights:
         lm, inner = self.lm, self.lm.model
 
+        def full(t):  # anything unshard() left sharded (a layout other than one group per layer): gather it
+            return t.full_tensor() if type(t).__name__ == "DTensor" else t
+
         def own(dst, src):
-            src = src.detach()
+            src = full(src).detach()
             return src.clone() if dst is None else dst.copy_(src)
 
         with torch.no_grad(), _unsharded([lm]):
@@ -191,9 +194,9 @@ class _ShardedWeights:
                 old = w.layers[i] if w is not None else None
                 with _unsharded(list(layer.modules())):
                     a, m = layer.self_attn, layer.mlp
-                    qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                    qkv = torch.cat([full(a.q_proj.weight), full(a.k_proj.weight), full(a.v_proj.weight)])
                     if isinstance(m.experts, TraceFP4Experts):
-                        m.experts.refresh_packed()
+                        m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
                         gu, d, hinted = m.experts._packed[1], m.experts._packed[2], m.experts.hinted
                     else:
                         gu = own(old and old.gate_up, m.experts.gate_up_proj)
