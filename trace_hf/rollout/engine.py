@@ -178,11 +178,15 @@ class _ShardedWeights:
     def _gather(self, w: DecodeWeights | None) -> DecodeWeights:
         lm, inner = self.lm, self.lm.model
 
+        # The compute dtype: FSDP2 with mixed precision keeps fp32 shards and gathers them in the config's dtype.
+        dtype = getattr(lm.config, "dtype", None)
+        dtype = dtype if isinstance(dtype, torch.dtype) else next(lm.parameters()).dtype
+
         def full(t):  # anything unshard() left sharded (a layout other than one group per layer): gather it
-            return t.full_tensor() if type(t).__name__ == "DTensor" else t
+            return (t.full_tensor() if type(t).__name__ == "DTensor" else t).detach().to(dtype)
 
         def own(dst, src):
-            src = full(src).detach()
+            src = full(src)
             return src.clone() if dst is None else dst.copy_(src)
 
         with torch.no_grad(), _unsharded([lm]):
