@@ -12,9 +12,23 @@ from .fp4 import FORMATS
 
 
 QUANT_METHOD = "trace_fp4"
-HINT_SITES = ("experts_input",)
+#: Where hints can be recorded: the routed experts' input (the paper's site), each routed expert's down-projection
+#: input (per token and chosen expert), and the FP4 K and V written to the cache (per token and KV head).
+HINT_SITES = ("experts_input", "experts_hidden", "kv")
 ACTIVATIONS = ("fp4", "none")
 EXPERTS_KERNELS = ("auto", "triton", "torch")
+
+
+def _hint_sites(sites) -> list[str]:
+    """A list of site names; a bare string would otherwise be read as its characters."""
+    if sites is None:
+        return ["experts_input"]
+    if isinstance(sites, str) or not isinstance(sites, (list, tuple)):
+        raise ValueError(
+            f"TraceFP4Config.hint_sites={sites!r}: give a list or tuple of sites, e.g. [{sites!r}] or "
+            f"{list(HINT_SITES)}."
+        )
+    return list(sites)
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -39,7 +53,10 @@ class TraceFP4Config(QuantizationConfigMixin):
             How many of the last MoE layers record hints at rollout and apply them in training. Defaults to half
             of the MoE layers (rounded up); `0` disables hints.
         hint_sites (`list[str]`, *optional*, defaults to `["experts_input"]`):
-            Where hints are recorded. `"experts_input"` (the routed experts' input, as in the paper) is supported.
+            Where hints are recorded, at the `hint_layers` MoE layers: `"experts_input"` (the routed experts' input,
+            as in the paper), `"experts_hidden"` (each routed expert's down-projection input, per token and chosen
+            expert), `"kv"` (the FP4 K and V written to the cache by the attention of the same decoder layer, per
+            token and KV head; needs `kv_cache` in the experts' `fmt`). Any subset, in any order.
         modules_to_not_convert (`list[str]`, *optional*):
             Names (or name suffixes) of modules to leave in the model dtype, e.g. `["model.layers.0.mlp.experts"]`.
         qat (`bool`, *optional*, defaults to `True`):
@@ -78,7 +95,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         self.activations = activations
         self.kv_cache = kv_cache
         self.hint_layers = hint_layers
-        self.hint_sites = list(hint_sites) if hint_sites is not None else ["experts_input"]
+        self.hint_sites = _hint_sites(hint_sites)
         self.modules_to_not_convert = list(modules_to_not_convert) if modules_to_not_convert else []
         self.qat = qat
         self.experts_kernel = experts_kernel
@@ -110,6 +127,16 @@ class TraceFP4Config(QuantizationConfigMixin):
             raise ValueError(
                 f"TraceFP4Config.hint_sites has unsupported sites {bad}: supported are {list(HINT_SITES)}."
             )
+        if len(set(self.hint_sites)) != len(self.hint_sites) or not self.hint_sites:
+            raise ValueError(
+                f"TraceFP4Config.hint_sites={self.hint_sites!r}: name each site once, at least one of "
+                f"{list(HINT_SITES)} (hint_layers=0 disables hints)."
+            )
+        if "kv" in self.hint_sites and self.kv_cache != self.fmt:
+            raise ValueError(
+                f"hint_sites has 'kv' but kv_cache={self.kv_cache!r} with fmt={self.fmt!r}: K/V hints guide the FP4 KV "
+                f"cache's rounding in the experts' format, so set kv_cache={self.fmt!r}, or drop 'kv' from hint_sites."
+            )
         if self.hint_layers and self.activations != "fp4":
             raise ValueError(
                 "Hints record how FP4 activations were rounded, so they need activations='fp4'; set hint_layers=0 "
@@ -129,6 +156,11 @@ class TraceFP4Config(QuantizationConfigMixin):
             )
         if self.quantize_linears:
             raise ValueError("quantize_linears=True is not supported yet: only routed experts are quantized.")
+
+    @property
+    def hint_site_tuple(self) -> tuple[str, ...]:
+        """The sites in the canonical order of `HINT_SITES` (the order records and metrics use)."""
+        return tuple(s for s in HINT_SITES if s in self.hint_sites)
 
     def num_hint_layers(self, num_moe_layers: int) -> int:
         if self.activations != "fp4":

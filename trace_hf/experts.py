@@ -128,8 +128,11 @@ class TraceFP4Experts(nn.Module):
         # Set by assign_hint_layers and by trace_hf.hints.
         self.moe_index = 0
         self.hinted = False
+        self.hint_sites: tuple[str, ...] = ()  # the sites hinted at this layer (`TraceFP4Config.hint_sites`)
+        self.kv_layer: int | None = None  # decoder layer whose FP4 K/V are hinted with this layer ("kv" site)
         self._trace_recorder = None
         self._trace_guide = None
+        self._trace_hidden_guide = None
         self._packed = None
         self._packed_storage = None  # the packed tensors, kept across invalidations so refreshes reuse them
         self._fake = None
@@ -285,6 +288,12 @@ class TraceFP4Experts(nn.Module):
         last bits, as a separate inference engine's would; hints carry the rollout's rounding into training."""
         from trace_hf.kernels import fp4_moe
 
+        if self._trace_recorder is not None and "experts_hidden" in self.hint_sites:
+            raise NotImplementedError(
+                "experts_hidden hints are recorded by the torch experts path; the fused Triton kernels quantize the "
+                "hidden activation internally. Load with TraceFP4Config(experts_kernel='torch'), or drop "
+                "'experts_hidden' from hint_sites."
+            )
         gu, d = self.packed_weights()
         xq = x
         if self.activations == "fp4":
@@ -315,12 +324,25 @@ class TraceFP4Experts(nn.Module):
         weight = (top_k_weights.reshape(-1) * valid)[order]
         gate, up = _grouped_linear(x[order // k], w_gu, offsets, spans).chunk(2, dim=-1)
         h = self.act_fn(gate) * up
-        if hidden_fp4:
-            h = fp4.fake_quantize(h, self.fmt, "row")
-        y = _grouped_linear(h, w_d, offsets, spans) * weight[:, None].to(h.dtype)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
+        if hidden_fp4:
+            h = self._quantize_hidden(h, top_k_index, order, inverse)
+        y = _grouped_linear(h, w_d, offsets, spans) * weight[:, None].to(h.dtype)
         return y[inverse].view(t, k, -1).float().sum(1).to(x.dtype)
+
+    def _quantize_hidden(self, h, top_k_index, order, inverse) -> torch.Tensor:
+        """The down projection's input, FP4 per (token, expert) row. Rows arrive sorted by expert; hints are kept per
+        token and top-k slot, so recording and guiding see them in that order (``h[inverse]`` is [T * k, I])."""
+        if self.training and self._trace_hidden_guide is not None:
+            t, k = top_k_index.shape
+            y = self._trace_hidden_guide.fake_quantize_hidden(self, h[inverse].unflatten(0, (t, k)), top_k_index)
+            return y.flatten(0, 1)[order]
+        if not self.training and self._trace_recorder is not None and "experts_hidden" in self.hint_sites:
+            q = fp4.quantize(h, self.fmt, "row")
+            self._trace_recorder.record_hidden(self, q, inverse, top_k_index.shape[1])
+            return q.dequantize(h.dtype)
+        return fp4.fake_quantize(h, self.fmt, "row")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -415,11 +437,40 @@ def fp4_experts(model: nn.Module) -> list[TraceFP4Experts]:
     return [m for m in model.modules() if isinstance(m, TraceFP4Experts)]
 
 
-def assign_hint_layers(model: nn.Module, num_hint_layers: int) -> None:
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers (the module list that holds the FP4 experts), or None."""
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and any(isinstance(m, TraceFP4Experts) for m in mod.modules()):
+            return mod
+    return None
+
+
+def kv_attention_of(model: nn.Module, layer: int) -> nn.Module:
+    """The attention module of decoder layer `layer`, whose K/V the "kv" hint site guides."""
+    attn = getattr(decoder_layers(model)[layer], "self_attn", None)
+    if attn is None:
+        raise ValueError(f"Decoder layer {layer} has no `self_attn` module; the 'kv' hint site needs one.")
+    return attn
+
+
+def assign_hint_layers(model: nn.Module, num_hint_layers: int, sites=("experts_input",)) -> None:
+    """Mark the last `num_hint_layers` MoE layers as hinted at `sites`; for "kv", the full-attention layer of the
+    same decoder layer (`kv_layer`; None where the decoder layer has linear attention, which caches no K/V)."""
+    from .kv_cache import _full_attention_layers
+
     experts = fp4_experts(model)
+    layers = decoder_layers(model) if "kv" in sites else None
+    where = {}
+    if layers is not None:
+        for j, layer in enumerate(layers):
+            where.update({id(m): j for m in layer.modules() if isinstance(m, TraceFP4Experts)})
+    full = set(_full_attention_layers(model.config)) if layers is not None else set()
     for i, m in enumerate(experts):
         m.moe_index = i
         m.hinted = i >= len(experts) - num_hint_layers
+        m.hint_sites = tuple(sites) if m.hinted else ()
+        j = where.get(id(m))
+        m.kv_layer = j if "kv" in m.hint_sites and j in full and hasattr(layers[j], "self_attn") else None
 
 
 def router_of(model: nn.Module, experts: TraceFP4Experts) -> nn.Module:

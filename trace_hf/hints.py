@@ -10,20 +10,46 @@ Usable from any RL loop::
     with use_hints(model, hints[rows], attention_mask[rows]) as report:   # model.train()
         loss = compute_loss(model(...)); loss.backward()   # keep backward inside: checkpointing recomputes
 
-A hint row is what `trace_hf.fp4.extract_hints` keeps of one token's quantized experts input: its mantissa bits,
-block-scale bytes and fp32 row scale (DESIGN/docs: numerics.md, hints section).
+A hint row is what `trace_hf.fp4.extract_hints` keeps of one FP4 row: its mantissa bits, block-scale bytes and fp32
+row scale (docs/numerics.md, hints section). `TraceFP4Config.hint_sites` picks the rows: each token's experts input
+("experts_input", the default), each routed expert's down-projection input per token and top-k slot
+("experts_hidden"), and the FP4 K and V per token and KV head ("kv").
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from . import fp4
-from .experts import TraceFP4Experts, fp4_experts, router_of
+from .config import HINT_SITES
+from .experts import TraceFP4Experts, fp4_experts, kv_attention_of, router_of
+
+
+#: Sites whose hints travel beside the experts_input fields, as ``trace_<site>_*`` columns.
+EXTRA_SITES = tuple(s for s in HINT_SITES if s != "experts_input")
+_PARTS = ("mantissa_bits", "block_scale", "global_scale")
+
+
+def _site_on(m: TraceFP4Experts, site: str) -> bool:
+    """Whether MoE layer `m` is hinted at `site` (a module marked hinted without sites is the experts_input default)."""
+    if not m.hinted:
+        return False
+    if site == "kv":
+        return "kv" in m.hint_sites and m.kv_layer is not None
+    return site in m.hint_sites or (not m.hint_sites and site == "experts_input")
+
+
+def hint_plan(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The MoE layers hinted at each site, sites in `HINT_SITES` order; a site with no layer is left out (e.g. "kv"
+    where every hinted decoder layer has linear attention, which caches no K/V)."""
+    experts = fp4_experts(model)
+    plan = {site: tuple(m.moe_index for m in experts if _site_on(m, site)) for site in HINT_SITES}
+    return {site: layers for site, layers in plan.items() if layers}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -48,6 +74,10 @@ class HintBatch:
         token_ids: int32 [B, L], the token the rollout fed at each position (None if it fed embeddings). It is
             what proves the hints belong to the rows they are applied to: `use_hints` compares it with the
             forward's own ids and refuses permuted rows, other sequences or a misaligned attention mask.
+        site_hints: the other sites' (mantissa_bits, block_scale, global_scale), rows and positions as above:
+            ``"experts_hidden"``: [B, L, n, top_k, I/8], [B, L, n, top_k, I/block], [B, L, n, top_k] (per top-k slot,
+            in the rollout's slot order); ``"kv"``: [B, L, n_kv, 2, kv_heads, D/8], [..., D/block], [B, L, n_kv, 2,
+            kv_heads] (K then V). The experts_input fields above have n_hint_layers = 0 when that site is off.
     """
 
     mantissa_bits: torch.Tensor
@@ -58,6 +88,7 @@ class HintBatch:
     fmt: str = "nvfp4"
     hint_layers: tuple[int, ...] = ()
     token_ids: torch.Tensor | None = None
+    site_hints: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     _TENSORS = ("mantissa_bits", "block_scale", "global_scale", "routing", "lengths")
 
@@ -71,8 +102,9 @@ class HintBatch:
 
     def _replace(self, fn) -> HintBatch:
         ids = None if self.token_ids is None else fn(self.token_ids)
+        sites = {site: tuple(fn(t) for t in ts) for site, ts in self.site_hints.items()}
         return HintBatch(*(fn(getattr(self, n)) for n in self._TENSORS), fmt=self.fmt, hint_layers=self.hint_layers,
-                         token_ids=ids)  # fmt: skip
+                         token_ids=ids, site_hints=sites)  # fmt: skip
 
     def to(self, device, non_blocking: bool = False) -> HintBatch:
         return self._replace(lambda t: t.to(device, non_blocking=non_blocking))
@@ -81,20 +113,45 @@ class HintBatch:
     def width(self) -> int:
         return self.mantissa_bits.shape[-1] * 8
 
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The sites recorded here, in `HINT_SITES` order."""
+        on = {"experts_input"} if self.mantissa_bits.shape[2] else set()
+        return tuple(s for s in HINT_SITES if s in on or s in self.site_hints)
+
+    def bytes_per_token_by_site(self) -> dict[str, int]:
+        """Hint bytes per token at each recorded site: W/8 + W/block + 4 (NVFP4) per row of width W, and a token
+        has one row per hinted layer (experts_input), per layer and top-k slot (experts_hidden), per full-attention
+        layer, K/V and KV head (kv)."""
+        out = {}
+        for site in self.sites:
+            bits = self.mantissa_bits if site == "experts_input" else self.site_hints[site][0]
+            rows = math.prod(bits.shape[2:-1])
+            out[site] = rows * fp4.hint_bytes_per_row(bits.shape[-1] * 8, self.fmt)
+        return out
+
     def bytes_per_token(self) -> int:
-        """Hint bytes per token over all hinted layers (DESIGN section 3: H/8 + H/block + 4 per layer)."""
-        return len(self.hint_layers) * fp4.hint_bytes_per_row(self.width, self.fmt)
+        """Hint bytes per token over all sites and hinted layers (docs/numerics.md, hints section)."""
+        return sum(self.bytes_per_token_by_site().values())
 
     def to_inputs(self, prefix: str = "trace_") -> dict[str, torch.Tensor]:
         out = {prefix + n: getattr(self, n) for n in self._TENSORS}
         if self.token_ids is not None:
             out[prefix + "token_ids"] = self.token_ids
+        for site, ts in self.site_hints.items():
+            out.update({f"{prefix}{site}_{n}": t for n, t in zip(_PARTS, ts)})
         return out
 
     @classmethod
     def from_inputs(cls, inputs: dict, fmt: str, hint_layers, prefix: str = "trace_") -> HintBatch:
+        """The batch `to_inputs` wrote (other sites' columns are found by name)."""
+        sites = {
+            site: tuple(inputs[f"{prefix}{site}_{n}"] for n in _PARTS)
+            for site in EXTRA_SITES
+            if f"{prefix}{site}_mantissa_bits" in inputs
+        }
         return cls(*(inputs[prefix + n] for n in cls._TENSORS), fmt=fmt, hint_layers=tuple(hint_layers),
-                   token_ids=inputs.get(prefix + "token_ids"))  # fmt: skip
+                   token_ids=inputs.get(prefix + "token_ids"), site_hints=sites)  # fmt: skip
 
     @staticmethod
     def input_keys(prefix: str = "trace_") -> list[str]:
@@ -108,7 +165,7 @@ class HintBatch:
 
 class HintRecorder:
     """Records, during `generate` (or any eval forward), the hints of every token the rollout computed at the
-    hinted MoE layers, and the routed top-k expert ids of every MoE layer.
+    hinted MoE layers and sites (`TraceFP4Config.hint_sites`), and the routed top-k expert ids of every MoE layer.
 
     Args:
         model: a model loaded with `TraceFP4Config` (its experts are `TraceFP4Experts`), in eval mode.
@@ -129,6 +186,12 @@ class HintRecorder:
             )
         self.fmt = self.experts[0].fmt
         self.hint_layers = tuple(m.moe_index for m in self.experts if m.hinted)
+        self.plan = hint_plan(model)
+        self._input_layers = self.plan.get("experts_input", ())
+        # "kv": decoder layer of the FP4 cache -> MoE layer it is hinted with.
+        self._kv_layers = {self.experts[i].kv_layer: i for i in self.plan.get("kv", ())}
+        self._kv_tagged: list = []
+        self._site_records: dict[str, dict[int, list]] = {}
         self._steps: list[tuple[int, int]] = []
         self._ids: list[torch.Tensor | None] = []
         self._reordered = False
@@ -144,6 +207,7 @@ class HintRecorder:
         self._reordered = False
         self._inputs = {i: [] for i in self.hint_layers}
         self._routing = {m.moe_index: [] for m in self.experts}
+        self._site_records = {site: {i: [] for i in self.plan[site]} for site in EXTRA_SITES if site in self.plan}
         self._hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         for m in self.experts:
             m._trace_recorder = self
@@ -153,6 +217,9 @@ class HintRecorder:
         self._hook.remove()
         for m in self.experts:
             m._trace_recorder = None
+        for layer in self._kv_tagged:
+            layer._trace_recorder = None
+        self._kv_tagged = []
 
     def _on_forward(self, module, args, kwargs):
         x = kwargs.get("input_ids", args[0] if args else None)
@@ -164,6 +231,21 @@ class HintRecorder:
             cache = kwargs.get(name)
             if cache is not None and hasattr(cache, "reorder_cache") and not hasattr(cache, "_trace_watch"):
                 self._watch(cache)
+            if cache is not None and self._kv_layers:
+                self._tag_kv(cache)
+
+    def _tag_kv(self, cache) -> None:
+        """The FP4 cache layers of "kv"-hinted decoder layers call `record_kv` with what they quantize."""
+        from .kv_cache import FP4KVLayer
+
+        for j, layer in enumerate(getattr(cache, "layers", ())):
+            if (
+                j in self._kv_layers
+                and isinstance(layer, FP4KVLayer)
+                and getattr(layer, "_trace_recorder", None) is None
+            ):
+                layer._trace_recorder = (self, j)
+                self._kv_tagged.append(layer)
 
     def _watch(self, cache) -> None:
         """Beam search reorders the cache's rows between steps; the recorded columns would then mix beams."""
@@ -192,11 +274,40 @@ class HintRecorder:
         return t.reshape(b, s, *t.shape[1:])
 
     def record_input(self, module: TraceFP4Experts, q: fp4.FP4Tensor) -> None:
-        if not module.hinted:
+        if not _site_on(module, "experts_input"):
             return
         h = fp4.extract_hints(q)
         rec = (h.mantissa_bits, h.block_scale, h.global_scale.reshape(-1))
         self._inputs[module.moe_index].append(tuple(self._store(self._shape(t)) for t in rec))
+
+    def record_hidden(self, module: TraceFP4Experts, q: fp4.FP4Tensor, inverse: torch.Tensor, top_k: int) -> None:
+        """The quantized down-projection input, rows sorted by expert (``q`` [T * k, I]); kept per token and slot."""
+        if not _site_on(module, "experts_hidden"):
+            return
+        rows = fp4.FP4Tensor(
+            *(t[inverse].unflatten(0, (-1, top_k)) for t in (q.packed, q.block_scale, q.global_scale)), q.fmt
+        )
+        self._record_site("experts_hidden", module.moe_index, rows)
+
+    def record_kv(self, layer: int, qk: fp4.FP4Tensor, qv: fp4.FP4Tensor) -> None:
+        """What the FP4 cache of decoder layer `layer` quantized ([B, kv_heads, s, ...]); kept per token as
+        [2 (K, V), kv_heads, ...]."""
+        if layer not in self._kv_layers:
+            return
+
+        def rows(a, b):  # [B, heads, s, w] x 2 -> [B * s, 2, heads, w]
+            return torch.stack([a, b], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1)
+
+        parts = (rows(qk.packed, qv.packed), rows(qk.block_scale, qv.block_scale))
+        self._record_site(
+            "kv", self._kv_layers[layer], fp4.FP4Tensor(*parts, rows(qk.global_scale, qv.global_scale), qk.fmt)
+        )
+
+    def _record_site(self, site: str, layer: int, rows: fp4.FP4Tensor) -> None:
+        """Hints of one forward at `site` of MoE layer `layer`; ``rows`` has the forward's tokens on dim 0."""
+        h = fp4.extract_hints(rows)
+        rec = (h.mantissa_bits, h.block_scale, h.global_scale.squeeze(-1))
+        self._site_records[site][layer].append(tuple(self._store(self._shape(t)) for t in rec))
 
     def record_routing(self, module: TraceFP4Experts, top_k_index: torch.Tensor) -> None:
         self._routing[module.moe_index].append(self._store(self._shape(top_k_index.to(torch.int16))))
@@ -233,7 +344,7 @@ class HintRecorder:
 
         routing = stack([self._routing[m.moe_index] for m in self.experts])
         ids = None if any(t is None for t in self._ids) else cat(self._ids)
-        if not self.hint_layers:  # no hinted layers: empty hint tensors keep the batch layout uniform
+        if not self._input_layers:  # no experts_input hints: empty hint tensors keep the batch layout uniform
             h, bs = self.experts[0].hidden_dim, fp4.get_format(self.fmt).block_size
             cols = routing.shape[1]
             return (
@@ -243,8 +354,26 @@ class HintRecorder:
                 routing,
                 ids,
             )
-        parts = [[[p[k] for p in self._inputs[i]] for i in self.hint_layers] for k in range(3)]
+        parts = [[[p[k] for p in self._inputs[i]] for i in self._input_layers] for k in range(3)]
         return (*(stack(p) for p in parts), routing, ids)
+
+    def site_columns(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The other sites' records as per-column tensors [B, cols, n_layers, ...] (bits, block scales, row scales),
+        laid out as `columns`."""
+        out = {}
+        for site, layers in self._site_records.items():
+            for i, recs in layers.items():
+                if len(recs) != len(self._steps):
+                    where = f"the FP4 K/V of decoder layer {self.experts[i].kv_layer}" if site == "kv" else site
+                    raise RuntimeError(
+                        f"HintRecorder saw {len(self._steps)} forwards but recorded {where} in {len(recs)}: the 'kv' "
+                        "site records what the FP4 KV cache writes (TraceFP4Config(kv_cache=...), generate's own "
+                        "cache); do not pass a cache of another type, or drop the site from hint_sites."
+                    )
+            out[site] = tuple(
+                torch.stack([torch.cat([r[k] for r in layers[i]], dim=1) for i in layers], dim=2) for k in range(3)
+            )
+        return out
 
     def collect(self, attention_mask: torch.Tensor) -> HintBatch:
         """Turn the recorded forwards into a `HintBatch`.
@@ -256,7 +385,10 @@ class HintRecorder:
                 get no hint.
         """
         bits, scales, gscale, routing, ids = self.columns()
-        return hint_batch_from_columns(bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers, ids)
+        sites = self.site_columns()
+        return hint_batch_from_columns(
+            bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers, ids, site_columns=sites
+        )
 
 
 def hint_batch_from_columns(
@@ -268,6 +400,7 @@ def hint_batch_from_columns(
     fmt: str,
     hint_layers: tuple[int, ...],
     token_ids: torch.Tensor | None = None,
+    site_columns: dict[str, tuple[torch.Tensor, ...]] | None = None,
 ) -> HintBatch:
     """Records by padded column ([B, cols, n_layers, ...]) -> a `HintBatch` by sample position: the one layout
     every rollout path (`HintRecorder.collect`, the rollout engine) produces.
@@ -294,9 +427,10 @@ def hint_batch_from_columns(
         out = torch.gather(x, 1, idx.to(x.device))
         return out * keep.reshape(b, lmax, *([1] * (x.ndim - 2))).to(device=x.device, dtype=out.dtype)
 
+    sites = {site: tuple(compact(t) for t in ts) for site, ts in (site_columns or {}).items()}
     return HintBatch(
         compact(bits), compact(scales), compact(gscale), compact(routing), lengths.to(bits.device), fmt,
-        tuple(hint_layers), None if token_ids is None else compact(token_ids[:, :cols].to(torch.int32)),
+        tuple(hint_layers), None if token_ids is None else compact(token_ids[:, :cols].to(torch.int32)), sites,
     )  # fmt: skip
 
 
@@ -310,7 +444,10 @@ class MismatchReport:
     """What the hints corrected in one `use_hints` block (counts accumulate over its forwards).
 
     ``hint_flip_rate``: at hinted sites and tokens, the fraction of elements whose nearest rounding (training
-    scales) differs from the hint-guided value, i.e. the flips the hints corrected. ``routing_mismatch``: the
+    scales) differs from the hint-guided value, i.e. the flips the hints corrected; over every site, and per site
+    and MoE layer in `flip_rate_by_site` / `flip_rate_by_layer`. ``flips`` / ``elements`` count per MoE layer: keys
+    are the layer index for "experts_input" and ``(site, layer)`` for the other sites (for "kv" the layer is the MoE
+    layer of the same decoder layer). ``routing_mismatch``: the
     fraction of (token, MoE layer) pairs whose own top-k set differs from the rollout's. ``hint_coverage``: the
     fraction of real tokens that had hints.
     """
@@ -326,13 +463,26 @@ class MismatchReport:
     # A rate over zero elements is NaN, never a perfect 0: nothing was checked.
     @property
     def hint_flip_rate(self) -> float:
-        n = sum(self.elements.values())
+        n = int(sum(self.elements.values()))
         return float(sum(self.flips.values())) / n if n else math.nan
 
-    def flip_rate_by_layer(self) -> dict[int, float]:
+    def flip_rate_by_layer(self, site: str = "experts_input") -> dict[int, float]:
+        keys = sorted(_layer(k) for k in self.flips if _site(k) == site)
+        keys = [k if site == "experts_input" else (site, k) for k in keys]
         return {
-            k: float(self.flips[k]) / self.elements[k] if self.elements[k] else math.nan for k in sorted(self.flips)
+            _layer(k): float(self.flips[k]) / int(self.elements[k]) if self.elements[k] else math.nan for k in keys
         }
+
+    def counts_by_site(self) -> dict[str, tuple[int, int]]:
+        """(flips, elements) per site, in `HINT_SITES` order."""
+        out = {}
+        for k, n in self.elements.items():
+            f, e = out.get(_site(k), (0, 0))
+            out[_site(k)] = (f + int(self.flips.get(k, 0)), e + int(n))
+        return {s: out[s] for s in HINT_SITES if s in out}
+
+    def flip_rate_by_site(self) -> dict[str, float]:
+        return {s: f / e if e else math.nan for s, (f, e) in self.counts_by_site().items()}
 
     @property
     def routing_mismatch(self) -> float:
@@ -345,6 +495,7 @@ class MismatchReport:
     def as_metrics(self, prefix: str = "trace/") -> dict[str, float]:
         return {
             f"{prefix}hint_flip_rate": self.hint_flip_rate,
+            **{f"{prefix}hint_flip_rate/{s}": r for s, r in self.flip_rate_by_site().items()},
             f"{prefix}routing_mismatch": self.routing_mismatch,
             f"{prefix}hint_coverage": self.hint_coverage,
             f"{prefix}hint_bytes_per_token": float(self.hint_bytes_per_token),
@@ -359,6 +510,14 @@ class MismatchReport:
             elif f.name != "hint_bytes_per_token":
                 setattr(self, f.name, a + b)
         self.hint_bytes_per_token = other.hint_bytes_per_token or self.hint_bytes_per_token
+
+
+def _site(key) -> str:
+    return key[0] if isinstance(key, tuple) else "experts_input"
+
+
+def _layer(key) -> int:
+    return key[1] if isinstance(key, tuple) else key
 
 
 class _Guide:
@@ -391,6 +550,84 @@ class _Guide:
         self.report.flips[self.layer] = self.report.flips.get(self.layer, 0) + flips
         self.report.elements[self.layer] = self.report.elements.get(self.layer, 0) + self.n_has * x.shape[1]
         return fp4.straight_through(x, y)
+
+
+class _SiteGuide:
+    """Hints of one layer at a site other than experts_input, laid out per token of the flattened [B * S] batch:
+    [B * S, *site rows, W] (experts_hidden: top-k slots; kv: K/V and KV heads)."""
+
+    def __init__(self, site: str, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report, apply: bool):
+        self.site, self.hints, self.has, self.layer, self.report, self.apply = site, hints, has, layer, report, apply
+
+    def _check(self, tokens: int) -> None:
+        if tokens != self.has.shape[0]:
+            raise ValueError(
+                f"use_hints: {self.site} of MoE layer {self.layer} got {tokens} tokens but the hints were laid out for "
+                f"{self.has.shape[0]} (batch x sequence of the attention_mask); pass the mask of this forward."
+            )
+
+    def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> torch.Tensor:
+        """Guided where ``has`` (x's rows but the last dim), nearest with x's own scales elsewhere; counts flips."""
+        with torch.no_grad():
+            near = fp4.quantize(x, hints.fmt, "row")
+            guided = fp4.guided_quantize(x, hints)
+            cn, cg = near.codes(), guided.codes()
+            m = has.unsqueeze(-1)
+            flips = ((cn != cg) & (((cn | cg) & 7) != 0) & m).sum()
+            y = near.dequantize(x.dtype)
+            if self.apply:
+                y = torch.where(m, guided.dequantize(x.dtype), y)
+        key = (self.site, self.layer)
+        self.report.flips[key] = self.report.flips.get(key, 0) + flips
+        self.report.elements[key] = self.report.elements.get(key, 0) + has.sum() * x.shape[-1]
+        return fp4.straight_through(x, y)
+
+
+class _HiddenGuide(_SiteGuide):
+    """experts_hidden: a hint belongs to (token, expert). Training's top-k slot of an expert takes the hint of the
+    rollout's slot of the same expert; an expert the rollout did not route the token to has no hint."""
+
+    def __init__(self, hints, has, routing: torch.Tensor, layer, report, apply):
+        super().__init__("experts_hidden", hints, has, layer, report, apply)
+        self.routing = routing  # [B * S, top_k], the rollout's expert of each slot
+
+    def fake_quantize_hidden(self, module: TraceFP4Experts, h: torch.Tensor, top_k_index: torch.Tensor):
+        """``h`` [T, top_k, I] in (token, slot) order."""
+        self._check(h.shape[0])
+        rec = self.routing.to(top_k_index.device)
+        if rec.shape != top_k_index.shape:
+            raise ValueError(
+                f"use_hints: experts_hidden hints of MoE layer {self.layer} were recorded for top-k {rec.shape[1]}, "
+                f"the router chose {top_k_index.shape[1]}; record and train the same model."
+            )
+        with torch.no_grad():
+            match = top_k_index.unsqueeze(-1) == rec.unsqueeze(-2)  # [T, k (training slot), k (rollout slot)]
+            src = match.long().argmax(-1)
+            has = match.any(-1) & self.has.to(match.device).unsqueeze(-1)
+
+            def take(t):
+                idx = src.to(t.device).reshape(*src.shape, *([1] * (t.ndim - 2))).expand(*src.shape, *t.shape[2:])
+                return torch.gather(t, 1, idx)
+
+            hi = self.hints
+            hints = fp4.FP4Hints(take(hi.mantissa_bits), take(hi.block_scale), take(hi.global_scale), hi.fmt)
+        return self.quantize(h, hints, has.to(hints.mantissa_bits.device))
+
+
+class _KVGuide(_SiteGuide):
+    """kv: the K and V of one attention layer, per token and KV head, as the FP4 cache quantized them."""
+
+    def __init__(self, hints, has, layer, report, apply):
+        super().__init__("kv", hints, has, layer, report, apply)
+
+    def fake_quantize_kv(self, key: torch.Tensor, value: torch.Tensor):
+        """``key``, ``value`` [B, kv_heads, S, D], as the attention function receives them."""
+        b, heads, s, _ = key.shape
+        self._check(b * s)
+        x = torch.stack([key, value], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1)  # [B * S, 2, heads, D]
+        has = self.has.to(x.device)[:, None, None].expand(-1, 2, heads)
+        y = self.quantize(x, self.hints, has).unflatten(0, (b, s)).permute(0, 2, 3, 1, 4)  # [B, 2, heads, S, D]
+        return y[:, 0].contiguous(), y[:, 1].contiguous()
 
 
 def _positions(hint_batch: HintBatch, attention_mask: torch.Tensor):
@@ -434,6 +671,8 @@ def use_hints(
     """
     experts = fp4_experts(model)
     hinted = [m for m in experts if m.hinted]
+    plan = hint_plan(model)
+    inputs_hinted = [m for m in hinted if _site_on(m, "experts_input")]
     b, s = attention_mask.shape
     if len(hint_batch) != b:
         raise ValueError(f"use_hints: {len(hint_batch)} hint rows for an attention_mask of {b} rows.")
@@ -441,6 +680,11 @@ def use_hints(
         raise ValueError(
             f"use_hints: hints were recorded at MoE layers {list(hint_batch.hint_layers)} but this model hints "
             f"{[m.moe_index for m in hinted]}; record and train with the same TraceFP4Config.hint_layers."
+        )
+    if tuple(plan) != hint_batch.sites:
+        raise ValueError(
+            f"use_hints: hints were recorded at sites {list(hint_batch.sites)} but this model hints {list(plan)}; "
+            "record and train with the same TraceFP4Config.hint_sites."
         )
     if hinted and hint_batch.fmt != hinted[0].fmt:
         raise ValueError(
@@ -450,7 +694,7 @@ def use_hints(
     if routing_replay:
         for m in experts:
             _check_replayable(router_of(model, m))
-    if hinted and hint_batch.width != hinted[0].hidden_dim:
+    if inputs_hinted and hint_batch.width != hinted[0].hidden_dim:
         raise ValueError(f"use_hints: hints of width {hint_batch.width} for experts of width {hinted[0].hidden_dim}.")
     if hint_batch.routing.shape[2] != len(experts):
         raise ValueError(
@@ -469,9 +713,9 @@ def use_hints(
         hint_bytes_per_token=hint_batch.bytes_per_token(),
     )
     has_flat = has.flatten()
-    handles = []
+    handles, guided = [], []
     try:
-        for j, m in enumerate(hinted):
+        for j, m in enumerate(inputs_hinted):
             hints = fp4.FP4Hints(
                 _gather(hint_batch.mantissa_bits[:, :, j], pos),
                 _gather(hint_batch.block_scale[:, :, j], pos),
@@ -479,6 +723,25 @@ def use_hints(
                 hint_batch.fmt,
             )
             m._trace_guide = _Guide(hints, has_flat.to(hints.mantissa_bits.device), m.moe_index, report, apply_hints)
+        for site in EXTRA_SITES:
+            for j, layer in enumerate(plan.get(site, ())):
+                bits, scales, gscale = (_gather(t[:, :, j], pos) for t in hint_batch.site_hints[site])
+                hints = fp4.FP4Hints(bits, scales, gscale.unsqueeze(-1), hint_batch.fmt)
+                h = has_flat.to(bits.device)
+                m = experts[layer]
+                if site == "experts_hidden":
+                    if hints.width != m.intermediate_dim:
+                        raise ValueError(
+                            f"use_hints: experts_hidden hints of width {hints.width} for experts of intermediate "
+                            f"size {m.intermediate_dim}; record and train the same model."
+                        )
+                    routing = _gather(hint_batch.routing[:, :, layer], pos).long()
+                    m._trace_hidden_guide = _HiddenGuide(hints, h, routing, layer, report, apply_hints)
+                    guided.append((m, "_trace_hidden_guide"))
+                else:
+                    attn = kv_attention_of(model, m.kv_layer)
+                    attn._trace_kv_guide = _KVGuide(hints, h, layer, report, apply_hints)
+                    guided.append((attn, "_trace_kv_guide"))
         if align_positions:
             handles.append(_register_position_hook(model, attention_mask))
         if hint_batch.token_ids is not None:
@@ -491,6 +754,8 @@ def use_hints(
     finally:
         for m in hinted:
             m._trace_guide = None
+        for mod, name in guided:
+            setattr(mod, name, None)
         for h in handles:
             h.remove()
 
@@ -592,21 +857,53 @@ def _routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, repor
 # ----------------------------------------------------------------------------------------------------------
 
 
-def num_moe_layers(config) -> int:
-    """MoE layers of a Qwen-style config, computed from the config alone."""
+def moe_layer_indices(config) -> list[int]:
+    """Decoder layers of a Qwen-style config that are MoE, computed from the config alone."""
     text = config.get_text_config(decoder=True)
     n = text.num_hidden_layers
     if getattr(text, "num_experts", 0) in (0, None):
-        return 0
+        return []
     step = getattr(text, "decoder_sparse_step", 1) or 1
     dense = set(getattr(text, "mlp_only_layers", None) or [])
-    return sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
-def hint_bytes_per_token(config, fmt: str = "nvfp4", hint_layers: int | None = None) -> int:
-    """Hint bytes one token costs for a model config (no weights needed): per hinted layer H/8 mantissa bytes,
-    H/block scale bytes and a 4-byte row scale (NVFP4)."""
+def num_moe_layers(config) -> int:
+    """MoE layers of a Qwen-style config, computed from the config alone."""
+    return len(moe_layer_indices(config))
+
+
+def hint_bytes_per_token_by_site(
+    config, fmt: str = "nvfp4", hint_layers: int | None = None, sites=("experts_input",)
+) -> dict[str, int]:
+    """Hint bytes one token costs at each site, from a model config alone (no weights): W/8 mantissa bytes, W/block
+    scale bytes and a 4-byte row scale (NVFP4) per row of width W. Per hinted MoE layer a token has one
+    experts_input row (hidden_size), top_k experts_hidden rows (moe_intermediate_size) and, where the decoder layer
+    has full attention, 2 * num_key_value_heads kv rows (head_dim)."""
+    from .kv_cache import _full_attention_layers
+
+    bad = [s for s in sites if s not in HINT_SITES]
+    if bad or isinstance(sites, str):
+        raise ValueError(f"hint_bytes_per_token: unknown sites {bad or sites!r}; give a list of {list(HINT_SITES)}.")
     text = config.get_text_config(decoder=True)
-    n_moe = num_moe_layers(config)
-    n = (n_moe + 1) // 2 if hint_layers is None else hint_layers
-    return n * fp4.hint_bytes_per_row(text.hidden_size, fmt)
+    moe = moe_layer_indices(config)
+    n = (len(moe) + 1) // 2 if hint_layers is None else hint_layers
+    hinted = moe[len(moe) - n :] if n else []
+    row = functools.partial(fp4.hint_bytes_per_row, fmt=fmt)
+    out = {}
+    for site in (s for s in HINT_SITES if s in sites):
+        if site == "experts_input":
+            out[site] = n * row(text.hidden_size)
+        elif site == "experts_hidden":
+            out[site] = n * text.num_experts_per_tok * row(text.moe_intermediate_size)
+        else:
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            full = set(_full_attention_layers(config))
+            out[site] = sum(i in full for i in hinted) * 2 * text.num_key_value_heads * row(head_dim)
+    return out
+
+
+def hint_bytes_per_token(config, fmt: str = "nvfp4", hint_layers: int | None = None, sites=("experts_input",)) -> int:
+    """Hint bytes one token costs for a model config over `sites` (`hint_bytes_per_token_by_site`): per hinted layer
+    H/8 mantissa bytes, H/block scale bytes and a 4-byte row scale (NVFP4) for the default experts_input."""
+    return sum(hint_bytes_per_token_by_site(config, fmt, hint_layers, sites).values())

@@ -54,8 +54,12 @@ class FP4KVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._k = self._append(self._k, fp4.quantize(key_states, self.fmt, "row"))
-        self._v = self._append(self._v, fp4.quantize(value_states, self.fmt, "row"))
+        qk, qv = fp4.quantize(key_states, self.fmt, "row"), fp4.quantize(value_states, self.fmt, "row")
+        recorder = getattr(self, "_trace_recorder", None)  # (HintRecorder, layer index) while recording "kv" hints
+        if recorder is not None:
+            recorder[0].record_kv(recorder[1], qk, qv)
+        self._k = self._append(self._k, qk)
+        self._v = self._append(self._v, qv)
         self.keys, self.values = self._k.packed, self._v.packed
         k, v = self._k.dequantize(self.dtype), self._v.dequantize(self.dtype)
         # Already FP4 values: tell the attention wrapper not to quantize them a second time.
@@ -150,8 +154,12 @@ def _kv_attention(base: str, fmt: str, qat: bool):
         # Quantization is per token and head, so quantizing every K/V row here gives exactly the values an FP4
         # cache would hold; K/V that come out of an FP4KVLayer are FP4 already. Without QAT training keeps BF16.
         if not getattr(key, "_trace_fp4_kv", False) and (qat or not module.training):
-            key = fp4.fake_quantize(key, fmt, "row")
-            value = fp4.fake_quantize(value, fmt, "row")
+            guide = getattr(module, "_trace_kv_guide", None)  # set by `trace_hf.hints.use_hints` ("kv" site)
+            if guide is not None and module.training:
+                key, value = guide.fake_quantize_kv(key, value)
+            else:
+                key = fp4.fake_quantize(key, fmt, "row")
+                value = fp4.fake_quantize(value, fmt, "row")
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(base, None)
         if fn is None:  # "eager" lives in the modeling file, not in the registry
             import importlib

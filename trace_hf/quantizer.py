@@ -87,7 +87,7 @@ def convert_experts(model, config: TraceFP4Config) -> list[str]:
     replaced = replace_experts(model, config)
     if not replaced:
         logger.warning("TraceFP4Config: every experts module is in modules_to_not_convert; nothing is quantized.")
-    assign_hint_layers(model, config.num_hint_layers(len(replaced)))
+    assign_hint_layers(model, config.num_hint_layers(len(replaced)), config.hint_site_tuple)
     return replaced
 
 

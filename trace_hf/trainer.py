@@ -34,7 +34,7 @@ from trl.models import unwrap_model_for_generation
 from trl.models.utils import disable_gradient_checkpointing
 
 from .experts import TraceFP4Experts, fp4_experts
-from .hints import HintBatch, MismatchReport, aligned_positions, use_hints
+from .hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use_hints
 from .rollout import RolloutOutput, make_rollout
 
 
@@ -433,6 +433,10 @@ class TraceGRPOTrainer(GRPOTrainer):
             report.merge(r)
         flips = sum(int(v) for v in report.flips.values())
         elements = sum(int(v) for v in report.elements.values())
+        # Every process hints the same sites (one config), so the per-site counts reduce position by position.
+        sites = tuple(hint_plan(self._trace_core(self.model))) if self._trace_fp4 else ()
+        by_site = report.counts_by_site()
+        site_counts = [c for site in sites for c in by_site.get(site, (0, 0))]
         if ratio is not None:
             r = ratio.flatten() if ratio.size(-1) == 1 else ratio[m]
             is_sum, is_n = r.sum(), r.numel()
@@ -452,6 +456,7 @@ class TraceGRPOTrainer(GRPOTrainer):
                 is_sum,
                 is_n,
                 report.hint_bytes_per_token,
+                *site_counts,
             ],
             dtype=torch.float64,
             device=device,
@@ -473,6 +478,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         put("trace/kl_rollout_train", s[2], s[1])
         if self._trace_fp4:
             put("trace/hint_flip_rate", s[3], s[4])
+            for j, site in enumerate(sites):
+                put(f"trace/hint_flip_rate/{site}", s[12 + 2 * j], s[13 + 2 * j])
             put("trace/routing_mismatch", s[5], s[6])
             put("trace/hint_coverage", s[7], s[8])
             # Bytes a rollout must keep for training; without trace_hints they are recorded only to measure flips.

@@ -74,6 +74,8 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
         return "its FP4 experts are not NVFP4 W4A4 (the engine's kernels)"
     if experts and len(experts) != text.num_hidden_layers:
         return "some MoE layers were left unquantized (modules_to_not_convert)"
+    if any(s != "experts_input" for m in experts if m.hinted for s in m.hint_sites):
+        return "its TraceFP4Config.hint_sites has sites other than 'experts_input', the only one the engine records"
     if kv_format(lm) not in (None, "nvfp4"):
         return f"its KV cache is {kv_format(lm)}, the engine's FP4 cache is NVFP4"
     device = next(lm.parameters()).device
