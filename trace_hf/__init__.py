@@ -43,6 +43,7 @@ _LAZY = {
     "use_hints": "hints",
     "MismatchReport": "hints",
     "hint_bytes_per_token": "hints",
+    "hint_bytes_per_token_by_site": "hints",
     "refresh_fp4_weights": "experts",
     "make_rollout": "rollout",
     "RolloutOutput": "rollout",
