@@ -37,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """cuda when there is one, else cpu (Triton kernels then run under TRITON_INTERPRET=1)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one thread is several times faster than two on a shared 2-core machine (modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

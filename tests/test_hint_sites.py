@@ -26,12 +26,7 @@ from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
 SITES = ("experts_input", "experts_hidden", "kv")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

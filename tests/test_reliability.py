@@ -16,12 +16,7 @@ from trace_hf.hints import HintRecorder, MismatchReport, use_hints
 from trace_hf.quantizer import quantize_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fp4(seed=0, **kw):

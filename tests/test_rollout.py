@@ -19,12 +19,7 @@ from trace_hf.rollout import EngineRollout, GenerateRollout, SamplingSettings, m
 pytest.importorskip("trace_hf.kernels.sampling")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(fp4: bool, device="cpu"):

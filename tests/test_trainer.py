@@ -28,13 +28,7 @@ METRICS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: one thread is several times faster than two on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
