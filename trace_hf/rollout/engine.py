@@ -401,7 +401,7 @@ class EngineRollout:
         r.finished[B:] = True
         if r.seen is not None:
             r.seen.zero_()
-            r.seen[:B].scatter_(1, ids, mask.bool())
+            r.seen[:B].scatter_(1, torch.where(mask.bool(), ids, ids[:, -1:]), True)  # pads: the last (real) id
         x = process_logits(logits, s, None if r.seen is None else r.seen[:B])
         tok0 = draw(x, s, r.seed, r.step)
         r.out_tokens.zero_()
