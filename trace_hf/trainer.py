@@ -35,7 +35,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .experts import TraceFP4Experts, fp4_experts
 from .hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use_hints
-from .rollout import RolloutOutput, make_rollout
+from .rollout import ROLLOUT_ENGINES, RolloutOutput, make_rollout
 
 
 # TRL's vLLM importance-sampling fields and their counterparts here (same meaning, applied to the FP4 sampler).
@@ -47,7 +47,6 @@ _TRL_IS_FIELDS = (
 )
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ROLLOUT_PRECISIONS = ("fp4", "bf16")
-ROLLOUT_ENGINES = ("auto", "engine", "generate")
 HINT_PREFIX = "trace_"
 
 
