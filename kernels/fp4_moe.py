@@ -35,6 +35,7 @@ if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe (see kernels/README.md), not kernels.fp4_moe.")
 
 import os  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -556,6 +557,25 @@ def _fp4_args(q: FP4Tensor | torch.Tensor):
     return q.contiguous(), q, q, False
 
 
+@dataclass
+class QuantizedHidden:
+    """The hidden activation as step 4 quantized it, rows in the sorted, padded layout of `moe_align`: ``q``
+    [P, I] (padding rows are zeros), its ``hints`` (mantissa bits written in the same pass), ``slots`` [P] (the slot
+    token * top_k + k of each row; padding holds ``num_slots``)."""
+
+    q: FP4Tensor
+    hints: fp4.FP4Hints
+    slots: torch.Tensor
+    num_slots: int
+
+    def positions(self) -> torch.Tensor:
+        """The row of every slot, [num_slots] int64: ``t[positions()]`` puts rows in slot order, padding dropped
+        (no host sync, so a CUDA graph can capture it)."""
+        pos = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=self.slots.device)
+        rows = torch.arange(self.slots.numel(), device=self.slots.device)
+        return pos.scatter_(0, self.slots.long(), rows)[: self.num_slots]  # padding rows all land on the extra one
+
+
 def experts_from_quantized(
     xq: FP4Tensor | torch.Tensor,
     topk_ids: torch.Tensor,
@@ -564,14 +584,16 @@ def experts_from_quantized(
     w_down: FP4Tensor | torch.Tensor,
     hidden_fp4: bool | None = None,
     align_backend: str = "auto",
-) -> torch.Tensor:
+    return_hidden: bool = False,
+):
     """Routed experts on an already quantized input (`FP4Tensor` [M, H], or a dense [M, H] tensor).
 
     Weights are `FP4Tensor` (NVFP4, per-expert global scale: ``[E, 2I, H]`` and ``[E, H, I]``) or dense tensors
     of those shapes. ``topk_ids`` must be < E (checking would cost a host sync): `TraceFP4Experts` maps
     expert-parallel sentinels to weight 0 before calling. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
     (token, expert) row. Returns fp32 ``[M, top_k, H]``: each slot's expert output times its routing weight; the
-    token's output is the sum over dim 1.
+    token's output is the sum over dim 1. With ``return_hidden`` (FP4 hidden only) also returns the
+    `QuantizedHidden` the down projection read, for recording experts_hidden hints.
     """
     x_arg, xs, xg, a_fp4 = _fp4_args(xq)
     wgu, wgus, wgug, w_fp4 = _fp4_args(w_gate_up)
@@ -579,6 +601,8 @@ def experts_from_quantized(
     if wd_fp4 != w_fp4:
         raise ValueError("Give both expert weights packed (FP4Tensor) or both dense.")
     hidden_fp4 = w_fp4 if hidden_fp4 is None else hidden_fp4
+    if return_hidden and not hidden_fp4:
+        raise ValueError("return_hidden needs the FP4 hidden activation (hidden_fp4=True): a dense one has no hints.")
     fp4_quant.check_device(x_arg)
     E, two_i, H = w_gate_up.shape
     NI = two_i // 2
@@ -614,8 +638,13 @@ def experts_from_quantized(
             part, xg, wgug, h, sorted_ids, expert_ids, n, K, NI, P,
             A_FP4=a_fp4, W_FP4=w_fp4, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=128, num_warps=4,
         )  # fmt: skip
+    hidden = None
     if hidden_fp4:
-        hq = fp4_quant.quantize(h, "nvfp4", "row")
+        if return_hidden:
+            hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
+            hidden = QuantizedHidden(hq, hints, sorted_ids, n)
+        else:
+            hq = fp4_quant.quantize(h, "nvfp4", "row")
         h_arg, hs, hg, h_is_fp4 = hq.packed, hq.block_scale, hq.global_scale.reshape(-1), True
     else:
         h_arg, hs, hg, h_is_fp4 = h, h, h, False
@@ -626,7 +655,7 @@ def experts_from_quantized(
         A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), PTX=_ptx(cfg, h_is_fp4, w_fp4),
         BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
     )  # fmt: skip
-    return y
+    return (y, hidden) if return_hidden else y
 
 
 def fp4_moe_experts(

@@ -288,12 +288,6 @@ class TraceFP4Experts(nn.Module):
         last bits, as a separate inference engine's would; hints carry the rollout's rounding into training."""
         from trace_hf.kernels import fp4_moe
 
-        if self._trace_recorder is not None and "experts_hidden" in self.hint_sites:
-            raise NotImplementedError(
-                "experts_hidden hints are recorded by the torch experts path; the fused Triton kernels quantize the "
-                "hidden activation internally. Load with TraceFP4Config(experts_kernel='torch'), or drop "
-                "'experts_hidden' from hint_sites."
-            )
         gu, d = self.packed_weights()
         xq = x
         if self.activations == "fp4":
@@ -303,7 +297,12 @@ class TraceFP4Experts(nn.Module):
         # Expert-parallel sentinels (>= E, another rank's expert) contribute nothing, as in `_routed`.
         valid = top_k_index < self.num_experts
         ids = top_k_index.clamp(max=self.num_experts - 1)
-        y = fp4_moe.experts_from_quantized(xq, ids, top_k_weights * valid, gu, d, self.activations == "fp4")
+        w, hidden_fp4 = top_k_weights * valid, self.activations == "fp4"
+        if self._trace_recorder is not None and "experts_hidden" in self.hint_sites:
+            y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True)
+            self._trace_recorder.record_hidden(self, hidden.q, hidden.positions(), top_k_index.shape[1])
+        else:
+            y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4)
         return y.sum(1).to(x.dtype)
 
     def _routed(self, x, top_k_index, top_k_weights, w_gu, w_d, hidden_fp4: bool) -> torch.Tensor:

@@ -281,7 +281,8 @@ class HintRecorder:
         self._inputs[module.moe_index].append(tuple(self._store(self._shape(t)) for t in rec))
 
     def record_hidden(self, module: TraceFP4Experts, q: fp4.FP4Tensor, inverse: torch.Tensor, top_k: int) -> None:
-        """The quantized down-projection input, rows sorted by expert (``q`` [T * k, I]); kept per token and slot."""
+        """The quantized down-projection input, rows sorted by expert (``q`` [T * k, I] in the torch path, the fused
+        kernels' padded [P, I]); ``inverse`` [T * k] is each (token, slot)'s row. Kept per token and slot."""
         if not _site_on(module, "experts_hidden"):
             return
         rows = fp4.FP4Tensor(
@@ -294,14 +295,7 @@ class HintRecorder:
         [2 (K, V), kv_heads, ...]."""
         if layer not in self._kv_layers:
             return
-
-        def rows(a, b):  # [B, heads, s, w] x 2 -> [B * s, 2, heads, w]
-            return torch.stack([a, b], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1)
-
-        parts = (rows(qk.packed, qv.packed), rows(qk.block_scale, qv.block_scale))
-        self._record_site(
-            "kv", self._kv_layers[layer], fp4.FP4Tensor(*parts, rows(qk.global_scale, qv.global_scale), qk.fmt)
-        )
+        self._record_site("kv", self._kv_layers[layer], kv_rows(qk, qv))
 
     def _record_site(self, site: str, layer: int, rows: fp4.FP4Tensor) -> None:
         """Hints of one forward at `site` of MoE layer `layer`; ``rows`` has the forward's tokens on dim 0."""
@@ -389,6 +383,17 @@ class HintRecorder:
         return hint_batch_from_columns(
             bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers, ids, site_columns=sites
         )
+
+
+def kv_rows(qk: fp4.FP4Tensor, qv: fp4.FP4Tensor) -> fp4.FP4Tensor:
+    """K and V as an FP4 cache holds them ([B, kv_heads, s, ...]) -> the "kv" site's rows per token,
+    [B * s, 2 (K, V), kv_heads, ...]."""
+
+    def rows(a, b):
+        return torch.stack([a, b], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1)
+
+    parts = ((qk.packed, qv.packed), (qk.block_scale, qv.block_scale), (qk.global_scale, qv.global_scale))
+    return fp4.FP4Tensor(*(rows(a, b) for a, b in parts), qk.fmt)
 
 
 def hint_batch_from_columns(
