@@ -2,6 +2,7 @@
 """Sweep the launch configs of the FP4 routed-experts kernels (`trace_hf.kernels.fp4_moe.CONFIG`) on the GPU.
 
     python benchmarks/fp4_moe_tune.py --out outputs/fp4_moe_tune.json     # H200, about 3 minutes
+    python benchmarks/fp4_moe_tune.py --hopper --out outputs/hopper.json  # the Gluon kernels (`HOPPER`)
 
 Qwen3-30B-A3B expert shapes (128 experts top-8, hidden 2048, expert width 768), packed NVFP4 weights, W4A4, for
 decode batches {1, 16, 64} and a 256-token prefill chunk. Each config times the whole `experts_from_quantized`
@@ -33,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
     p.add_argument("--split-k", default="1", help="gate/up split-K settings")
+    p.add_argument("--hopper", action="store_true", help="sweep the Gluon kernels (`HOPPER`, sm_90+) instead")
+    p.add_argument("--block-t", default="8,16", help="--hopper: token rows per expert block")
     return p.parse_args(argv)
 
 
@@ -77,6 +80,12 @@ def main(argv=None) -> int:
 
     copy_bw = copy_bandwidth(dev)
 
+    hopper_grid = [
+        {"block_t": bt, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w}
+        for bt, bn, bk, w in itertools.product(*(_ints(a) for a in (args.block_t, args.block_n, args.block_k,
+                                                                     args.warps)))
+        if bn >= 16 * w
+    ]  # fmt: skip
     grid = [
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
          "halves": hv[0], "ptx": hv[1], "split_k": sk}
@@ -85,7 +94,7 @@ def main(argv=None) -> int:
                                                                                    args.warps, args.stages, args.split_k))
         )
     ]  # fmt: skip
-    by_slots, dense = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"]
+    by_slots, dense, hopper = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"], list(moe.HOPPER)
     t0 = time.perf_counter()
     rows, best = [], {}
     for M in (int(b) for b in args.batches.split(",")):
@@ -97,8 +106,12 @@ def main(argv=None) -> int:
         io_bytes = xq.nbytes() + M * K * H * 4
 
         def timed(cfg, w_gu, w_dn):
-            moe.CONFIG["by_slots"] = [(1 << 62, cfg)]
-            moe.CONFIG["dense"] = cfg
+            if "block_t" in cfg:
+                moe.HOPPER = [(1 << 62, cfg)]
+            else:
+                moe.HOPPER = []
+                moe.CONFIG["by_slots"] = [(1 << 62, cfg)]
+                moe.CONFIG["dense"] = cfg
             return triton.testing.do_bench_cudagraph(
                 lambda: moe.experts_from_quantized(xq, ids, tw, w_gu, w_dn), rep=50
             )
@@ -106,9 +119,10 @@ def main(argv=None) -> int:
         t_bf16 = timed(dense, gu, dn) * 1e-3
         bf16_frac = (distinct * bf16_expert_bytes + io_bytes) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
-        moe.CONFIG["by_slots"] = by_slots
-        current = dict(moe.launch_config(M * K))
-        for cfg in [current] + grid:
+        moe.CONFIG["by_slots"], moe.HOPPER = by_slots, hopper
+        current = dict(moe.hopper_config(M * K, dev) or moe.launch_config(M * K))
+        triton_cfg = dict(moe.launch_config(M * K))
+        for cfg in [current] + ([triton_cfg] if current != triton_cfg else []) + (hopper_grid if args.hopper else grid):
             if time.perf_counter() - t0 > args.budget_s:
                 break
             try:
@@ -126,8 +140,11 @@ def main(argv=None) -> int:
             print(f"batch {M:4d} ({distinct} experts): current {d['us']:.1f} us ({d['fraction']:.1%} of copy), "
                   f"best {b['us']:.1f} us ({b['fraction']:.1%}, {b['vs_bf16']:.2f}x the BF16 weights' "
                   f"{t_bf16 * 1e6:.1f} us at {bf16_frac:.1%}): "
-                  f"{ {k: b[k] for k in current} }", flush=True)  # fmt: skip
-    moe.CONFIG["by_slots"], moe.CONFIG["dense"] = by_slots, dense
+                  f"{ {k: b[k] for k in b if k not in ('batch', 'us', 'fraction', 'vs_bf16')} }", flush=True)  # fmt: skip
+            t_tr = next((r["us"] for r in rows if r["batch"] == M and "us" in r and "block_t" not in r), None)
+            if t_tr:
+                print(f"           Triton kernels (current table) {t_tr:.1f} us: best / Triton {t_tr / b['us']:.2f}x")
+    moe.CONFIG["by_slots"], moe.CONFIG["dense"], moe.HOPPER = by_slots, dense, hopper
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 

@@ -37,7 +37,7 @@ if has tests; then
   # From $PKG, so that `python -m pytest` (which puts the working directory first on sys.path) finds the
   # trace_hf with kernels/ linked in, not the repository's source folder.
   (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -q -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
-    "$ROOT/tests/test_fp4_moe.py" "$ROOT/tests/test_hints.py" "$ROOT/tests/test_fp4_attention.py" \
+    "$ROOT/tests/test_fp4_moe.py" "$ROOT/tests/test_fp4_moe_hopper.py" "$ROOT/tests/test_hints.py" "$ROOT/tests/test_fp4_attention.py" \
     "$ROOT/tests/test_fast_decode.py" "$ROOT/tests/test_fp4_kernels.py" "$ROOT/tests/test_rollout.py") > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"
   grep -E "cuda:|passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 20

@@ -463,6 +463,21 @@ _FP4 = {
     "split_k": 1,
 }
 CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=64, block_n_down=128, num_stages=3, split_k=4)), (1 << 62, _FP4)]}  # fmt: skip
+#: W4A4 on sm_90+: the Gluon kernels of `fp4_moe_hopper` (weights as the MMA's A operand, codes decoded in the
+#: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
+#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least). From
+#: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
+HOPPER = [
+    (8, {"block_t": 8, "block_n_gate_up": 32, "block_n_down": 64, "block_k": 128, "num_warps": 2}),
+    (1 << 62, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
+]
+
+
+def hopper_config(num_slots: int, device: torch.device) -> dict | None:
+    """The `HOPPER` entry for a W4A4 call on an sm_90+ GPU, or None (interpreter, older GPUs, empty table)."""
+    if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
+        return None
+    return next(cfg for limit, cfg in HOPPER if num_slots <= limit)
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
@@ -608,11 +623,18 @@ def experts_from_quantized(
     NI = two_i // 2
     M, K = topk_ids.shape
     n = M * K
-    bm = CONFIG["block_m"]
+    dev = x_arg.device
+    hopper = hopper_config(n, dev) if a_fp4 and w_fp4 and hidden_fp4 else None
+    if hopper is not None and (H % hopper["block_k"] or NI % hopper["block_k"] or NI % hopper["block_n_gate_up"]
+                               or H % hopper["block_n_down"]):  # fmt: skip
+        hopper = None  # shapes the Gluon tiles do not divide: the Triton kernels
+    bm = hopper["block_t"] if hopper else CONFIG["block_m"]
     sorted_ids, expert_ids = moe_align(topk_ids, E, bm, align_backend)
     P = sorted_ids.numel()
-    dev = x_arg.device
     h = torch.empty(P, NI, dtype=torch.float32, device=dev)
+    if hopper is not None:
+        return _experts_hopper(hopper, x_arg, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, h, sorted_ids,
+                               expert_ids, M, K, H, NI, return_hidden)  # fmt: skip
     cfg = launch_config(n, w_fp4)
     if not hardware_fp8(dev):
         cfg = dict(cfg, halves=False, ptx=False)
@@ -654,6 +676,32 @@ def experts_from_quantized(
         h_arg, hs, hg, wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), PTX=_ptx(cfg, h_is_fp4, w_fp4),
         BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
+    )  # fmt: skip
+    return (y, hidden) if return_hidden else y
+
+
+def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, h, sorted_ids, expert_ids, M, K, H,
+                    NI, return_hidden):  # fmt: skip
+    """`experts_from_quantized` through the Gluon kernels (W4A4, sm_90+): same steps, same outputs."""
+    from trace_hf.kernels import fp4_moe_hopper as hop
+
+    n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
+    P = sorted_ids.numel()
+    hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+        x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
+    )  # fmt: skip
+    hidden = None
+    if return_hidden:
+        hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
+        hidden = QuantizedHidden(hq, hints, sorted_ids, n)
+    else:
+        hq = fp4_quant.quantize(h, "nvfp4", "row")
+    y = torch.empty(M, K, H, dtype=torch.float32, device=h.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
+        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 

@@ -1,0 +1,130 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The Gluon expert GEMMs (`trace_hf.kernels.fp4_moe_hopper`, sm_90+) against the spec and the Triton kernels.
+
+GPU only: Gluon does not run in the interpreter. The sums are exact products added in fp32 in another order than
+torch's, so the hidden activation must match an fp64 reference of the same dequantized operands to fp32 rounding,
+and NaN scales must reach exactly the rows that read them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_hf import fp4
+
+
+pytestmark = pytest.mark.gpu
+moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+
+
+def _hopper_gpu():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _packed(E, N, K, seed, special=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(E, N, K, device="cuda", generator=g) * 0.05
+    q = fp4.quantize(w, "nvfp4", "expert")
+    if special:
+        codes = q.packed.view(E, N, K // 2)
+        codes[:, 0, :4] = 0x88  # -0 codes
+        codes[:, 1, :] = 0x77  # +6 everywhere: the largest magnitude
+        q.block_scale.view(E, N, K // 16)[:, 2, :] = torch.arange(1, 8, device="cuda", dtype=torch.uint8).repeat(
+            K // 16 // 7 + 1
+        )[: K // 16]  # subnormal E4M3 scales
+        q.block_scale.view(E, N, K // 16)[:, 3, 1] = 0x7F  # NaN scale: row 3 of every expert
+    return q
+
+
+def _routing(M, E, K, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w, ids = torch.softmax(torch.randn(M, E, device="cuda", generator=g), -1).topk(K)
+    return ids, w
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("M", [1, 5, 64])
+def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
+    """The hidden activation before its quantization: every code and scale class (including -0, the largest code,
+    subnormal scales and a NaN scale) decodes to the spec's value; only fp32 summation order differs."""
+    from trace_hf.kernels import fp4_moe_hopper as hop
+    from trace_hf.kernels import fp4_quant
+
+    E, H, NI, K = 16, 512, 256, 4
+    wgu = _packed(E, 2 * NI, H, seed=1, special=True)
+    x = torch.randn(M, H, device="cuda")
+    xq = fp4_quant.quantize(x, "nvfp4", "row")
+    ids, tw = _routing(M, E, K, seed=M)
+    for _, cfg in moe.HOPPER:
+        bt = cfg["block_t"]
+        sorted_ids, expert_ids = moe.moe_align(ids, E, bt)
+        P = sorted_ids.numel()
+        h = torch.full((P, NI), float("inf"), device="cuda")
+        nw = cfg["num_warps"]
+        hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+            xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+            wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI,
+            BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=nw, num_warps=nw,
+        )  # fmt: skip
+        xd = xq.dequantize().double()
+        wd = wgu.dequantize().double()
+        real = sorted_ids < M * K
+        slots = sorted_ids[real].long()
+        e = ids.reshape(-1)[slots]
+        gu = torch.einsum("ph,pnh->pn", xd[slots // K], wd[e])
+        gate, up = gu.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        got = h[real].double()
+        nan_rows = torch.zeros(NI, dtype=torch.bool, device="cuda")
+        nan_rows[3] = True  # gate row 3 reads the NaN scale; up rows start at NI (row NI + 3 is finite)
+        assert torch.isnan(got[:, 3]).all() and torch.isnan(want[:, 3]).all()
+        ok = ~nan_rows
+        err = (got[:, ok] - want[:, ok]).abs().max() / want[:, ok].abs().max()
+        assert err < 1e-5, f"{cfg}: {err}"
+        assert (h[~real] == 0).all(), "padding rows must be written as 0"
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
+    """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes, Gluon against the Triton kernels (which
+    tests/test_fp4_moe.py holds to the torch path), with the hidden codes it quantized."""
+    from trace_hf.kernels import fp4_quant
+
+    E, H, NI, K = 128, 2048, 768, 8
+    wgu, wdn = _packed(E, 2 * NI, H, seed=2), _packed(E, H, NI, seed=3)
+    for M in (1, 8, 64, 300):
+        x = torch.randn(M, H, device="cuda")
+        xq = fp4_quant.quantize(x, "nvfp4", "row")
+        ids, tw = _routing(M, E, K, seed=10 + M)
+        assert moe.hopper_config(M * K, x.device) is not None
+        y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
+        monkeypatch.setattr(moe, "HOPPER", [])
+        y_ref, hid_ref = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
+        monkeypatch.undo()
+        rel = ((y - y_ref).norm() / y_ref.norm()).item()
+        assert rel < 1e-3, f"M={M}: {rel}"
+        # Hidden codes by slot: equal except rare rounding-boundary flips from the summation order.
+        a, b = hid.q.packed[hid.positions()], hid_ref.q.packed[hid_ref.positions()]
+        assert (a == b).float().mean().item() > 0.999
+
+
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
+    from torch import nn
+
+    from trace_hf.experts import TraceFP4Experts
+
+    E, H, NI, K, M = 16, 256, 128, 4, 40
+    g = torch.Generator().manual_seed(5)
+    gu = nn.Parameter((torch.randn(E, 2 * NI, H, generator=g) * 0.1).cuda())
+    d = nn.Parameter((torch.randn(E, H, NI, generator=g) * 0.1).cuda())
+    ids, tw = _routing(M, E, K, seed=6)
+    x = torch.randn(M, H, device="cuda")
+    x[7, 3] = float("nan")
+    out = TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel="triton").eval()(x, ids, tw)
+    ref = TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel="torch").eval()(x, ids, tw)
+    assert moe.hopper_config(M * K, x.device) is not None
+    assert torch.isnan(out[7]).all()
+    keep = torch.arange(M, device="cuda") != 7
+    assert ((out[keep] - ref[keep]).norm() / ref[keep].norm()).item() < 1e-3
