@@ -81,9 +81,9 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(dev)
 
     hopper_grid = [
-        {"block_t": bt, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w}
-        for bt, bn, bk, w in itertools.product(*(_ints(a) for a in (args.block_t, args.block_n, args.block_k,
-                                                                     args.warps)))
+        {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk}
+        for bt, bn, dn, bk, w, sk in itertools.product(*(_ints(a) for a in (args.block_t, args.block_n, "1,2",
+                                                                             args.block_k, args.warps, args.split_k)))
         if bn >= 16 * w
     ]  # fmt: skip
     grid = [

@@ -399,7 +399,7 @@ def _align_kernel(
     E_PAD: tl.constexpr,
 ):
     """Program ``e < E`` places expert e's slots (in slot order) and its padding; program ``E`` marks the row
-    blocks past the last segment with expert -1. Every program recounts all experts (one histogram of N ids:
+    blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts all experts (one histogram of N ids:
     N is a decode batch, a few thousand slots at most)."""
     e = tl.program_id(0)
     offs = tl.arange(0, N_PAD)
@@ -427,6 +427,10 @@ def _align_kernel(
         for b0 in range(total // BLOCK_M, num_blocks, BLOCK_M):
             b = b0 + tl.arange(0, BLOCK_M)
             tl.store(expert_ptr + b, tl.full([BLOCK_M], -1, tl.int32), mask=b < num_blocks)
+        # Their rows hold the sentinel too: every entry is defined (`QuantizedHidden.positions` scatters them all).
+        j = tl.arange(0, BLOCK_M)
+        for r0 in range(total, num_blocks * BLOCK_M, BLOCK_M):
+            tl.store(sorted_ptr + r0 + j, tl.full([BLOCK_M], 0, tl.int32) + N)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -465,10 +469,11 @@ _FP4 = {
 CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=64, block_n_down=128, num_stages=3, split_k=4)), (1 << 62, _FP4)]}  # fmt: skip
 #: W4A4 on sm_90+: the Gluon kernels of `fp4_moe_hopper` (weights as the MMA's A operand, codes decoded in the
 #: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
-#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least). From
+#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``split_k``: gate/up programs
+#: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU). From
 #: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 HOPPER = [
-    (8, {"block_t": 8, "block_n_gate_up": 32, "block_n_down": 64, "block_k": 128, "num_warps": 2}),
+    (8, {"block_t": 8, "block_n_gate_up": 32, "block_n_down": 32, "block_k": 128, "num_warps": 2, "split_k": 4}),
     (1 << 62, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
 ]
 
@@ -687,10 +692,19 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     P = sorted_ids.numel()
-    hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
-        x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
+    split = cfg.get("split_k", 1)
+    while split > 1 and H % (split * bk):
+        split //= 2
+    part = h if split == 1 else torch.empty(split, P, 2 * NI, dtype=torch.float32, device=h.device)
+    hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
+        x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
+        SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
     )  # fmt: skip
+    if split > 1:
+        _silu_mul_kernel[(P // bt, triton.cdiv(NI, 128))](
+            part, xg, wgug, h, sorted_ids, expert_ids, n, K, NI, P,
+            A_FP4=True, W_FP4=True, SPLIT_K=split, BLOCK_M=bt, BLOCK_N=128, num_warps=4,
+        )  # fmt: skip
     hidden = None
     if return_hidden:
         hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)

@@ -86,13 +86,15 @@ def gate_up_kernel(
     w_ptr,  # W_gate_up codes: uint8 [E, 2I, H/2]
     ws_ptr,  # uint8 [E, 2I, H/16]
     wg_ptr,  # fp32 [E]
-    h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position (padding rows 0)
+    h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position (padding rows 0); with SPLIT_K > 1 the raw
+    # partial gate and up sums, fp32 [SPLIT_K, P, 2I], that `fp4_moe._silu_mul_kernel` finishes
     sorted_ptr,  # [P] int32 slot ids (token * top_k + k), num_slots for padding
     expert_ptr,  # [P / BLOCK_T] int32 expert of each token block, -1 past the end
     num_slots,
     top_k,
     H,
     NI,
+    SPLIT_K: gl.constexpr,
     BLOCK_T: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -103,22 +105,25 @@ def gate_up_kernel(
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
+    pid_k = gl.program_id(2)
     e = gl.load(expert_ptr + pid_m)
     if e < 0:
         return
     KQ: gl.constexpr = BLOCK_K // 4
+    k_len = H // SPLIT_K  # a slice of K per program (batch 1 has too few row blocks to fill the GPU)
     n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la))
+    k_off = pid_k * k_len
     kq = gl.arange(0, KQ, layout=gl.SliceLayout(0, la))
     g_rows = (e.to(gl.int64) * (2 * NI) + n)[:, None]
-    g_ptrs = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + g_rows * (H // 4) + kq[None, :]
-    gs_ptrs = ws_ptr + g_rows * (H // 16) + (kq // 4)[None, :]
+    g_ptrs = (w_ptr + k_off // 2).to(gl.pointer_type(gl.uint16), bitcast=True) + g_rows * (H // 4) + kq[None, :]
+    gs_ptrs = (ws_ptr + k_off // 16) + g_rows * (H // 16) + (kq // 4)[None, :]
     u_off = NI * (H // 4)
     us_off = NI * (H // 16)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
     tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
     kb = gl.arange(0, KQ, layout=gl.SliceLayout(1, lb))[:, None]
-    x_ptrs = a_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + tok * (H // 4) + kb
-    xs_ptrs = as_ptr + tok * (H // 16) + kb // 4
+    x_ptrs = (a_ptr + k_off // 2).to(gl.pointer_type(gl.uint16), bitcast=True) + tok * (H // 4) + kb
+    xs_ptrs = (as_ptr + k_off // 16) + tok * (H // 16) + kb // 4
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this one's
@@ -126,7 +131,7 @@ def gate_up_kernel(
     g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
     u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
     x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
-    for k0 in range(BLOCK_K, H, BLOCK_K):
+    for k0 in range(BLOCK_K, k_len, BLOCK_K):
         g_n, gs_n = gl.load(g_ptrs + k0 // 4), gl.load(gs_ptrs + k0 // 16)
         u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 4)), gl.load(gs_ptrs + (us_off + k0 // 16))
         x_n, xs_n = gl.load(x_ptrs + k0 // 4), gl.load(xs_ptrs + k0 // 16)
@@ -140,13 +145,18 @@ def gate_up_kernel(
     acc_g = gl.convert_layout(acc_g, out_l)
     acc_u = gl.convert_layout(acc_u, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
+    n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+    if SPLIT_K > 1:
+        part = h_ptr + (pid_k * gl.num_programs(0) * BLOCK_T + offs_p).to(gl.int64)[None, :] * (2 * NI) + n_o[:, None]
+        gl.store(part, acc_g * 268435456.0)
+        gl.store(part + NI, acc_u * 268435456.0)
+        return
     gx = gl.load(ag_ptr + gl.where(valid, slot // top_k, 0), mask=valid, other=0.0)
     scale = (gx * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
     acc_g = acc_g * scale
     acc_u = acc_u * scale
     h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
     h = gl.where(valid[None, :], h, 0.0)
-    n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
     gl.store(h_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h)
 
 

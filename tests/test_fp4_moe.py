@@ -50,6 +50,7 @@ def test_align_layout(backend, M, E, K):
     for b, e in enumerate(expert_ids.tolist()):
         rows = sorted_ids[b * bm : (b + 1) * bm]
         if e < 0:
+            assert (rows == n).all(), "rows past the last segment must hold the sentinel"
             continue
         real = rows[rows < n]
         assert (flat[real.long()] == e).all(), "a block holds slots of another expert"
