@@ -19,7 +19,7 @@ from trace_hf.hints import (
     hint_bytes_per_token_by_site,
     position_ids_from_mask,
 )
-from trace_hf.rollout import GenerateRollout, make_rollout, unsupported_reason
+from trace_hf.rollout import EngineRollout, make_rollout, unsupported_reason
 from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
 
 
@@ -206,7 +206,8 @@ def test_fused_experts_record_hidden_hints_as_the_torch_path(model_dir):
         model = load(model_dir, ["experts_hidden"], hint_layers=2, experts_kernel=kernel).eval()
         with HintRecorder(model) as rec:
             seq = model.generate(**enc, max_new_tokens=3, do_sample=False)
-        hints[kernel] = rec.collect(torch.cat([enc.attention_mask, torch.ones_like(seq[:, enc.input_ids.shape[1] :])], 1))
+        completion = torch.ones_like(seq[:, enc.input_ids.shape[1] :])
+        hints[kernel] = rec.collect(torch.cat([enc.attention_mask, completion], dim=1))
     a, b = hints["torch"], hints["triton"]
     assert b.sites == ("experts_hidden",) and torch.equal(a.routing, b.routing) and torch.equal(a.lengths, b.lengths)
     (bits_a, scale_a, g_a), (bits_b, scale_b, g_b) = a.site_hints["experts_hidden"], b.site_hints["experts_hidden"]
@@ -220,6 +221,30 @@ def test_fused_experts_record_hidden_hints_as_the_torch_path(model_dir):
     assert same_bits > 0.999
     assert (scale_a == scale_b).float().mean() > 0.999
     torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("align", ["torch", "triton"])
+def test_fused_hidden_rows_come_back_in_slot_order(align):
+    """`QuantizedHidden.positions` finds every (token, slot)'s row in the fused experts' sorted, padded layout, with
+    either alignment backend: slot order holds each token's hidden for the expert routed in that slot."""
+    from trace_hf.kernels import fp4_moe
+
+    g = torch.Generator().manual_seed(0)
+    E, H, width, M, k = 8, 64, 32, 6, 2
+    gate_up, down = torch.randn(E, 2 * width, H, generator=g), torch.randn(E, H, width, generator=g)
+    w_gu, w_d = fp4.quantize(gate_up, "nvfp4", "expert"), fp4.quantize(down, "nvfp4", "expert")
+    xq = fp4.quantize(torch.randn(M, H, generator=g), "nvfp4", "row")
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
+    _, hidden = fp4_moe.experts_from_quantized(
+        xq, ids, torch.rand(M, k, generator=g), w_gu, w_d, align_backend=align, return_hidden=True
+    )
+    pos = hidden.positions()
+    assert pos.shape == (M * k,) and len(set(pos.tolist())) == M * k
+    assert torch.equal(hidden.slots[pos].long(), torch.arange(M * k))
+    gate, up = torch.einsum("mh,mknh->mkn", xq.dequantize(), w_gu.dequantize()[ids]).chunk(2, dim=-1)
+    want = fp4.quantize((torch.nn.functional.silu(gate) * up).flatten(0, 1), "nvfp4", "row")
+    assert (hidden.q.codes()[pos] == want.codes()).float().mean() > 0.99
+    assert torch.equal(hidden.hints.mantissa_bits[pos], fp4.extract_hints(hidden.q).mantissa_bits[pos])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -331,14 +356,13 @@ def test_hint_batch_rows_and_inputs_carry_the_sites(model_dir):
     assert set(d_hints.to_inputs()) == {*HintBatch.input_keys(), "trace_token_ids"}
 
 
-def test_rollout_engine_refuses_other_sites(model_dir):
+def test_rollout_engine_takes_every_site(model_dir):
+    """The engine records every site (tests/test_rollout.py checks its hints): no refusal, so "auto" falls back to
+    generate only where the engine cannot run at all (here: no CUDA device)."""
     model = load(model_dir).eval()
-    assert "hint_sites" in unsupported_reason(model, require_cuda=False)
-    with pytest.raises(ValueError, match="hint_sites"):
-        make_rollout(model, "engine")
-    assert isinstance(make_rollout(model, "auto"), GenerateRollout)
-    default = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=TraceFP4Config()).eval()
-    assert "hint_sites" not in (unsupported_reason(default) or "")
+    assert unsupported_reason(model, require_cuda=False) is None
+    assert isinstance(make_rollout(model, "engine"), EngineRollout)
+    assert "CUDA" in unsupported_reason(model)
 
 
 # ----------------------------------------------------------------------------------------------------------

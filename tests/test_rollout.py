@@ -13,7 +13,7 @@ from trace_hf import testing as T
 from trace_hf.experts import fp4_experts
 from trace_hf.hints import use_hints
 from trace_hf.quantizer import quantize_model
-from trace_hf.rollout import EngineRollout, GenerateRollout, SamplingSettings, make_rollout
+from trace_hf.rollout import EngineRollout, GenerateRollout, SamplingSettings, make_rollout, unsupported_reason
 
 
 pytest.importorskip("trace_hf.kernels.sampling")
@@ -22,11 +22,14 @@ pytest.importorskip("trace_hf.kernels.sampling")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _model(fp4: bool, device="cpu"):
+SITES = ("experts_input", "experts_hidden", "kv")
+
+
+def _model(fp4: bool, device="cpu", sites=("experts_input",)):
     torch.manual_seed(0)
     model = T.tiny_model(num_hidden_layers=2)
     if fp4:
-        quantize_model(model, TraceFP4Config(hint_layers=2))
+        quantize_model(model, TraceFP4Config(hint_layers=2, hint_sites=list(sites)))
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     return model.to(device=device, dtype=dtype).eval()
 
@@ -128,12 +131,7 @@ def test_engine_hints_guide_training():
     prompts = _prompts(model, (6, 4, 7))
     torch.manual_seed(0)
     out = EngineRollout()(model, prompts, _gc(do_sample=True, max_new_tokens=6), record=True)
-    rows = [p + c for p, c in zip(prompts, out.completion_ids, strict=True)]
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, x in enumerate(rows):
-        ids[r, width - len(x) :], mask[r, width - len(x) :] = torch.tensor(x), 1
+    ids, mask = _rows(prompts, out.completion_ids)
     seen = []
     handles = [m.register_forward_pre_hook(lambda mod, a: seen.append(a[1].clone())) for m in fp4_experts(model)]
     model.train()
@@ -151,6 +149,65 @@ def test_engine_hints_guide_training():
     for layer, top_k in enumerate(seen):
         recorded = out.hints.routing[:, :, layer].gather(1, pos[..., None].expand(-1, -1, top_k.shape[-1]))
         assert torch.equal(top_k[has].long(), recorded.flatten(0, 1)[has].long())
+
+
+def _rows(prompts, completions):
+    """Left-padded ids and mask of prompt + completion rows, as the trainer feeds them."""
+    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, x in enumerate(rows):
+        ids[r, width - len(x) :], mask[r, width - len(x) :] = torch.tensor(x), 1
+    return ids, mask
+
+
+def test_engine_records_every_site():
+    """hint_sites experts_input + experts_hidden + kv: the engine rolls out (no fallback) and its HintBatch has the
+    generate path's columns and shapes, with the same values up to summation order; training under use_hints with
+    them reproduces the rollout's rounding at every site (its own nearest rounding agrees with the hinted one)."""
+    model = _model(True, sites=SITES)
+    assert unsupported_reason(model, require_cuda=False) is None
+    assert isinstance(make_rollout(model, "engine"), EngineRollout)
+    prompts = _prompts(model, (6, 4, 7))
+    a = GenerateRollout()(model, prompts, _gc(), record=True)
+    b = EngineRollout()(model, prompts, _gc(), record=True)
+    assert a.completion_ids == b.completion_ids
+    ha, hb = a.hints, b.hints
+    assert ha.sites == hb.sites == SITES
+    assert {k: (v.shape, v.dtype) for k, v in ha.to_inputs().items()} == {
+        k: (v.shape, v.dtype) for k, v in hb.to_inputs().items()
+    }
+    for site in SITES[1:]:
+        (bits_a, scale_a, g_a), (bits_b, scale_b, g_b) = ha.site_hints[site], hb.site_hints[site]
+        assert bits_b.any() and (g_b > 0).any()
+        assert (bits_a == bits_b).float().mean() > 0.999, site
+        assert (scale_a == scale_b).float().mean() > 0.999, site
+        torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=0)
+
+    ids, mask = _rows(prompts, b.completion_ids)
+    model.train()
+    try:
+        rates = {}
+        for name, hints in (("engine", hb), ("corrupted", _flip_bits(hb))):
+            with torch.no_grad(), use_hints(model, hints, mask) as report:
+                model(input_ids=ids, attention_mask=mask)
+            assert report.hint_coverage > 0.9
+            assert all(elements > 1000 for _, elements in report.counts_by_site().values())
+            rates[name] = report.flip_rate_by_site()
+    finally:
+        model.eval()
+    print("flip rates by site:", rates)
+    assert set(rates["engine"]) == set(SITES)
+    assert all(rate <= 1e-3 for rate in rates["engine"].values()), rates
+    assert all(rate > 0.3 for rate in rates["corrupted"].values()), rates  # the check sees misapplied hints
+
+
+def _flip_bits(hints):
+    """The same hints with every recorded mantissa bit inverted: the other neighbour wherever a value is off the grid."""
+    sites = {site: (~bits, scale, g) for site, (bits, scale, g) in hints.site_hints.items()}
+    return type(hints)(~hints.mantissa_bits, hints.block_scale, hints.global_scale, hints.routing, hints.lengths,
+                       hints.fmt, hints.hint_layers, hints.token_ids, sites)  # fmt: skip
 
 
 def test_engine_refuses_what_it_does_not_implement():
@@ -229,3 +286,39 @@ def test_engine_graphs_match_eager_gpu():
     g = GenerateRollout()(model, prompts, _gc(max_new_tokens=1))
     e = EngineRollout()(model, prompts, _gc(max_new_tokens=1))
     assert g.completion_ids == e.completion_ids
+
+
+@pytest.mark.gpu
+def test_engine_records_every_site_gpu():
+    """On the GPU (bf16, the fused experts, CUDA graphs): the captured step records the same hints at every site as
+    the eager one; generate with the fused experts records experts_hidden as with the torch experts; training under
+    the engine's hints agrees with the rollout's rounding at every site."""
+    model = _model(True, "cuda", sites=SITES)
+    prompts = _prompts(model, (9, 3, 17, 5, 12))
+    gc = _gc(do_sample=True, temperature=0.9, max_new_tokens=12)
+    torch.manual_seed(3)
+    a = EngineRollout(use_graphs=True)(model, prompts, gc, record=True)
+    torch.manual_seed(3)
+    b = EngineRollout(use_graphs=False)(model, prompts, gc, record=True)
+    assert a.completion_ids == b.completion_ids and a.hints.sites == SITES
+    for site in SITES[1:]:
+        for x, y in zip(a.hints.site_hints[site], b.hints.site_hints[site], strict=True):
+            assert torch.equal(x, y), site
+    rec = {}
+    for kernel in ("auto", "torch"):
+        for m in fp4_experts(model):
+            m.kernel = kernel
+        rec[kernel] = GenerateRollout()(model, prompts, _gc(max_new_tokens=4), record=True).hints
+    bits = [h.site_hints["experts_hidden"][0] for h in rec.values()]
+    assert bits[0].shape == bits[1].shape and (bits[0] == bits[1]).float().mean() > 0.98
+    ids, mask = _rows(prompts, a.completion_ids)
+    model.train()
+    try:
+        with torch.no_grad(), use_hints(model, a.hints.to("cuda"), mask.cuda()) as report:
+            model(input_ids=ids.cuda(), attention_mask=mask.cuda())
+    finally:
+        model.eval()
+    rates = report.flip_rate_by_site()
+    print("engine hints on the GPU, flip rates by site:", rates, "fused vs torch hidden bits:",
+          float((bits[0] == bits[1]).float().mean()))  # fmt: skip
+    assert set(rates) == set(SITES) and all(r < 0.05 for r in rates.values()), rates

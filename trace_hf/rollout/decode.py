@@ -10,7 +10,8 @@ path (with `TraceFP4Config`: W4A4 FP4 experts, FP4 KV cache, hints) with a fixed
 Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM), q/k RMSNorm + RoPE + KV-cache write
 (`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm, router GEMM, softmax + top-k,
 experts input quantized per token (writing the hints of hinted layers straight into a static buffer), routed
-experts (`fp4_moe`), whose per-slot outputs the next norm sums. Then the final norm, lm_head and the greedy next
+experts (`fp4_moe`; at layers hinted at "experts_hidden" also the hints of the hidden they quantized, in slot order),
+whose per-slot outputs the next norm sums. Then the final norm, lm_head and the greedy next
 token (or the rollout engine's sampler, `trace_hf.rollout.engine`), which becomes the next step's input.
 
 The kernels are also registered as torch custom ops (``torch.ops.trace_hf.*``, with fake implementations) so
@@ -88,6 +89,7 @@ class LayerWeights:
     gate_up: FP4Tensor | torch.Tensor  # [E, 2I, H]
     down: FP4Tensor | torch.Tensor  # [E, H, I]
     hinted: bool = False
+    hint_sites: tuple[str, ...] = ("experts_input",)  # what a hinted layer records (`TraceFP4Config.hint_sites`)
 
     def nbytes_dense(self) -> int:
         ts = (self.ln_in, self.w_qkv, self.q_norm, self.k_norm, self.w_o, self.ln_post, self.w_router)
@@ -147,12 +149,12 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
             if ex.fmt != "nvfp4" or ex.activations != "fp4":
                 raise ValueError("fast_decode's FP4 experts are NVFP4 W4A4 (TraceFP4Config defaults).")
             gu, d = ex.packed_weights()
-            hinted = ex.hinted
+            hinted, sites = ex.hinted, ex.hint_sites or ("experts_input",)
         elif fp4_experts:
             gu, d = quantize_experts(ex.gate_up_proj.detach(), ex.down_proj.detach())
-            hinted = i >= n - (n + 1) // 2
+            hinted, sites = i >= n - (n + 1) // 2, ("experts_input",)
         else:
-            gu, d, hinted = ex.gate_up_proj.detach(), ex.down_proj.detach(), False
+            gu, d, hinted, sites = ex.gate_up_proj.detach(), ex.down_proj.detach(), False, ()
         layers.append(
             LayerWeights(
                 layer.input_layernorm.weight.detach(),
@@ -165,6 +167,7 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
                 gu,
                 d,
                 hinted,
+                sites,
             )  # fmt: skip
         )
     return DecodeWeights(dims, inner.embed_tokens.weight.detach(), inner.norm.weight.detach(),
@@ -310,8 +313,10 @@ class FastDecoder:
     Args:
         weights: `DecodeWeights` (FP4 experts give the W4A4 path; dense experts the BF16 path).
         kv_fp4: FP4 (NVFP4, per token and head) KV cache, else a cache in the model dtype.
-        record_hints: write the hints of hinted layers (mantissa bits, block scales, row scale of the experts
-            input) of every step into `hint_bits` / `hint_scale` / `hint_g` ([n_hinted, batch, ...]).
+        record_hints: write the hints of hinted layers (mantissa bits, block scales, row scale) of every step: of the
+            experts input into `hint_bits` / `hint_scale` / `hint_g` ([n_hinted, batch, ...]), and at layers hinted at
+            "experts_hidden" of the down projection's input per slot into `hidden_bits` / `hidden_scale` /
+            `hidden_g` ([n_hidden, batch, top_k, ...], slots in the router's order).
         use_ops: call the kernels through the ``torch.ops.trace_hf`` custom ops (else directly).
         record_routing: write every layer's routed expert ids into `routing` ([num_layers, batch, top_k] int16).
         sample: called at the end of each step with the decoder, instead of the greedy argmax: it reads `logits` and
@@ -351,11 +356,16 @@ class FastDecoder:
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self.logits = torch.zeros(batch, d.vocab, dtype=torch.float32, device=self.device)
-        self.hinted = [i for i, lw in enumerate(weights.layers) if lw.hinted] if self.fp4_experts else []
+        self.hinted = self._hinted_at("experts_input")
         n_h, H = len(self.hinted), d.hidden
         self.hint_bits = torch.zeros(n_h, batch, H // 8, dtype=torch.uint8, device=self.device)
         self.hint_scale = torch.zeros(n_h, batch, H // 16, dtype=torch.uint8, device=self.device)
         self.hint_g = torch.zeros(n_h, batch, dtype=torch.float32, device=self.device)
+        self.hidden_hinted = self._hinted_at("experts_hidden")
+        n_hh, width, k = len(self.hidden_hinted), d.expert_dim, d.top_k
+        self.hidden_bits = torch.zeros(n_hh, batch, k, width // 8, dtype=torch.uint8, device=self.device)
+        self.hidden_scale = torch.zeros(n_hh, batch, k, width // 16, dtype=torch.uint8, device=self.device)
+        self.hidden_g = torch.zeros(n_hh, batch, k, dtype=torch.float32, device=self.device)
         self._direct_hints = self.record_hints and _direct_hints_ok(self.device, H)
         self.record_routing = record_routing
         self.routing = torch.zeros(d.num_layers if record_routing else 0, batch, d.top_k, dtype=torch.int16,
@@ -364,6 +374,11 @@ class FastDecoder:
         self.graph = None
 
     # -- pieces ---------------------------------------------------------------------------------------------
+
+    def _hinted_at(self, site: str) -> list[int]:
+        if not self.fp4_experts:
+            return []
+        return [i for i, lw in enumerate(self.w.layers) if lw.hinted and site in lw.hint_sites]
 
     def _add_rmsnorm(self, res, add, w):
         if self.use_ops:
@@ -383,6 +398,18 @@ class FastDecoder:
         scale.copy_(h.block_scale)
         g.copy_(h.global_scale.reshape(-1))
         return q
+
+    def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
+        """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they
+        quantized, put in slot order (graph-safe). Called directly, not as a custom op (the op returns no hints)."""
+        lw = self.w.layers[layer]
+        y, hidden = _kernels()[2].experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, True, return_hidden=True)
+        j, pos = self.hidden_hinted.index(layer), hidden.positions()
+        h = hidden.hints
+        for dst, src in ((self.hidden_bits, h.mantissa_bits), (self.hidden_scale, h.block_scale),
+                         (self.hidden_g, h.global_scale.squeeze(-1))):  # fmt: skip
+            dst[j].copy_(src[pos].view(dst[j].shape))
+        return y
 
     def step(self) -> None:
         """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
@@ -415,7 +442,9 @@ class FastDecoder:
             if self.record_routing:
                 self.routing[i].copy_(ids)
             xq = self._quantize_input(xn, i) if self.fp4_experts else xn
-            if self.use_ops:
+            if self.record_hints and i in self.hidden_hinted:
+                pending = self._experts_recording_hidden(xq, ids, tw, i)
+            elif self.use_ops:
                 pending = ops.moe_experts(*_fp4_parts(xq), ids, tw, *_fp4_parts(lw.gate_up), *_fp4_parts(lw.down),
                                           self.fp4_experts, d.hidden)  # fmt: skip
             else:

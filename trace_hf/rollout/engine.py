@@ -31,8 +31,9 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
+from .. import fp4
 from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
-from ..hints import HintRecorder, hint_batch_from_columns
+from ..hints import HintRecorder, hint_batch_from_columns, kv_rows
 from ..kv_cache import FP4KVLayer, fp4_cache
 from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists
 from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, weights_from_hf
@@ -74,8 +75,6 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
         return "its FP4 experts are not NVFP4 W4A4 (the engine's kernels)"
     if experts and len(experts) != text.num_hidden_layers:
         return "some MoE layers were left unquantized (modules_to_not_convert)"
-    if any(s != "experts_input" for m in experts if m.hinted for s in m.hint_sites):
-        return "its TraceFP4Config.hint_sites has sites other than 'experts_input', the only one the engine records"
     if kv_format(lm) not in (None, "nvfp4"):
         return f"its KV cache is {kv_format(lm)}, the engine's FP4 cache is NVFP4"
     device = next(lm.parameters()).device
@@ -204,14 +203,15 @@ class _ShardedWeights:
                     if isinstance(m.experts, TraceFP4Experts):
                         m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
                         gu, d, hinted = m.experts._packed[1], m.experts._packed[2], m.experts.hinted
+                        sites = m.experts.hint_sites or ("experts_input",)
                     else:
                         gu = own(old and old.gate_up, m.experts.gate_up_proj)
-                        d, hinted = own(old and old.down, m.experts.down_proj), False
+                        d, hinted, sites = own(old and old.down, m.experts.down_proj), False, ()
                     layers.append(LayerWeights(
                         own(old and old.ln_in, layer.input_layernorm.weight), own(old and old.w_qkv, qkv),
                         own(old and old.q_norm, a.q_norm.weight), own(old and old.k_norm, a.k_norm.weight),
                         own(old and old.w_o, a.o_proj.weight), own(old and old.ln_post, layer.post_attention_layernorm.weight),
-                        own(old and old.w_router, m.gate.weight), gu, d, hinted,
+                        own(old and old.w_router, m.gate.weight), gu, d, hinted, sites,
                     ))  # fmt: skip
         if w is not None:
             return w
@@ -240,6 +240,9 @@ class _Runner:
         self.rec_bits = torch.zeros(n_h, batch, rec_n, H // 8, dtype=torch.uint8, device=dev)
         self.rec_scale = torch.zeros(n_h, batch, rec_n, H // 16, dtype=torch.uint8, device=dev)
         self.rec_g = torch.zeros(n_h, batch, rec_n, dtype=torch.float32, device=dev)
+        dh = self.dec
+        self.rec_hidden = tuple(torch.zeros(t.shape[0], batch, rec_n, *t.shape[2:], dtype=t.dtype, device=dev)
+                                for t in (dh.hidden_bits, dh.hidden_scale, dh.hidden_g))  # fmt: skip
         self.rec_route = torch.zeros(d.num_layers if record else 0, batch, rec_n, d.top_k, dtype=torch.int16,
                                      device=dev)  # fmt: skip
         self.graph_ready = False
@@ -259,6 +262,9 @@ class _Runner:
                 self.rec_bits.index_copy_(2, self.step, dec.hint_bits.unsqueeze(2))
                 self.rec_scale.index_copy_(2, self.step, dec.hint_scale.unsqueeze(2))
                 self.rec_g.index_copy_(2, self.step, dec.hint_g.unsqueeze(2))
+            if dec.hidden_hinted:
+                for rec, t in zip(self.rec_hidden, (dec.hidden_bits, dec.hidden_scale, dec.hidden_g), strict=True):
+                    rec.index_copy_(2, self.step, t.unsqueeze(2))
             self.rec_route.index_copy_(2, self.step, dec.routing.unsqueeze(2))
         self.finished |= torch.isin(tok, self.eos)
         if self.seen is not None:
@@ -340,8 +346,10 @@ class EngineRollout:
         kv = A.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size()) * d.num_layers
         need = batch * length * kv + 8 * batch * d.vocab * 4  # cache + the sampler's [B, V] fp32 temporaries
         if record:
+            n_hidden = sum(lw.hinted and "experts_hidden" in lw.hint_sites for lw in w.layers)
             need += batch * s.max_new_tokens * (d.num_layers * (d.hidden // 8 + d.hidden // 16 + 4) + 2 * d.top_k
                                                 * d.num_layers)  # fmt: skip
+            need += batch * s.max_new_tokens * n_hidden * d.top_k * (d.expert_dim // 8 + d.expert_dim // 16 + 4)
         free, _ = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         if need > free:
@@ -428,7 +436,7 @@ class EngineRollout:
         keep = cut_after_eos(completion, s.eos_token_id) if s.eos_token_id else torch.ones_like(completion, dtype=bool)
         hints = None
         if record:
-            hints = self._hints(recorder, r, B, steps, torch.cat([mask, keep.to(mask.dtype)], dim=1))
+            hints = self._hints(recorder, r, B, steps, torch.cat([mask, keep.to(mask.dtype)], dim=1), lengths)
             if storage == "cpu":
                 hints = hints.to("cpu")
         if dev.type == "cuda":
@@ -457,12 +465,23 @@ class EngineRollout:
                 put(c.v, layer.values.to(c.v.dtype))
 
     @staticmethod
-    def _hints(recorder: HintRecorder, r: _Runner, B: int, steps: int, full_mask: torch.Tensor):
-        """Prompt columns from the prefill's recorder, then one column per decode step (its input token)."""
+    def _hints(recorder: HintRecorder, r: _Runner, B: int, steps: int, full_mask: torch.Tensor, lengths):
+        """Prompt columns from the prefill's recorder, then one column per decode step (its input token); the decode
+        steps' K/V hints are read from the decoder's FP4 cache afterwards (the codes attention read)."""
         bits, scales, gscale, routing, ids = recorder.columns()
 
         def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
             return t[:, :B, :steps].movedim(0, 2)
+
+        def decoded(site):
+            if site == "experts_hidden":
+                return tuple(cols(t) for t in r.rec_hidden)
+            return _kv_hints(r.dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps)
+
+        sites = {
+            site: tuple(torch.cat([a, b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
+            for site, ts in recorder.site_columns().items()
+        }
 
         bits = torch.cat([bits, cols(r.rec_bits)], dim=1)
         scales = torch.cat([scales, cols(r.rec_scale)], dim=1)
@@ -470,4 +489,24 @@ class EngineRollout:
         routing = torch.cat([routing, cols(r.rec_route)], dim=1)
         ids = torch.cat([ids, r.out_tokens[:B, :steps].to(ids.dtype)], dim=1)  # decode step s fed completion token s
         return hint_batch_from_columns(bits, scales, gscale, routing, full_mask, recorder.fmt, recorder.hint_layers,
-                                       ids)  # fmt: skip
+                                       ids, site_columns=sites)  # fmt: skip
+
+
+def _kv_hints(dec: FastDecoder, layers: list[int], lengths: torch.Tensor, steps: int):
+    """The "kv" hints of the decode steps at decoder layers `layers`, [B, steps, n_layers, 2, kv_heads, ...] (bits,
+    block scales, row scales), from the FP4 cache: step s of row b wrote position ``lengths[b] + s`` there."""
+    B = lengths.shape[0]
+    where = lengths[:, None].long() + torch.arange(steps, device=lengths.device)  # [B, steps]
+
+    def take(t):  # [batch, kv_heads, T, ...] -> [B, kv_heads, steps, ...]
+        idx = where.view(B, 1, steps, *([1] * (t.ndim - 3))).expand(B, t.shape[1], steps, *t.shape[3:])
+        return torch.gather(t[:B], 2, idx)
+
+    per_layer = []
+    for j in layers:
+        c = dec.caches[j]
+        qk, qv = (fp4.FP4Tensor(take(q), take(sc), take(g).unsqueeze(-1), "nvfp4")
+                  for q, sc, g in ((c.k, c.k_scale, c.k_g), (c.v, c.v_scale, c.v_g)))  # fmt: skip
+        h = fp4.extract_hints(kv_rows(qk, qv))
+        per_layer.append((h.mantissa_bits, h.block_scale, h.global_scale.squeeze(-1)))
+    return tuple(torch.stack([p[k] for p in per_layer], dim=1).unflatten(0, (B, steps)) for k in range(3))
