@@ -39,7 +39,8 @@ def _decode_ptx() -> str:
     ($0..$3), pair j = (nibble j of the low word, nibble j of the high word) * s * 2^-14. The magnitude bits of a
     nibble go under the fp16 exponent's low bits (bits 9-11: value E2M1 * 2^-14, code 1 an fp16 subnormal), its sign
     to bit 15; both words move with the same shift because they are 16 bits apart."""
-    lines = ["{", ".reg .b32 m, s, sc;", ".reg .b16 sl, sh;", "mov.b32 {sl, sh}, $5;", "cvt.rn.f16x2.e4m3x2 sc, sl;"]
+    lines = ["{", ".reg .b32 m, s, sc;", ".reg .b16 sl, sh;", "prmt.b32 sc, $5, $6, 0x40;", "mov.b32 {sl, sh}, sc;",
+             "cvt.rn.f16x2.e4m3x2 sc, sl;"]  # fmt: skip
     for j in range(4):
         mag, sign = 9 - 4 * j, 12 - 4 * j
         lines.append(f"shl.b32 m, $4, {mag};" if mag > 0 else f"shr.b32 m, $4, {-mag};")
@@ -57,7 +58,7 @@ def _decode(words, scales):
     """uint16 code words and their uint8 block-scale bytes (same layout) to the four fp16 K-slices
     ``E2M1 * s * 2^-14``."""
     return gl.inline_asm_elementwise(
-        _DECODE_PTX, "=r,=r,=r,=r,r,r", [words, scales], dtype=(gl.float16,) * 4, is_pure=True, pack=2
+        _DECODE_PTX, "=r,=r,=r,=r,r,r,r", [words, scales.to(gl.int32)], dtype=(gl.float16,) * 4, is_pure=True, pack=2
     )
 
 
