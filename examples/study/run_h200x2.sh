@@ -9,27 +9,16 @@
 #    the machine has one GPU, which skips 1 and 2: the small models leave the H200 mostly idle). 4. The report.
 # Results are packed into $OUT/study.tar.gz and $OUT/ddp.tar.gz (the device returns at most 8 files).
 set -u
-ROOT=$(pwd)
-OUT=${OUT:-outputs/h200x2}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-W=$(mktemp -d)
-PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
+source examples/study/common.sh
+study_setup outputs/h200x2
 STEPS=${STEPS:-30}
-DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # regimes that cannot finish before this are skipped, and say so
-nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/env.txt"
-$PY -c "import torch, trl, transformers; print(torch.__version__, trl.__version__, transformers.__version__)" >> "$OUT/env.txt"
-cat "$OUT/env.txt"
 
-G1=1; [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && G1=0  # one GPU: both queues share it, no DDP run
+G1=1; [ "$NGPU" -lt 2 ] && G1=0  # one GPU: both queues share it, no DDP run
 echo "== 1. one-GPU GRPO (GPU $G1) and the study warm-up (GPU0), in parallel"
 [ "$G1" = 1 ] && (CUDA_VISIBLE_DEVICES=1 timeout 120 $PY examples/grpo.py --max-steps 20 --output-dir "$W/ddp/1gpu" \
   > "$W/ddp_1gpu.log" 2>&1; echo "rc=$?" >> "$W/ddp_1gpu.log") &
-CUDA_VISIBLE_DEVICES=0 timeout 170 $PY examples/study/study.py warm --out "$W/study" > "$W/study_warm.log" 2>&1
-echo "warm rc=$?"
+study_warm 0
 wait
-tail -n 3 "$W/study_warm.log"
 
 echo "== 2. the same GRPO run with DDP on two GPUs"
 if [ "$G1" = 1 ]; then
@@ -44,14 +33,10 @@ fi
 
 echo "== 3. study regimes in three queues, spread over the GPUs ($STEPS GRPO steps each)"
 run_queue() {
-  local q=$1 gpu=$2; shift 2
+  local q=$1 gpu=$2
+  shift 2
   for regime in "$@"; do
-    local left=$((DEADLINE - SECONDS - 40))
-    if [ "$left" -lt 60 ]; then echo "$regime SKIPPED (out of time)" >> "$W/queue$q.log"; continue; fi
-    CUDA_VISIBLE_DEVICES=$gpu timeout "$left" $PY examples/study/study.py grpo --out "$W/study" \
-      --regime "$regime" --steps "$STEPS" > "$W/study_$regime.log" 2>&1
-    echo "$regime rc=$?" >> "$W/queue$q.log"
-    tail -n 1 "$W/study_$regime.log" >> "$W/queue$q.log"
+    study_grpo "$regime" 0 "$gpu" --steps "$STEPS" >> "$W/queue$q.log"
   done
 }
 run_queue 0 0 trace_replay fp4_qat &
@@ -61,9 +46,7 @@ wait
 cat "$W"/queue*.log
 
 echo "== 4. report"
-$PY examples/study/study.py report --out "$W/study" 2>&1 | tail -n 12
-cp "$W/study/table.md" "$W/study/study.png" "$OUT/" 2>/dev/null
-tar -C "$W" -czf "$OUT/study.tar.gz" --exclude='*/warm/*.safetensors' study study_warm.log $(cd "$W" && ls study_*.log queue*.log)
+study_report
 [ "$G1" = 1 ] && tar -C "$W" -czf "$OUT/ddp.tar.gz" --exclude='*.safetensors' ddp ddp_1gpu.log ddp_2gpu.log
 ls -la "$OUT"
 rm -rf "$W"

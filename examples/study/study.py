@@ -3,19 +3,24 @@
 
     python examples/study/study.py warm   --out outputs/study                       # SFT-warm the ~100M MoE
     python examples/study/study.py grpo   --out outputs/study --regime trace_replay # one regime (GRPO + eval)
-    python examples/study/study.py report --out outputs/study                       # table + plots
+    python examples/study/study.py report --out outputs/study                       # tables + plots
 
 Regimes (same warm start, steps, seeds and data):
 
     bf16          BF16 rollout, BF16 training (plain model); its FP4 evaluation is the PTQ baseline
     fp4_naive     FP4 rollout, BF16 training (TraceFP4Config(qat=False)), no hints, no replay
     fp4_qat       FP4 rollout, QAT, no hints, no replay
-    trace         FP4 rollout, QAT, hints on the last half of the MoE layers
+    trace         FP4 rollout, QAT, hints on the experts' input of the last half of the MoE layers
     trace_replay  trace + routing replay
     trace_replay_h25 / trace_replay_h100   the layer ablation: hints on the last 25% / 100% of the MoE layers
+    all_sites     hints at every FP4 site (experts input, experts hidden, K/V) of the last half of the MoE layers
+    all_sites_replay / all_sites_h100      all_sites + routing replay, on the last half / all of the MoE layers
 
-Every run writes `<out>/<regime>/result.json`: TRL's log history, final test accuracy with FP4 inference (the
-packed rollout path) and with BF16 inference (the same master weights, unquantized), and wall time.
+Every run writes `<out>/<regime>_seed<seed>/result.json`: TRL's log history (with `eval/test_accuracy` every
+`--eval-every` steps), final test accuracy with FP4 inference (the packed rollout path) and with BF16 inference (the
+same master weights, unquantized), the hint bytes per token of the regime (study model and Qwen3.5-35B-A3B's shape,
+from the configs alone), the steps done (`--max-train-seconds` may stop a run early) and wall time. `report` averages
+seeds and writes table.md, summary.json, study.png, kl_vs_bytes.png and, with evaluations, curves.png.
 """
 
 from __future__ import annotations
@@ -23,20 +28,39 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import time
+from typing import NamedTuple
+
+from transformers import TrainerCallback
+
+
+ALL_SITES = ("experts_input", "experts_hidden", "kv")
+
+
+class Regime(NamedTuple):
+    quantized: bool
+    qat: bool
+    hints: bool
+    routing_replay: bool
+    fraction: float  # of the MoE layers (the last ones) that record hints
+    sites: tuple[str, ...] = ("experts_input",)
 
 
 REGIMES = {
-    # name: (quantized, qat, trace_hints, routing_replay, hint fraction)
-    "bf16": (False, False, False, False, 0.0),
-    "fp4_naive": (True, False, False, False, 0.5),
-    "fp4_qat": (True, True, False, False, 0.5),
-    "trace": (True, True, True, False, 0.5),
-    "trace_replay": (True, True, True, True, 0.5),
-    "trace_replay_h25": (True, True, True, True, 0.25),
-    "trace_replay_h100": (True, True, True, True, 1.0),
+    "bf16": Regime(False, False, False, False, 0.0),
+    "fp4_naive": Regime(True, False, False, False, 0.5),
+    "fp4_qat": Regime(True, True, False, False, 0.5),
+    "trace": Regime(True, True, True, False, 0.5),
+    "trace_replay": Regime(True, True, True, True, 0.5),
+    "trace_replay_h25": Regime(True, True, True, True, 0.25),
+    "trace_replay_h100": Regime(True, True, True, True, 1.0),
+    "all_sites": Regime(True, True, True, False, 0.5, ALL_SITES),
+    "all_sites_replay": Regime(True, True, True, True, 0.5, ALL_SITES),
+    "all_sites_h100": Regime(True, True, True, True, 1.0, ALL_SITES),
 }
+DATA_SEED = 0  # one train/test split for every run: the warm-up trained on it, so GRPO seeds must not reshuffle it
 
 
 def parse_args(argv=None):
@@ -51,8 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=96, help="worked answers need ~60-90")
     p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--eval-problems", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-problems", type=int, default=256, help="greedy test problems per evaluation")
+    p.add_argument("--eval-every", type=int, default=0, help="test accuracy every N GRPO steps (0: none)")
+    p.add_argument("--max-train-seconds", type=float, help="stop GRPO before a step would pass this wall time")
+    p.add_argument("--seed", type=int, default=0, help="GRPO seed (prompt order, sampling); the run dir's suffix")
     return p.parse_args(argv)
 
 
@@ -78,10 +104,10 @@ def model_config(size: str, tokenizer):
     )
 
 
-def data(seed: int):
+def data():
     from trace_hf.data import arithmetic_dataset, to_grpo_dataset
 
-    ds = arithmetic_dataset(n_train=4096, n_test=512, seed=seed, max_operand=12)
+    ds = arithmetic_dataset(n_train=4096, n_test=512, seed=DATA_SEED, max_operand=12)
     return to_grpo_dataset(ds["train"]), to_grpo_dataset(ds["test"])
 
 
@@ -91,6 +117,29 @@ def device_and_dtype():
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
+
+
+def num_hint_layers(regime: Regime, num_moe_layers: int) -> int:
+    return max(1, round(regime.fraction * num_moe_layers))
+
+
+def qwen35_35b_config():
+    """Qwen3.5-35B-A3B's text shape, built locally: transformers' `Qwen3_5MoeTextConfig()` defaults are that model's
+    (hidden 2048, 40 MoE layers, top-8 experts of width 512, full attention at every fourth layer)."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig()
+
+
+def hint_bytes(regime: str, config) -> int:
+    """Hint bytes per token a rollout keeps for training under `regime` (0 without hints), from the config alone."""
+    from trace_hf import hint_bytes_per_token
+    from trace_hf.hints import num_moe_layers
+
+    r = REGIMES[regime]
+    if not r.hints:
+        return 0
+    return hint_bytes_per_token(config, hint_layers=num_hint_layers(r, num_moe_layers(config)), sites=r.sites)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,7 +159,7 @@ def warm(args) -> None:
     tok = build_char_tokenizer()
     model = AutoModelForCausalLM.from_config(model_config(args.size, tok), dtype=torch.float32).to(dev)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    train, test = data(args.seed)
+    train, test = data()
     texts = [p + " " + a + tok.eos_token for p, a in zip(train["prompt"], train["answer"], strict=True)]
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-4, total_steps=args.sft_steps, pct_start=0.1)
@@ -140,31 +189,106 @@ def warm(args) -> None:
     path = os.path.join(args.out, "warm")
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    acc = evaluate(model, tok, test, args.eval_problems)
+    acc = evaluate(model, tok, test, args.eval_problems, args.max_completion_length)
     result = {"sft_steps": args.sft_steps, "wall_s": time.time() - t0, "test_accuracy_bf16": acc}
     with open(os.path.join(args.out, "warm.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result))
 
 
-def evaluate(model, tokenizer, test, n: int, batch: int = 128, max_new_tokens: int = 96) -> float:
-    """Greedy accuracy on the first `n` test problems (the arithmetic reward on the completion)."""
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def greedy_config(tokenizer, max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def evaluate(model, tokenizer, test, n: int, max_new_tokens: int, rollout=None, batch: int = 128) -> float:
+    """Greedy accuracy on the first `n` test problems, through the library's rollout seam (`rollout`, or a new one):
+    the CUDA engine where it supports the model (many times faster than `generate` for a small model), else
+    `model.generate`. The model runs its own inference path: packed FP4 experts for a TraceFP4Config model."""
     import torch
 
     from trace_hf.data import arithmetic_reward
+    from trace_hf.rollout import make_rollout
 
+    gc = greedy_config(tokenizer, max_new_tokens)
+    rollout = rollout or make_rollout(model, "auto", gc)
     was_training = model.training
     model.eval()
     prompts, answers = test["prompt"][:n], test["answer"][:n]
     correct = 0.0
-    for i in range(0, len(prompts), batch):
-        enc = tokenizer(prompts[i : i + batch], return_tensors="pt", padding=True).to(model.device)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
-        correct += sum(arithmetic_reward(texts, answers[i : i + batch]))
-    model.train(was_training)
+    try:
+        for i in range(0, len(prompts), batch):
+            ids = tokenizer(prompts[i : i + batch]).input_ids
+            with torch.no_grad():
+                out = rollout(model, ids, gc)
+            texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+            correct += sum(arithmetic_reward(texts, answers[i : i + batch]))
+    finally:
+        model.train(was_training)
     return correct / len(prompts)
+
+
+class TestAccuracy(TrainerCallback):
+    """Greedy test accuracy of the policy in its rollout precision before training, every `every` steps and after
+    the last step, appended to the log history as `eval/test_accuracy`: the accuracy curve of a long run."""
+
+    def __init__(self, tokenizer, test, n: int, max_new_tokens: int, every: int):
+        self.tokenizer, self.test, self.n, self.max_new_tokens, self.every = tokenizer, test, n, max_new_tokens, every
+        self.rollout = None  # kept across evaluations: the engine captures its graphs once
+        self.last_step = None
+
+    def _evaluate(self, state, model) -> None:
+        from trace_hf.rollout import make_rollout
+
+        if self.rollout is None:
+            self.rollout = make_rollout(model, "auto", greedy_config(self.tokenizer, self.max_new_tokens))
+        t0 = time.time()
+        acc = evaluate(model, self.tokenizer, self.test, self.n, self.max_new_tokens, self.rollout)
+        state.log_history.append(
+            {"step": state.global_step, "eval/test_accuracy": acc, "eval/seconds": time.time() - t0}
+        )
+        self.last_step = state.global_step
+        print(f"step {state.global_step}: test accuracy {acc:.3f} ({time.time() - t0:.1f}s)", flush=True)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._evaluate(state, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0:
+            self._evaluate(state, model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.last_step != state.global_step:
+            self._evaluate(state, model)
+
+
+class TimeBudget(TrainerCallback):
+    """Stops training when the next step (as long as the last one) would end past `seconds` after the start, so a run
+    that the device's wall-clock limit would cut still ends with its final evaluation and result.json."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.stopped = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.last = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.time()
+        step, self.last = now - self.last, now
+        if now + step - self.start > self.seconds and state.global_step < state.max_steps:
+            control.should_training_stop = self.stopped = True
 
 
 def plain_copy(model):
@@ -181,18 +305,21 @@ def plain_copy(model):
     return plain
 
 
-def fp4_copy(model, hint_layers=None):
+def fp4_copy(model):
     """The same master weights with FP4 experts and KV cache (FP4 inference; PTQ for a BF16-trained policy)."""
     from trace_hf import TraceFP4Config
     from trace_hf.quantizer import quantize_model
 
-    q = plain_copy(model)
-    return quantize_model(q, TraceFP4Config(hint_layers=hint_layers))
+    return quantize_model(plain_copy(model), TraceFP4Config())
 
 
 # ----------------------------------------------------------------------------------------------------------
 # GRPO
 # ----------------------------------------------------------------------------------------------------------
+
+
+def run_dir(out: str, regime: str, seed: int) -> str:
+    return os.path.join(out, f"{regime}_seed{seed}")
 
 
 def grpo(args) -> None:
@@ -203,22 +330,24 @@ def grpo(args) -> None:
     from trace_hf.data import arithmetic_reward
     from trace_hf.experts import fp4_experts
 
-    quantized, qat, hints, replay, fraction = REGIMES[args.regime]
+    regime = REGIMES[args.regime]
     set_seed(args.seed)
     dev, dtype = device_and_dtype()
     warm_path = os.path.join(args.out, "warm")
     tok = AutoTokenizer.from_pretrained(warm_path)
-    n_moe = model_config(args.size, tok).num_hidden_layers
-    hint_layers = max(1, round(fraction * n_moe)) if quantized else None
-    quant = TraceFP4Config(qat=qat, hint_layers=hint_layers) if quantized else None
+    study_config = model_config(args.size, tok)
+    quant = None
+    if regime.quantized:
+        hint_layers = num_hint_layers(regime, study_config.num_hidden_layers)  # every layer is MoE
+        quant = TraceFP4Config(qat=regime.qat, hint_layers=hint_layers, hint_sites=list(regime.sites))
     model = AutoModelForCausalLM.from_pretrained(warm_path, dtype=dtype, quantization_config=quant).to(dev)
-    train, test = data(args.seed)
-    run_dir = os.path.join(args.out, args.regime)
+    train, test = data()
+    out_dir = run_dir(args.out, args.regime, args.seed)
     config = TraceGRPOConfig(
-        output_dir=run_dir,
-        rollout_precision="fp4" if quantized else "bf16",
-        trace_hints=hints,
-        routing_replay=replay,
+        output_dir=out_dir,
+        rollout_precision="fp4" if regime.quantized else "bf16",
+        trace_hints=regime.hints,
+        routing_replay=regime.routing_replay,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
@@ -237,25 +366,41 @@ def grpo(args) -> None:
         use_cpu=dev.type == "cpu",
         disable_tqdm=True,
     )
+    callbacks = []
+    if args.eval_every:
+        callbacks.append(TestAccuracy(tok, test, args.eval_problems, args.max_completion_length, args.eval_every))
+    budget = TimeBudget(args.max_train_seconds) if args.max_train_seconds else None
+    callbacks += [budget] if budget else []  # after the evaluation: a step's time includes it
     trainer = TraceGRPOTrainer(
-        model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=train, processing_class=tok
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=train,
+        processing_class=tok,
+        callbacks=callbacks,
     )
     t0 = time.time()
     trainer.train()
     wall = time.time() - t0
     model = trainer.model
+    fp4_model = model if regime.quantized else fp4_copy(model)
     result = {
         "regime": args.regime,
-        "hint_layers": [m.moe_index for m in fp4_experts(model) if m.hinted] if quantized and hints else [],
+        "hint_layers": [m.moe_index for m in fp4_experts(model) if m.hinted] if regime.hints else [],
+        "hint_sites": list(regime.sites) if regime.hints else [],
+        "hint_bytes_per_token": hint_bytes(args.regime, study_config),
+        "hint_bytes_per_token_qwen35_35b": hint_bytes(args.regime, qwen35_35b_config()),
         "seed": args.seed,
         "steps": args.steps,
+        "steps_done": trainer.state.global_step,
+        "stopped_by_budget": bool(budget and budget.stopped),
         "train_wall_s": wall,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "history": trainer.state.log_history,
-        "test_accuracy_fp4": evaluate(model if quantized else fp4_copy(model), tok, test, args.eval_problems),
-        "test_accuracy_bf16": evaluate(plain_copy(model), tok, test, args.eval_problems),
+        "test_accuracy_fp4": evaluate(fp4_model, tok, test, args.eval_problems, args.max_completion_length),
+        "test_accuracy_bf16": evaluate(plain_copy(model), tok, test, args.eval_problems, args.max_completion_length),
     }
-    with open(os.path.join(run_dir, "result.json"), "w") as f:
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "history"}))
 
@@ -264,13 +409,125 @@ def grpo(args) -> None:
 # Report
 # ----------------------------------------------------------------------------------------------------------
 
-COLUMNS = [
-    ("sampling/sampling_logp_difference/mean", "mean |dlogp|"),
-    ("sampling/sampling_logp_difference/max", "max |dlogp|"),
-    ("trace/kl_rollout_train", "KL roll/train"),
-    ("trace/hint_flip_rate", "flip rate"),
-    ("trace/routing_mismatch", "routing mismatch"),
-]
+GAP_MEAN, GAP_MAX = "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"
+KL = "trace/kl_rollout_train"
+FLIP, ROUTING, ACC = "trace/hint_flip_rate", "trace/routing_mismatch", "eval/test_accuracy"
+
+
+def load_results(out: str) -> dict[str, list[dict]]:
+    """Every `<out>/*/result.json`, grouped by regime (in `REGIMES` order), seeds in order."""
+    runs: dict[str, list[dict]] = {}
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name, "result.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                r = json.load(f)
+            runs.setdefault(r["regime"], []).append(r)
+    return {k: sorted(runs[k], key=lambda r: r["seed"]) for k in REGIMES if k in runs}
+
+
+def steps_of(r: dict) -> list[dict]:
+    return [h for h in r["history"] if "reward" in h]
+
+
+def run_stat(r: dict, key: str) -> float | None:
+    """One run's value of a per-step metric: the max over steps for a `.../max`, else the mean; None if not logged."""
+    vals = [h[key] for h in steps_of(r) if key in h and math.isfinite(h[key])]
+    if not vals:
+        return None
+    return max(vals) if key.endswith("/max") else sum(vals) / len(vals)
+
+
+def seed_mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def curve(runs: list[dict], key: str, evals: bool = False) -> tuple[list[int], list[float]]:
+    """(steps, mean over the seeds that logged `key` at that step)."""
+    by_step: dict[int, list[float]] = {}
+    for r in runs:
+        for h in r["history"] if evals else steps_of(r):
+            if key in h and math.isfinite(h[key]):
+                by_step.setdefault(h["step"], []).append(h[key])
+    x = sorted(by_step)
+    return x, [sum(by_step[s]) / len(by_step[s]) for s in x]
+
+
+def smooth(y: list[float], window: int) -> list[float]:
+    return [sum(y[max(0, i - window + 1) : i + 1]) / len(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
+
+
+def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per regime, every quantity averaged over seeds (a run's per-step metrics first reduced by `run_stat`)."""
+    from trace_hf.config import HINT_SITES
+
+    summary = {}
+    for regime, runs in results.items():
+        s = {
+            "seeds": [r["seed"] for r in runs],
+            "steps_done": [r.get("steps_done", r["steps"]) for r in runs],
+            "hint_bytes_per_token": runs[0]["hint_bytes_per_token"],
+            "hint_bytes_per_token_qwen35_35b": runs[0]["hint_bytes_per_token_qwen35_35b"],
+        }
+        for name, key in [("gap_mean", GAP_MEAN), ("gap_max", GAP_MAX), ("kl", KL), ("flip_rate", FLIP),
+                          ("routing_mismatch", ROUTING)]:  # fmt: skip
+            s[name] = seed_mean(run_stat(r, key) for r in runs)
+        s["kl_per_seed"] = [run_stat(r, KL) for r in runs]
+        s["flip_rate_by_site"] = {
+            site: v for site in HINT_SITES if (v := seed_mean(run_stat(r, f"{FLIP}/{site}") for r in runs)) is not None
+        }
+        rewards = [[h["reward"] for h in steps_of(r)] for r in runs]
+        k = [max(1, min(len(rw), max(5, len(rw) // 10))) for rw in rewards]
+        s["reward_first"] = seed_mean(sum(rw[:n]) / n for rw, n in zip(rewards, k, strict=True) if rw)
+        s["reward_last"] = seed_mean(sum(rw[-n:]) / n for rw, n in zip(rewards, k, strict=True) if rw)
+        evals = [[h[ACC] for h in r["history"] if ACC in h] for r in runs]
+        s["eval_first"] = seed_mean(e[0] for e in evals if e)
+        s["eval_last"] = seed_mean(e[-1] for e in evals if e)
+        s["test_accuracy_fp4"] = seed_mean(r["test_accuracy_fp4"] for r in runs)
+        s["test_accuracy_bf16"] = seed_mean(r["test_accuracy_bf16"] for r in runs)
+        s["train_wall_s"] = seed_mean(r["train_wall_s"] for r in runs)
+        summary[regime] = s
+    return summary
+
+
+def table(summary: dict[str, dict]) -> str:
+    def f(v, fmt=".3g"):
+        return "n/a" if v is None else format(v, fmt)
+
+    sites = [site for site in ALL_SITES if any(site in s["flip_rate_by_site"] for s in summary.values())]
+    head = ["regime", "seeds", "steps", "mean \\|dlogp\\|", "max \\|dlogp\\|", "KL rollout/train", "flip rate",
+            *[f"flip {site}" for site in sites], "routing mismatch", "hint B/token (study)",
+            "hint B/token (Qwen3.5-35B-A3B)", "reward first -> last", "test acc by step (first -> last)",
+            "test acc FP4", "test acc BF16", "train wall s"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for regime, s in summary.items():
+        steps = sorted(set(s["steps_done"]))
+        cells = [
+            regime,
+            str(len(s["seeds"])),
+            "-".join(str(n) for n in (steps[0], steps[-1])) if len(steps) > 1 else str(steps[0]),
+            f(s["gap_mean"]),
+            f(s["gap_max"]),
+            f(s["kl"]),
+            f(s["flip_rate"]),
+            *[f(s["flip_rate_by_site"].get(site)) for site in sites],
+            f(s["routing_mismatch"]),
+            f"{s['hint_bytes_per_token']:,}",
+            f"{s['hint_bytes_per_token_qwen35_35b']:,}",
+            f"{f(s['reward_first'], '.3f')} -> {f(s['reward_last'], '.3f')}",
+            f"{f(s['eval_first'], '.3f')} -> {f(s['eval_last'], '.3f')}",
+            f(s["test_accuracy_fp4"], ".3f"),
+            f(s["test_accuracy_bf16"], ".3f"),
+            f(s["train_wall_s"], ".0f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = (
+        "\nPer run: |dlogp| and KL per completion token, mean over steps (max |dlogp|: max over steps); then the mean "
+        "over seeds. Rewards: mean of the first and last max(5, steps/10) steps. Hint bytes per token from the "
+        "configs alone (`trace_hf.hint_bytes_per_token`); 0 where the regime applies no hints.\n"
+    )
+    return "\n".join(lines) + "\n" + notes
 
 
 def report(args) -> None:
@@ -279,45 +536,25 @@ def report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = {}
-    for regime in REGIMES:
-        path = os.path.join(args.out, regime, "result.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results[regime] = json.load(f)
+    results = load_results(args.out)
     if not results:
         raise SystemExit(f"No results under {args.out}: run `study.py grpo --regime ...` first.")
-    lines = [
-        "| regime | "
-        + " | ".join(c for _, c in COLUMNS)
-        + " | reward first5 -> last5 | test acc FP4 | test acc BF16 |",
-        "|---" * (len(COLUMNS) + 4) + "|",
-    ]
-    for regime, r in results.items():
-        steps = [h for h in r["history"] if "reward" in h]
-        cells = []
-        for key, _ in COLUMNS:
-            vals = [h[key] for h in steps if key in h]
-            agg = max(vals) if key.endswith("max") and vals else (sum(vals) / len(vals) if vals else None)
-            cells.append("n/a" if agg is None else f"{agg:.4g}")
-        rw = [h["reward"] for h in steps]
-        k = min(5, len(rw))
-        cells.append(f"{sum(rw[:k]) / k:.3f} -> {sum(rw[-k:]) / k:.3f}")
-        cells += [f"{r['test_accuracy_fp4']:.3f}", f"{r['test_accuracy_bf16']:.3f}"]
-        lines.append(f"| {regime} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
+    summary = summarize(results)
+    text = table(summary)
+    print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(table + "\n")
+        f.write(text)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    written = ["table.md", "summary.json", "study.png", "kl_vs_bytes.png"]
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    for regime, r in results.items():
-        steps = [h for h in r["history"] if "reward" in h]
-        x = [h["step"] for h in steps]
-        axes[0].plot(x, [h["reward"] for h in steps], label=regime)
-        axes[1].plot(x, [h.get("sampling/sampling_logp_difference/mean", float("nan")) for h in steps], label=regime)
-        axes[2].plot(x, [h.get("trace/kl_rollout_train", float("nan")) for h in steps], label=regime)
-    for ax, title in zip(axes, ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)"], strict=True):
-        ax.set_title(title)
+    for regime, runs in results.items():
+        for ax, key in zip(axes, ["reward", GAP_MEAN, KL], strict=True):
+            ax.plot(*curve(runs, key), label=regime)
+    titles = ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)"]
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title + " (mean over seeds)")
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
@@ -325,7 +562,71 @@ def report(args) -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "study.png"), dpi=110)
-    print(f"wrote {os.path.join(args.out, 'table.md')} and {os.path.join(args.out, 'study.png')}")
+    plt.close(fig)
+
+    plot_kl_vs_bytes(plt, summary, os.path.join(args.out, "kl_vs_bytes.png"))
+
+    if any(ACC in h for runs in results.values() for r in runs for h in r["history"]):
+        plot_curves(plt, results, os.path.join(args.out, "curves.png"))
+        written.append("curves.png")
+    print("wrote " + ", ".join(os.path.join(args.out, w) for w in written))
+
+
+def plot_kl_vs_bytes(plt, summary: dict[str, dict], path: str) -> None:
+    """KL against hint bytes per token (study model; Qwen3.5-35B-A3B's shape), log-log, one labelled point per
+    regime; regimes without hints sit at a marked stand-in position left of the smallest hinted one."""
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, key, title in [
+        (axes[0], "hint_bytes_per_token", "study model"),
+        (axes[1], "hint_bytes_per_token_qwen35_35b", "at Qwen3.5-35B-A3B's shape (config only)"),
+    ]:
+        points = {r: s for r, s in summary.items() if s["kl"] is not None}
+        hinted = [s[key] for s in points.values() if s[key] > 0]
+        zero_x = min(hinted) / 4 if hinted else 1.0
+        positive = [s["kl"] for s in points.values() if s["kl"] > 0]
+        zero_y = min(positive) / 10 if positive else 1e-12  # a KL of exactly 0 (identical kernels), marked as such
+        for regime, s in points.items():
+            x, y = s[key] or zero_x, s["kl"] or zero_y
+            kls = [v for v in s["kl_per_seed"] if v is not None]
+            err = [[y - max(min(kls), zero_y)], [max(max(kls), zero_y) - y]] if len(kls) > 1 else None
+            ax.errorbar(x, y, yerr=err, fmt="o" if s[key] else "s", capsize=3)
+            label = regime if s["kl"] else f"{regime} (KL 0)"
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.axvline(zero_x * 2, color="grey", linestyle=":", linewidth=1)
+        where = ax.get_xaxis_transform()  # x in data, y in axes fraction
+        ax.text(zero_x, 0.01, "0 B\n(no hints)", transform=where, fontsize=7, color="grey", ha="center")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"hint bytes per token, {title}")
+        ax.set_ylabel("KL(rollout || train) per token, mean over steps and seeds")
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle("Rollout/training mismatch against hint storage (squares: no hints; bars: min-max over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(plt, results: dict[str, list[dict]], path: str) -> None:
+    """Reward (smoothed) and greedy test accuracy by step, mean over seeds; test accuracy per seed as dots."""
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    for i, (regime, runs) in enumerate(results.items()):
+        color = f"C{i % 10}"
+        x, y = curve(runs, "reward")
+        window = max(1, len(x) // 20)
+        axes[0].plot(x, smooth(y, window), color=color, label=regime)
+        axes[1].plot(*curve(runs, ACC, evals=True), color=color, marker="o", label=regime)
+        if len(runs) > 1:
+            for r in runs:
+                axes[1].plot(*curve([r], ACC, evals=True), color=color, marker=".", linestyle="none", alpha=0.4)
+    axes[0].set_title("reward (mean over seeds, trailing mean over 5% of the steps)")
+    axes[1].set_title("greedy test accuracy, rollout precision (line: seed mean; dots: seeds)")
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> None:
