@@ -223,24 +223,31 @@ def test_fused_experts_record_hidden_hints_as_the_torch_path(model_dir):
     torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("align", ["torch", "triton"])
-def test_fused_hidden_rows_come_back_in_slot_order(align):
+@pytest.mark.parametrize(
+    ("align", "device"), [("torch", "cpu"), ("triton", "cpu"), pytest.param("auto", "cuda", marks=pytest.mark.gpu)]
+)
+def test_fused_hidden_rows_come_back_in_slot_order(align, device):
     """`QuantizedHidden.positions` finds every (token, slot)'s row in the fused experts' sorted, padded layout, with
-    either alignment backend: slot order holds each token's hidden for the expert routed in that slot."""
+    either alignment backend (on the GPU: whichever kernels it picks, shapes the Hopper ones take): slot order holds
+    each token's hidden for the expert routed in that slot."""
     from trace_hf.kernels import fp4_moe
 
-    g = torch.Generator().manual_seed(0)
-    E, H, width, M, k = 8, 64, 32, 6, 2
-    gate_up, down = torch.randn(E, 2 * width, H, generator=g), torch.randn(E, H, width, generator=g)
-    w_gu, w_d = fp4.quantize(gate_up, "nvfp4", "expert"), fp4.quantize(down, "nvfp4", "expert")
-    xq = fp4.quantize(torch.randn(M, H, generator=g), "nvfp4", "row")
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
-    _, hidden = fp4_moe.experts_from_quantized(
-        xq, ids, torch.rand(M, k, generator=g), w_gu, w_d, align_backend=align, return_hidden=True
-    )
+    g = torch.Generator(device).manual_seed(0)
+    E, M, k = 8, 6, 2
+    H, width = (64, 32) if device == "cpu" else (256, 128)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    w_gu = fp4.quantize(randn(E, 2 * width, H), "nvfp4", "expert")
+    w_d = fp4.quantize(randn(E, H, width), "nvfp4", "expert")
+    xq = fp4.quantize(randn(M, H), "nvfp4", "row")
+    ids = torch.stack([torch.randperm(E, generator=g, device=device)[:k] for _ in range(M)])
+    tw = torch.rand(M, k, generator=g, device=device)
+    _, hidden = fp4_moe.experts_from_quantized(xq, ids, tw, w_gu, w_d, align_backend=align, return_hidden=True)
     pos = hidden.positions()
     assert pos.shape == (M * k,) and len(set(pos.tolist())) == M * k
-    assert torch.equal(hidden.slots[pos].long(), torch.arange(M * k))
+    assert torch.equal(hidden.slots[pos].long(), torch.arange(M * k, device=device))
     gate, up = torch.einsum("mh,mknh->mkn", xq.dequantize(), w_gu.dequantize()[ids]).chunk(2, dim=-1)
     want = fp4.quantize((torch.nn.functional.silu(gate) * up).flatten(0, 1), "nvfp4", "row")
     assert (hidden.q.codes()[pos] == want.codes()).float().mean() > 0.99

@@ -291,8 +291,8 @@ def test_engine_graphs_match_eager_gpu():
 @pytest.mark.gpu
 def test_engine_records_every_site_gpu():
     """On the GPU (bf16, the fused experts, CUDA graphs): the captured step records the same hints at every site as
-    the eager one; generate with the fused experts records experts_hidden as with the torch experts; training under
-    the engine's hints agrees with the rollout's rounding at every site."""
+    the eager one; generate (fused experts, FP4 cache) records every site in the same layout; training under the
+    engine's hints agrees with the rollout's rounding at every site."""
     model = _model(True, "cuda", sites=SITES)
     prompts = _prompts(model, (9, 3, 17, 5, 12))
     gc = _gc(do_sample=True, temperature=0.9, max_new_tokens=12)
@@ -304,13 +304,10 @@ def test_engine_records_every_site_gpu():
     for site in SITES[1:]:
         for x, y in zip(a.hints.site_hints[site], b.hints.site_hints[site], strict=True):
             assert torch.equal(x, y), site
-    rec = {}
-    for kernel in ("auto", "torch"):
-        for m in fp4_experts(model):
-            m.kernel = kernel
-        rec[kernel] = GenerateRollout()(model, prompts, _gc(max_new_tokens=4), record=True).hints
-    bits = [h.site_hints["experts_hidden"][0] for h in rec.values()]
-    assert bits[0].shape == bits[1].shape and (bits[0] == bits[1]).float().mean() > 0.98
+    g = GenerateRollout()(model, prompts, _gc(max_new_tokens=4), record=True).hints  # fused experts, FP4 cache
+    assert g.sites == SITES and {k: v.shape[2:] for k, v in g.to_inputs().items()} == {
+        k: v.shape[2:] for k, v in a.hints.to_inputs().items()
+    }
     ids, mask = _rows(prompts, a.completion_ids)
     model.train()
     try:
@@ -319,6 +316,5 @@ def test_engine_records_every_site_gpu():
     finally:
         model.eval()
     rates = report.flip_rate_by_site()
-    print("engine hints on the GPU, flip rates by site:", rates, "fused vs torch hidden bits:",
-          float((bits[0] == bits[1]).float().mean()))  # fmt: skip
+    print("engine hints on the GPU, flip rates by site:", rates)
     assert set(rates) == set(SITES) and all(r < 0.05 for r in rates.values()), rates

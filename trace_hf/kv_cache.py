@@ -133,11 +133,12 @@ def install_fp4_generate_cache(model, fmt: str) -> None:
     original = type(model)._prepare_cache_for_generation
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        user_defined = model_kwargs.get("cache") is not None
+        # transformers renamed the cache's key `past_key_values` -> `cache` (5.24): look under both.
+        user_defined = {k for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None}
         original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache")
-        if not user_defined and type(cache) is DynamicCache:
-            model_kwargs["cache"] = fp4_cache(self.config, fmt)
+        for key in ("cache", "past_key_values"):
+            if key not in user_defined and type(model_kwargs.get(key)) is DynamicCache:
+                model_kwargs[key] = fp4_cache(self.config, fmt)
 
     model._prepare_cache_for_generation = MethodType(_prepare_cache_for_generation, model)
 
