@@ -473,16 +473,19 @@ CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_ga
 #: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU). From
 #: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 HOPPER = [
-    (8, {"block_t": 8, "block_n_gate_up": 32, "block_n_down": 32, "block_k": 128, "num_warps": 2, "split_k": 4}),
-    (1 << 62, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
+    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 64, "num_warps": 1, "split_k": 4}),
+    (256, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
+    (1024, {"block_t": 8, "block_n_gate_up": 128, "block_n_down": 256, "block_k": 64, "num_warps": 4}),
 ]
+#: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
+#: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
 
 
 def hopper_config(num_slots: int, device: torch.device) -> dict | None:
     """The `HOPPER` entry for a W4A4 call on an sm_90+ GPU, or None (interpreter, older GPUs, empty table)."""
     if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
         return None
-    return next(cfg for limit, cfg in HOPPER if num_slots <= limit)
+    return next((cfg for limit, cfg in HOPPER if num_slots <= limit), None)
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:

@@ -94,7 +94,7 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
 
     E, H, NI, K = 128, 2048, 768, 8
     wgu, wdn = _packed(E, 2 * NI, H, seed=2), _packed(E, H, NI, seed=3)
-    for M in (1, 8, 64, 300):
+    for M in (1, 8, 64, 128):
         x = torch.randn(M, H, device="cuda")
         xq = fp4_quant.quantize(x, "nvfp4", "row")
         ids, tw = _routing(M, E, K, seed=10 + M)
