@@ -1,0 +1,93 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Instructions per weight element of the routed-expert GEMMs' main loops in sm_90 machine code, without a GPU.
+
+    python benchmarks/sass_counts.py            # the Gluon kernels of HOPPER and the Triton kernels, ~1 minute
+
+Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
+the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode.
+Why: the decode GEMMs are bound by instruction issue, so this count is what a layout or decoding change must
+lower; it takes seconds per kernel and no device time. The H200 image has Triton 3.6; install that version (for
+example with ``pip install --target``) to count exactly what runs there.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+
+
+PTRS = ["a_ptr", "as_ptr", "ag_ptr", "w_ptr", "ws_ptr", "wg_ptr"]
+
+
+def _signature(out_ptr: str, gate_up: bool) -> dict:
+    sig = {p: ("*fp32" if p.endswith("g_ptr") else "*u8") for p in PTRS}
+    if gate_up:
+        sig |= {out_ptr: "*fp32", "sorted_ptr": "*i32", "expert_ptr": "*i32", "num_slots": "i32", "top_k": "i32"}
+    else:
+        sig |= {"tw_ptr": "*fp32", out_ptr: "*fp32", "sorted_ptr": "*i32", "expert_ptr": "*i32", "num_slots": "i32"}
+    return sig | {"H": "i32", "NI": "i32"}
+
+
+def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> tuple[int, dict]:
+    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90; pointers and the dimensions
+    H and NI marked 16-divisible, as Triton specializes them at launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature) | {k: "constexpr" for k in constexprs}
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("ptr") or a in ("H", "NI")}
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        Source = ASTSource
+    k = triton.compile(Source(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = "/tmp/trace_hf_sass.cubin"
+    with open(path, "wb") as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = (0, {})
+    for addr, text in lines:
+        br = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if br and int(br.group(1), 16) < addr:
+            body = [t for a, t in lines if int(br.group(1), 16) <= a <= addr]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in body)
+            best = max(best, (len(body), dict(ops.most_common(8))), key=lambda b: b[0])
+    return best
+
+
+def main() -> int:
+    from trace_hf.kernels import fp4_moe as moe
+    from trace_hf.kernels import fp4_moe_hopper as hop
+
+    print("kernel, tile: instructions in the loop / weight elements per thread per iteration = per element")
+    for _limit, c in moe.HOPPER:
+        bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
+        for name, fn, bn, sig, extra in (
+            ("gluon gate/up", hop.gate_up_kernel, c["block_n_gate_up"], _signature("h_ptr", True),
+             {"SPLIT_K": c.get("split_k", 1)}),
+            ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False), {}),
+        ):  # fmt: skip
+            n, ops = loop_counts(fn, sig, extra | {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw}, nw)
+            per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
+            print(f"{name}, N {bn} K {bk} warps {nw}: {n} / {per_thread} = {n / per_thread:.2f}  {ops}")
+    cfg = moe.CONFIG["by_slots"][-1][1]
+    common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
+              "BLOCK_K": cfg["block_k"]}  # fmt: skip
+    bn = cfg["block_n_down"]
+    n, ops = loop_counts(moe._down_kernel, _signature("y_ptr", False), common | {"BLOCK_N": bn}, cfg["num_warps"],
+                         cfg["num_stages"])  # fmt: skip
+    per_thread = bn * cfg["block_k"] // (32 * cfg["num_warps"])
+    print(f"triton down (CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {ops}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
