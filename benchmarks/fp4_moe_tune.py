@@ -122,7 +122,9 @@ def main(argv=None) -> int:
         moe.CONFIG["by_slots"], moe.HOPPER = by_slots, hopper
         current = dict(moe.hopper_config(M * K, dev) or moe.launch_config(M * K))
         triton_cfg = dict(moe.launch_config(M * K))
-        for cfg in [current] + ([triton_cfg] if current != triton_cfg else []) + (hopper_grid if args.hopper else grid):
+        for cfg in (
+            [current] + ([triton_cfg] if current != triton_cfg else []) + (hopper_grid if args.hopper else grid)
+        ):
             if time.perf_counter() - t0 > args.budget_s:
                 break
             try:

@@ -38,7 +38,7 @@ def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = dict(signature) | {k: "constexpr" for k in constexprs}
+    sig = dict(signature) | dict.fromkeys(constexprs, "constexpr")
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("ptr") or a in ("H", "NI")}
     if getattr(fn, "is_gluon", lambda: False)():

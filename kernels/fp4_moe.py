@@ -20,8 +20,10 @@ last fp32 bits and, rarely, round to a neighbouring FP4 code):
 5. `_down_kernel`: down projection, times the routing weight, written per slot; the caller sums the top-k
    slots of a token (the decode step fuses that sum into its next RMSNorm).
 
-The same kernels take dense (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline
-of the rollout benchmark runs the same code and differs only in the bytes it reads.
+On sm_90+ (measured on the H200) W4A4 decode calls run steps 3 and 5 in the Gluon kernels of `fp4_moe_hopper`
+instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA). The Triton kernels also take dense
+(BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
+the same code and differs only in the bytes it reads.
 
 Dot operands: for W4A4 on the GPU, fp16 from the inline-PTX decoding `_fp4_halves_f16` (exact; both operands
 carry 2^-14, taken off the accumulator); otherwise bf16 on the GPU, and fp32 under ``TRITON_INTERPRET=1``, where
@@ -34,7 +36,9 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe (see kernels/README.md), not kernels.fp4_moe.")
 
+import functools  # noqa: E402
 import os  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -481,11 +485,25 @@ HOPPER = [
 #: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
 
 
+@functools.cache
+def _gluon() -> bool:
+    """Whether this Triton has the Gluon pieces `fp4_moe_hopper` uses (measured with Triton 3.6; older ones fall
+    back to the Triton kernels, with one warning)."""
+    try:
+        from trace_hf.kernels import fp4_moe_hopper  # noqa: F401
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"Triton {triton.__version__} lacks Gluon's MMA layouts ({e}); the FP4 experts use the Triton "
+                      "kernels. Triton >= 3.6 gives the faster Hopper decode.", stacklevel=3)  # fmt: skip
+        return False
+    return True
+
+
 def hopper_config(num_slots: int, device: torch.device) -> dict | None:
     """The `HOPPER` entry for a W4A4 call on an sm_90+ GPU, or None (interpreter, older GPUs, empty table)."""
     if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
         return None
-    return next((cfg for limit, cfg in HOPPER if num_slots <= limit), None)
+    cfg = next((cfg for limit, cfg in HOPPER if num_slots <= limit), None)
+    return cfg if cfg is not None and _gluon() else None
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
