@@ -59,8 +59,12 @@ def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stage
         if br and int(br.group(1), 16) < addr:
             body = [t for a, t in lines if int(br.group(1), 16) <= a <= addr]
             ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in body)
-            best = max(best, (len(body), dict(ops.most_common(8))), key=lambda b: b[0])
+            best = max(best, (len(body), dict(ops.most_common())), key=lambda b: b[0])
     return best
+
+
+def _top(ops: dict) -> dict:
+    return dict(list(ops.items())[:8])
 
 
 def main() -> int:
@@ -77,7 +81,7 @@ def main() -> int:
         ):  # fmt: skip
             n, ops = loop_counts(fn, sig, extra | {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw}, nw)
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
-            print(f"{name}, N {bn} K {bk} warps {nw}: {n} / {per_thread} = {n / per_thread:.2f}  {ops}")
+            print(f"{name}, N {bn} K {bk} warps {nw}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
     cfg = moe.CONFIG["by_slots"][-1][1]
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"]}  # fmt: skip
@@ -85,7 +89,7 @@ def main() -> int:
     n, ops = loop_counts(moe._down_kernel, _signature("y_ptr", False), common | {"BLOCK_N": bn}, cfg["num_warps"],
                          cfg["num_stages"])  # fmt: skip
     per_thread = bn * cfg["block_k"] // (32 * cfg["num_warps"])
-    print(f"triton down (CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {ops}")
+    print(f"triton down (CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
     return 0
 
 

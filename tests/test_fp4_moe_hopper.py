@@ -1,9 +1,10 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """The Gluon expert GEMMs (`trace_hf.kernels.fp4_moe_hopper`, sm_90+) against the spec and the Triton kernels.
 
-GPU only: Gluon does not run in the interpreter. The sums are exact products added in fp32 in another order than
-torch's, so the hidden activation must match an fp64 reference of the same dequantized operands to fp32 rounding,
-and NaN scales must reach exactly the rows that read them.
+Gluon does not run in the interpreter, so the numerics are GPU tests: the sums are exact products added in fp32 in
+another order than torch's, so the hidden activation must match an fp64 reference of the same dequantized operands
+to fp32 rounding, and NaN scales must reach exactly the rows that read them. On the CPU the kernels are compiled
+for sm_90 (Triton's bundled ptxas), so CI catches a kernel that no longer builds, spills or loses its tight loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 from trace_hf import fp4
 
 
-pytestmark = pytest.mark.gpu
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
 
 
@@ -43,6 +43,7 @@ def _routing(M, E, K, seed):
     return ids, w
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
 @pytest.mark.parametrize("M", [1, 5, 64])
 def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
@@ -86,6 +87,7 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
         assert (h[~real & in_segment] == 0).all(), "an expert's padding rows must be written as 0"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
 def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
     """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes, Gluon against the Triton kernels (which
@@ -110,6 +112,7 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         assert (a == b).float().mean().item() > 0.999
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
 def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
     from torch import nn
@@ -129,3 +132,65 @@ def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
     assert torch.isnan(out[7]).all()
     keep = torch.arange(M, device="cuda") != 7
     assert ((out[keep] - ref[keep]).norm() / ref[keep].norm()).item() < 1e-3
+
+
+def test_table_lookup_and_fallbacks(monkeypatch):
+    """`hopper_config`: decode sizes get their `HOPPER` entry, prefill sizes and GPUs before sm_90 the Triton
+    kernels (None); a Triton without Gluon's layouts falls back with a warning instead of failing."""
+    monkeypatch.setattr(moe, "INTERPRETED", False)
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap["value"])
+    dev = torch.device("cuda")
+    assert moe.hopper_config(8, dev) == moe.HOPPER[0][1]
+    assert moe.hopper_config(9, dev) == moe.HOPPER[1][1]
+    assert moe.hopper_config(moe.HOPPER[-1][0], dev) == moe.HOPPER[-1][1]
+    assert moe.hopper_config(moe.HOPPER[-1][0] + 1, dev) is None
+    assert moe.hopper_config(8, torch.device("cpu")) is None
+    cap["value"] = (8, 0)
+    assert moe.hopper_config(8, dev) is None
+    cap["value"] = (9, 0)
+    moe._gluon.cache_clear()
+    import sys
+
+    import trace_hf.kernels
+
+    monkeypatch.setitem(sys.modules, "trace_hf.kernels.fp4_moe_hopper", None)  # the import fails
+    monkeypatch.delattr(trace_hf.kernels, "fp4_moe_hopper", raising=False)
+    with pytest.warns(UserWarning, match="Gluon"):
+        assert moe.hopper_config(8, dev) is None
+    moe._gluon.cache_clear()
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Every `HOPPER` config of both kernels builds for sm_90 with a loop under 6 instructions per weight element
+    and no register spills (the Triton kernels' loop: ~7)."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    import triton
+
+    spec = importlib.util.spec_from_file_location(
+        "sass_counts", Path(__file__).parents[1] / "benchmarks" / "sass_counts.py"
+    )
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from trace_hf.kernels import fp4_moe_hopper as hop
+
+    for _limit, c in moe.HOPPER:
+        bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
+        for fn, bn, sig, extra, rows in (
+            (hop.gate_up_kernel, c["block_n_gate_up"], sass._signature("h_ptr", True), {"SPLIT_K": c.get("split_k", 1)}, 2),
+            (hop.down_kernel, c["block_n_down"], sass._signature("y_ptr", False), {}, 1),
+        ):  # fmt: skip
+            n, ops = sass.loop_counts(
+                fn, sig, extra | {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw}, nw
+            )
+            per_element = n / (rows * bn * bk // (32 * nw))
+            assert "LDL" not in ops and "STL" not in ops, f"{fn.__name__} {c}: spills {ops}"
+            assert ops.get("HMMA", 0) > 0, f"{fn.__name__} {c}: no tensor-core MMA in the loop"
+            assert per_element < 6.0, f"{fn.__name__} {c}: {per_element:.2f} instructions per element"
