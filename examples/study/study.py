@@ -334,6 +334,8 @@ def grpo(args) -> None:
     set_seed(args.seed)
     dev, dtype = device_and_dtype()
     warm_path = os.path.join(args.out, "warm")
+    if not os.path.isdir(warm_path):
+        raise SystemExit(f"No warm start at {warm_path}: run `study.py warm --out {args.out}` first.")
     tok = AutoTokenizer.from_pretrained(warm_path)
     study_config = model_config(args.size, tok)
     quant = None
