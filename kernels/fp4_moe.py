@@ -403,8 +403,8 @@ def _align_kernel(
     E_PAD: tl.constexpr,
 ):
     """Program ``e < E`` places expert e's slots (in slot order) and its padding; program ``E`` marks the row
-    blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts all experts (one histogram of N ids:
-    N is a decode batch, a few thousand slots at most)."""
+    blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts
+    all experts (one histogram of N ids: N is a decode batch, a few thousand slots at most)."""
     e = tl.program_id(0)
     offs = tl.arange(0, N_PAD)
     ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # padding lands in bin E (E_PAD > E), dropped below
