@@ -14,7 +14,8 @@ Setups (the same random weights, prompts and TRL settings; one rollout and one o
 Batch: ``--prompts`` x ``--num-generations`` rows of ``--prompt-len`` random tokens, completions of
 ``--completion`` tokens (EOS is a token the random model almost never draws, so they run to length). Reported
 per setup: rollout seconds and tokens/s, whole-step seconds (steps after the first, which compiles and captures),
-peak memory (per GPU), and the ratios to ``generate_bf16``. Under several processes every GPU rolls out its own
+peak memory (per GPU), and the ratios to ``generate_bf16``; with ``--profile`` also the last step's device time
+by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what). Under several processes every GPU rolls out its own
 64 rows; tokens/s are per GPU and in all (``*_total``), and the main process writes the JSON. Run it as a script so that the installed trace_hf is imported.
 """
 
@@ -41,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--setups", default="generate_bf16,engine_bf16,engine_fp4")
+    p.add_argument("--profile", action="store_true", help="break the last step's device time down by kernel")
     return p.parse_args(argv)
 
 
@@ -106,6 +108,42 @@ class StepTimer:
         self.callback = _CB()
 
 
+class LastStepProfile:
+    """A TrainerCallback that runs torch.profiler over the last optimizer step (rollout and training): which
+    kernels the step's device time goes to (on CPU, the CPU time of each op)."""
+
+    def __init__(self, cuda: bool):
+        from torch.profiler import ProfilerActivity, profile
+        from transformers import TrainerCallback
+
+        prof = self
+        self.kernels: list = []
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == state.max_steps - 1:
+                    prof._p = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+                    prof._p.__enter__()
+
+            def on_step_end(self, args, state, control, **kw):
+                if getattr(prof, "_p", None) is None:
+                    return
+                import torch
+
+                if cuda:
+                    torch.cuda.synchronize()
+                prof._p.__exit__(None, None, None)
+                events = prof._p.key_averages()
+                rows = [(e.key, e.device_time_total if cuda else e.self_cpu_time_total) for e in events]
+                rows = [(k, t) for k, t in rows if t > 0]
+                total = sum(t for _, t in rows) or 1.0
+                prof.kernels = [(k[:60], round(t / 1e3, 2), round(t / total, 3))
+                                for k, t in sorted(rows, key=lambda r: -r[1])[:20]]  # fmt: skip
+                prof._p = None
+
+        self.callback = _CB()
+
+
 def run_setup(name: str, args, dev, tmp: str) -> dict:
     import torch
     from datasets import Dataset
@@ -134,8 +172,9 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
         rollout_engine="generate" if name.startswith("generate") else "engine",
     )  # fmt: skip
     timer = StepTimer()
+    profiler = LastStepProfile(dev.type == "cuda") if args.profile else None
     trainer = TraceGRPOTrainer(model, reward, args=cfg, train_dataset=ds, processing_class=tok,
-                               callbacks=[timer.callback])  # fmt: skip
+                               callbacks=[timer.callback] + ([profiler.callback] if profiler else []))  # fmt: skip
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -159,6 +198,8 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
         "rollout_tokens_per_s_total": world * statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
         "trace_metrics": {k: v for k, v in later[-1].items() if k.startswith("trace/")},
     }
+    if profiler:
+        res["kernels_last_step"] = profiler.kernels  # [(kernel, ms, share of the step's device time)]
     del trainer, model
     gc.collect()
     if dev.type == "cuda":
