@@ -7,7 +7,9 @@ One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding o
 full cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed
 from a CUDA graph and reports the fraction of the copy bandwidth (measured in the same run) that the cache bytes
 represent. The BF16 cache through the same kernels (default config) is the baseline where it fits. Prints the
-best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``). Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
+best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``; with ``--hopper``, the ``hopper``
+entry of the Gluon kernel against the Triton kernel's current config). Run it as a script (not ``python -m``) so
+that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3,4")
     p.add_argument("--programs", default="264,528,1056", help="target_programs settings (split-K)")
+    p.add_argument("--hopper", action="store_true",
+                   help="sweep the Gluon kernel's CONFIG['hopper'] (block_t x programs) instead, against the Triton "
+                        "kernel's current config in the same run")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -50,14 +55,23 @@ def main(argv=None) -> int:
     HQ, HKV, D = 32, 4, 128
     dev = torch.device("cuda")
     copy_bw = copy_bandwidth(dev)
-    default = {**A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
     saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in A.CONFIG.items()}
-    grid = [
-        {"block_t": bt, "num_warps": w, "num_stages": st, "target_programs": tp}
-        for bt, w, st, tp in itertools.product(
-            *(_csv(a) for a in (args.block_t, args.warps, args.stages, args.programs))
-        )
-    ]
+    if args.hopper:
+        if not A.uses_hopper_kernel(True, D, dev):
+            print("--hopper needs an sm_90+ GPU and a Triton with Gluon.", file=sys.stderr)
+            return 2
+        default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
+        grid = [{"kernel": "hopper", "block_t": bt, "target_programs": tp}
+                for bt, tp in itertools.product(_csv(args.block_t), _csv(args.programs))]  # fmt: skip
+    else:
+        A.CONFIG["hopper"] = {}  # the Triton kernel's configs
+        default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
+        grid = [
+            {"kernel": "triton", "block_t": bt, "num_warps": w, "num_stages": st, "target_programs": tp}
+            for bt, w, st, tp in itertools.product(
+                *(_csv(a) for a in (args.block_t, args.warps, args.stages, args.programs))
+            )
+        ]
     t0 = time.perf_counter()
     rows, best = [], {}
     for spec in args.cells.split(","):
@@ -71,8 +85,13 @@ def main(argv=None) -> int:
             return triton.testing.do_bench_cudagraph(lambda: A.decode_attention(q, cache, lengths, out=out), rep=50)
 
         def timed(cache, cfg):
-            A.CONFIG["fp4"] = {k: v for k, v in cfg.items() if k != "target_programs"}
-            A.CONFIG["target_programs"] = cfg["target_programs"]
+            launch = {k: v for k, v in cfg.items() if k not in ("kernel", "target_programs")}
+            if cfg["kernel"] == "hopper":
+                A.CONFIG["hopper"] = {**launch, "target_programs": cfg["target_programs"]}
+            else:
+                A.CONFIG["hopper"] = {}
+                A.CONFIG["fp4"] = launch
+                A.CONFIG["target_programs"] = cfg["target_programs"]
             return bench(cache)
 
         t_bf16 = None
@@ -80,7 +99,6 @@ def main(argv=None) -> int:
         if bf16_bytes * 1.2 < torch.cuda.mem_get_info()[0]:
             cache = A.allocate_kv_cache(B, HKV, T, D, False, device=dev)
             A.fill_random(cache, g)
-            A.CONFIG.update(saved)
             t_bf16 = bench(cache) * 1e-3
             del cache
         cache = A.allocate_kv_cache(B, HKV, T, D, True, device=dev)
@@ -107,7 +125,8 @@ def main(argv=None) -> int:
         if b:
             base = f"BF16 cache {t_bf16 * 1e6:.1f} us at {bf16_bytes / t_bf16 / copy_bw:.1%}" if t_bf16 else "no BF16"
             print(f"{spec}: current {d['us']:.1f} us ({d['fraction']:.1%} of copy), best {b['us']:.1f} us "
-                  f"({b['fraction']:.1%}; {base}): { {k: b[k] for k in default} }", flush=True)  # fmt: skip
+                  f"({b['fraction']:.1%}; {base}): { {k: v for k, v in b.items() if k not in ('cell', 'us')} }",
+                  flush=True)  # fmt: skip
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 

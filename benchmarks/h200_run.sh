@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call on the H200, in parts (PARTS, default all, in this order): `tests` (every GPU-marked test),
+# One device call on the H200, in parts (PARTS, default all, in this order): `tests` (the GPU-marked tests of
+# TEST_FILES, default all),
 # `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `attn` (the FP4 decode attention
 # sweep, ATTN_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode benchmark, extra
 # arguments in ROLLOUT_ARGS), `grpo` (whole GRPO steps with generate / the engine, benchmarks/grpo_step.py, extra
@@ -36,9 +37,14 @@ if has tests; then
   echo "== GPU tests"
   # From $PKG, so that `python -m pytest` (which puts the working directory first on sys.path) finds the
   # trace_hf with kernels/ linked in, not the repository's source folder.
+  # TEST_FILES: names under tests/ (default: every file with GPU tests).
+  FILES=""
+  for f in ${TEST_FILES:-test_fp4_moe.py test_fp4_moe_hopper.py test_hints.py test_fp4_attention.py \
+      test_fp4_attention_hopper.py test_fast_decode.py test_fp4_kernels.py test_rollout.py}; do
+    FILES="$FILES $ROOT/tests/$f"
+  done
   (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -q -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
-    "$ROOT/tests/test_fp4_moe.py" "$ROOT/tests/test_fp4_moe_hopper.py" "$ROOT/tests/test_hints.py" "$ROOT/tests/test_fp4_attention.py" \
-    "$ROOT/tests/test_fast_decode.py" "$ROOT/tests/test_fp4_kernels.py" "$ROOT/tests/test_rollout.py") > "$OUT/gpu_tests.log" 2>&1
+    $FILES) > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"
   grep -E "cuda:|passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 20
 fi

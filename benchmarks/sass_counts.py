@@ -1,7 +1,8 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Instructions per weight element of the routed-expert GEMMs' main loops in sm_90 machine code, without a GPU.
+"""Instructions per FP4 element in the main loops of the decode kernels (routed-expert GEMMs, FP4-KV attention) in sm_90
+machine code, without a GPU.
 
-    python benchmarks/sass_counts.py            # the Gluon kernels of HOPPER and the Triton kernels, ~1 minute
+    python benchmarks/sass_counts.py            # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
 
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
 the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode.
@@ -63,6 +64,24 @@ def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stage
     return best
 
 
+CONFIG_NOTE = "Qwen3-30B-A3B heads (32 q / 4 KV of 128), fp4_attention.CONFIG['hopper']"
+
+
+def attention_counts(block_t: int | None = None) -> tuple[int, int, dict]:
+    """(loop instructions, K and V elements per thread per iteration, opcodes) of the Gluon FP4-KV decode attention
+    at Qwen3-30B-A3B's head shapes (one warp per program)."""
+    from trace_hf.kernels import fp4_attention as A
+    from trace_hf.kernels import fp4_attention_hopper as hop
+
+    bt = block_t or A.CONFIG["hopper"]["block_t"]
+    sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*u8", "kg_ptr": "*fp32", "v_ptr": "*u8", "vs_ptr": "*u8",
+           "vg_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32", "T": "i32",
+           "chunk": "i32"}  # fmt: skip
+    consts = {"HQ": 32, "HKV": 4, "S": 8, "D": 128, "GROUP": 8, "G_PAD": 8, "BLOCK_T": bt}
+    n, ops = loop_counts(hop.attn_split_kernel, sig, consts, 1)
+    return n, bt * 2 * 128 // 32, ops
+
+
 def _top(ops: dict) -> dict:
     return dict(list(ops.items())[:8])
 
@@ -82,6 +101,8 @@ def main() -> int:
             n, ops = loop_counts(fn, sig, extra | {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw}, nw)
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
             print(f"{name}, N {bn} K {bk} warps {nw}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
+    n, per_thread, ops = attention_counts()
+    print(f"gluon attention, {CONFIG_NOTE}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
     cfg = moe.CONFIG["by_slots"][-1][1]
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"]}  # fmt: skip

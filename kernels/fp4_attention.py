@@ -21,7 +21,9 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_attention (see kernels/README.md), not kernels.fp4_attention.")
 
+import functools  # noqa: E402
 import math  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -354,14 +356,37 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 #: Launch configs by cache kind (``fp4``: the best of `benchmarks/fp4_attention_tune.py` on the H200,
 #: docs/benchmarks.md; ``dense``: the BF16 baseline, at the copy bandwidth with it). Splits: enough programs for
 #: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
-#: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only).
+#: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only). ``hopper``: the Gluon kernel
+#: of `fp4_attention_hopper` for an FP4 cache on sm_90+ (one warp per program, so it wants more programs).
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
+    "hopper": {"block_t": 64, "target_programs": 2112},
     "target_programs": 264,
     "min_chunk": 256,
     "ptx": True,
 }
+
+
+def uses_hopper_kernel(fp4: bool, head_dim: int, device: torch.device | str) -> bool:
+    """Whether `decode_attention` runs the Gluon kernel: an FP4 cache, a head size that is a multiple of 128 (the
+    kernel's 16-row MMA tiles of code words), an sm_90+ GPU and a Triton with Gluon's MMA layouts."""
+    device = torch.device(device)
+    if not (fp4 and CONFIG["hopper"] and head_dim % 128 == 0) or INTERPRETED or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0) and _gluon_attention() is not None
+
+
+@functools.cache
+def _gluon_attention():
+    """The Gluon module, or None (with one warning) where this Triton lacks it."""
+    try:
+        from trace_hf.kernels import fp4_attention_hopper
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"Triton {triton.__version__} lacks Gluon's MMA layouts ({e}); the FP4 decode attention uses "
+                      "the Triton kernel. Triton >= 3.6 gives the faster Hopper kernel.", stacklevel=3)  # fmt: skip
+        return None
+    return fp4_attention_hopper
 
 
 def _cache_args(cache: KVCache):
@@ -404,11 +429,13 @@ def qkv_post(
     return q_out
 
 
-def num_splits(batch: int, num_kv_heads: int, max_len: int) -> tuple[int, int]:
+def num_splits(batch: int, num_kv_heads: int, max_len: int, hopper: bool = False) -> tuple[int, int]:
     """(splits, chunk) for a cache of ``max_len`` tokens: enough programs to fill the GPU, chunks of at least
-    ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it."""
+    ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it. ``hopper``:
+    for the Gluon kernel (`uses_hopper_kernel`), which runs more, smaller programs."""
     bt = max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
-    want = max(1, CONFIG["target_programs"] // max(1, batch * num_kv_heads))
+    target = CONFIG["hopper"]["target_programs"] if hopper else CONFIG["target_programs"]
+    want = max(1, target // max(1, batch * num_kv_heads))
     chunk = max(CONFIG["min_chunk"], triton.cdiv(max_len, want))
     chunk = triton.cdiv(chunk, bt) * bt
     return triton.cdiv(max_len, chunk), chunk
@@ -429,18 +456,26 @@ def decode_attention(
     B, HQ, D = q.shape
     HKV, T = cache.k.shape[1], cache.max_len
     group = HQ // HKV
-    S, chunk = splits or num_splits(B, HKV, T)
+    hopper = uses_hopper_kernel(cache.fp4, D, q.device)
+    S, chunk = splits or num_splits(B, HKV, T, hopper)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    cfg = CONFIG["fp4" if cache.fp4 else "dense"]
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(B, HKV, S)](
-        q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
-        HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
-        PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    if hopper:
+        _gluon_attention().attn_split_kernel[(B, HKV, S)](
+            q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
+            HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
+            BLOCK_T=CONFIG["hopper"]["block_t"], num_warps=1,
+        )  # fmt: skip
+    else:
+        cfg = CONFIG["fp4" if cache.fp4 else "dense"]
+        _attn_split_kernel[(B, HKV, S)](
+            q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
+            HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+            BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
+            PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
     _combine_kernel[(B * HQ,)](o, lse, out, S=S, S_PAD=max(2, triton.next_power_of_2(S)), D=D, num_warps=4)
     return out

@@ -34,20 +34,32 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
 
-def _decode_ptx() -> str:
-    """PTX: a register of two uint16 code words ($4) and their two (equal) E4M3 scale bytes ($5) to four fp16 pairs
-    ($0..$3), pair j = (nibble j of the low word, nibble j of the high word) * s * 2^-14. The magnitude bits of a
-    nibble go under the fp16 exponent's low bits (bits 9-11: value E2M1 * 2^-14, code 1 an fp16 subnormal), its sign
-    to bit 15; both words move with the same shift because they are 16 bits apart."""
-    lines = ["{", ".reg .b32 m, s, sc;", ".reg .b16 sl, sh;", "prmt.b32 sc, $5, $6, 0x40;", "mov.b32 {sl, sh}, sc;",
-             "cvt.rn.f16x2.e4m3x2 sc, sl;"]  # fmt: skip
-    for j in range(4):
+def scale_pair_ptx(lo: str, hi: str) -> list[str]:
+    """PTX lines: the E4M3 bytes in registers ``lo`` and ``hi`` to the fp16 pair ``sc`` = (lo, hi), in hardware
+    (0x7F stays NaN). Needs ``.reg .b32 sc; .reg .b16 sl, sh;``."""
+    return [f"prmt.b32 sc, {lo}, {hi}, 0x40;", "mov.b32 {sl, sh}, sc;", "cvt.rn.f16x2.e4m3x2 sc, sl;"]
+
+
+def nibbles_ptx(src: str, outs: list[str]) -> list[str]:
+    """PTX lines: nibble j of both 16-bit halves of register ``src`` to the fp16 pair ``outs[j]``, times the fp16
+    pair ``sc``. The magnitude bits of a nibble go under the fp16 exponent's low bits (bits 9-11: value
+    E2M1 * 2^-14, code 1 an fp16 subnormal), its sign to bit 15; both halves move with the same shift because they
+    are 16 bits apart. Needs ``.reg .b32 m, s;``."""
+    lines = []
+    for j, out in enumerate(outs):
         mag, sign = 9 - 4 * j, 12 - 4 * j
-        lines.append(f"shl.b32 m, $4, {mag};" if mag > 0 else f"shr.b32 m, $4, {-mag};")
-        lines.append(f"shl.b32 s, $4, {sign};" if sign > 0 else "mov.b32 s, $4;")
+        lines.append(f"shl.b32 m, {src}, {mag};" if mag > 0 else f"shr.b32 m, {src}, {-mag};")
+        lines.append(f"shl.b32 s, {src}, {sign};" if sign > 0 else f"mov.b32 s, {src};")
         lines += ["and.b32 m, m, 0x0E000E00;", "and.b32 s, s, 0x80008000;", "or.b32 m, m, s;"]
-        lines.append(f"mul.rn.f16x2 ${j}, m, sc;")
-    return "\n".join(lines + ["}"])
+        lines.append(f"mul.rn.f16x2 {out}, m, sc;")
+    return lines
+
+
+def _decode_ptx() -> str:
+    """PTX: a register of two uint16 code words ($4) and their two (equal) E4M3 scale bytes ($5, $6) to four fp16
+    pairs ($0..$3), pair j = (nibble j of the low word, nibble j of the high word) * s * 2^-14."""
+    head = ["{", ".reg .b32 m, s, sc;", ".reg .b16 sl, sh;"]
+    return "\n".join(head + scale_pair_ptx("$5", "$6") + nibbles_ptx("$4", ["$0", "$1", "$2", "$3"]) + ["}"])
 
 
 _DECODE_PTX = gl.constexpr(_decode_ptx())

@@ -352,7 +352,8 @@ class FastDecoder:
             for _ in range(d.num_layers)
         ]
         self.cos, self.sin = rope_tables(d, max_len, self.dtype, self.device)
-        self.splits = A.num_splits(batch, d.num_kv_heads, max_len)
+        hopper = A.uses_hopper_kernel(kv_fp4, d.head_dim, self.device)
+        self.splits = A.num_splits(batch, d.num_kv_heads, max_len, hopper)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self.logits = torch.zeros(batch, d.vocab, dtype=torch.float32, device=self.device)

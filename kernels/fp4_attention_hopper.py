@@ -1,0 +1,240 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""FP4-KV decode attention on Hopper, in Gluon: packed K and V codes go from global memory straight into the
+tensor-core operand registers, with no layout shuffle (the same idea as `fp4_moe_hopper`).
+
+One program (one warp) takes one (sequence, KV head, split) of `fp4_attention.decode_attention`, with the query heads
+of the KV group as the 8-wide N side of ``mma.m16n8k16`` in both products ("swap AB"):
+
+* **Scores:** ``S^T = K Q^T``. K's tokens are the MMA's M rows. A thread holds pairs of consecutive K-columns per
+  register, so K's codes are read as ``uint32`` words (8 elements each) in exactly that operand layout: a register
+  pair is words ``w, w+1`` of one token. `_decode8` turns nibble ``j`` of both into the fp16 operand register of
+  K-slice ``j``, so slice ``j`` multiplies the elements ``8w + j``; Q is loaded in the same permuted order.
+* **Output:** ``O^T = V^T P^T``. Here the K side of the MMA is the tokens, and a register holds two consecutive
+  tokens of one row of ``V^T``: words ``w`` of tokens ``t, t+1``, read with one 4-byte load each. The same decoding
+  gives slice ``j`` = column ``8w + j`` of V, so the output comes out as 8 accumulators, one per slice.
+* **Scales** ride along: a register's two words lie in one NVFP4 block (K) or their two bytes are converted as a pair
+  (V), by one ``cvt.rn.f16x2.e4m3x2``. The per-token row scales go on the fp32 scores (K) and on the probabilities
+  (V).
+
+Numerics as `fp4_attention._attn_split_ptx`: exact fp16 operands ``E2M1 * s * 2^-14``, Q normalized per head by its
+largest magnitude and the probabilities times V's row scales by their largest value in the tile (so that the terms
+that matter keep fp16's 11 bits), fp32 accumulation and online softmax. GPU only (inline PTX; Gluon does not run in
+the interpreter); `fp4_attention.decode_attention` picks it on sm_90+ for an FP4 cache with a head size that is a
+multiple of 128.
+"""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError(
+        "Import trace_hf.kernels.fp4_attention_hopper (see kernels/README.md), not kernels.fp4_attention_hopper."
+    )
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
+
+from trace_hf.kernels.fp4_moe_hopper import nibbles_ptx, scale_pair_ptx  # noqa: E402
+
+
+def _decode8_ptx() -> str:
+    """PTX: a register pair of uint32 code words ($8, $9) and their E4M3 scale bytes ($10, $11) to eight fp16 pairs
+    ($0..$7), pair j = (element j of word $8, element j of word $9) * (s_8, s_9) * 2^-14. One ``prmt`` puts the low
+    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7)."""
+    head = ["{", ".reg .b32 m, s, sc, p;", ".reg .b16 sl, sh;"] + scale_pair_ptx("$10", "$11")
+    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles_ptx("p", ["$0", "$1", "$2", "$3"])
+    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles_ptx("p", ["$4", "$5", "$6", "$7"])
+    return "\n".join(head + lo + hi + ["}"])
+
+
+_DECODE8_PTX = gl.constexpr(_decode8_ptx())
+
+
+@gluon.jit
+def _decode8(words, scales):
+    """uint32 code words and their uint8 block-scale bytes (same layout) to the eight fp16 slices
+    ``E2M1 * s * 2^-14`` (slice j: element j of each word)."""
+    return gl.inline_asm_elementwise(
+        _DECODE8_PTX,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+        [words, scales.to(gl.int32)],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _maximum(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+# Reductions through gl.reduce with Gluon combine functions: `gl.max` / `gl.sum` are Triton library functions, which
+# the interpreter replaces, so that CI (TRITON_INTERPRET=1) could not compile this kernel for sm_90 with them.
+@gluon.jit
+def _max(x, axis: gl.constexpr):
+    return gl.reduce(x, axis, _maximum)
+
+
+@gluon.jit
+def _sum(x, axis: gl.constexpr):
+    return gl.reduce(x, axis, _add)
+
+
+@gluon.jit
+def attn_split_kernel(
+    q_ptr,  # [B, HQ, D] post-RoPE queries
+    k_ptr,  # K codes: uint8 [B, HKV, T, D/2]
+    ks_ptr,  # uint8 [B, HKV, T, D/16]
+    kg_ptr,  # fp32 [B, HKV, T]
+    v_ptr,
+    vs_ptr,
+    vg_ptr,
+    len_ptr,  # [B] int: tokens in the cache (the new one included)
+    o_ptr,  # out: [B, HQ, S, D] fp32 partial outputs
+    lse_ptr,  # out: [B, HQ, S] fp32 log-sum-exp of each split (-inf if empty)
+    sm_scale,
+    T,
+    chunk,
+    HQ: gl.constexpr,
+    HKV: gl.constexpr,
+    S: gl.constexpr,
+    D: gl.constexpr,
+    GROUP: gl.constexpr,
+    G_PAD: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    DW: gl.constexpr = D // 8  # uint32 code words per row
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seqlen = gl.load(len_ptr + b)
+    start = split * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    base = (b * HKV + kvh).to(gl.int64) * T
+
+    # Q^T in the order of K's slices: slice j holds q[g, 8w + j], scaled by sm_scale / (largest |q| of head g).
+    g_b = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, lb))
+    w_b = gl.arange(0, DW, layout=gl.SliceLayout(1, lb))
+    q_ptrs = q_ptr + (b * HQ + kvh * GROUP + g_b).to(gl.int64)[None, :] * D + (8 * w_b)[:, None]
+    q_ok = (g_b < GROUP)[None, :]
+    q = (
+        gl.load(q_ptrs + 0, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 1, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 2, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 3, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 4, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 5, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 6, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+        gl.load(q_ptrs + 7, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
+    )
+    q_max = _max(gl.abs(q[0]), axis=0)
+    for j in gl.static_range(1, 8):
+        q_max = gl.maximum(q_max, _max(gl.abs(q[j]), axis=0))
+    q_max = gl.where(q_max > 0, q_max, 1.0)
+    qh = (
+        (q[0] / q_max[None, :]).to(gl.float16),
+        (q[1] / q_max[None, :]).to(gl.float16),
+        (q[2] / q_max[None, :]).to(gl.float16),
+        (q[3] / q_max[None, :]).to(gl.float16),
+        (q[4] / q_max[None, :]).to(gl.float16),
+        (q[5] / q_max[None, :]).to(gl.float16),
+        (q[6] / q_max[None, :]).to(gl.float16),
+        (q[7] / q_max[None, :]).to(gl.float16),
+    )
+    q_max = gl.convert_layout(q_max, gl.SliceLayout(0, mma)) * 16384.0  # 2^14 undoes K's decoding factor
+
+    # K tile [BLOCK_T, DW] (tokens x words): registers hold words w, w+1 of a token, one 8-byte load.
+    t_k = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, la))
+    w_k = gl.arange(0, DW, layout=gl.SliceLayout(0, la))
+    k_off = t_k.to(gl.int64)[:, None] * DW + w_k.to(gl.int64)[None, :]  # int64: immediate offsets per register
+    # K's scale bytes, one per register pair (words w, w+1 share a block): loaded in the k_width=1 operand layout
+    # (a thread holds blocks q, q + 4, ...) and doubled in registers by join + reshape, which gives the k_width=2 one.
+    l1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
+    t_ks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, l1))
+    ks_off = t_ks.to(gl.int64)[:, None] * (D // 16) + gl.arange(0, D // 16, layout=gl.SliceLayout(0, l1))[None, :]
+    # V^T tile [DW, BLOCK_T] (words x tokens): registers hold a word of tokens t, t+1. Row m = 16i + 8r + g of the
+    # operand (i: M tile, r: upper half, g: lane // 4) is word 16i + 2g + r, so that a thread's two rows of a tile
+    # are adjacent words of one block: one 8-byte load and one scale byte per token for both. Loaded as
+    # [DW/16, 8, BLOCK_T, 2] (i, g, t, r), then put in operand order.
+    lv: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [1, 8, 4, 1], [1, 1, 1, 1], [3, 2, 1, 0])
+    i_v = gl.arange(0, DW // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, lv))))
+    g_v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, lv))))
+    t_v = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, lv))))
+    r_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, lv))))
+    blk_v = (8 * i_v[:, None] + g_v[None, :]).to(gl.int64)[:, :, None]  # [DW/16, 8, 1]: the block of both words
+    vs_off = t_v.to(gl.int64)[None, None, :] * (D // 16) + blk_v
+    v_off = (t_v.to(gl.int64)[None, None, :] * DW + 2 * blk_v)[:, :, :, None] + r_v[None, None, None, :]
+    t_s = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, mma))
+    k_words = k_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+    v_words = v_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+
+    m_i = gl.full([G_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    l_i = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(0, mma))
+    zero = gl.zeros([DW, G_PAD], gl.float32, layout=mma)
+    acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    for t0 in range(start, end, BLOCK_T):
+        row = base + t0
+        n = end - t0  # valid tokens from t0 on
+        kw = gl.load(k_words + row * DW + k_off, mask=(t_k < n)[:, None], other=0)
+        ks = gl.load(ks_ptr + row * (D // 16) + ks_off, mask=(t_ks < n)[:, None], other=0)
+        ks = gl.convert_layout(gl.reshape(gl.join(ks, ks), [BLOCK_T, DW]), la)
+        ok_v = (t_v < n)[None, None, :]
+        vw = gl.load(v_words + row * DW + v_off, mask=ok_v[:, :, :, None], other=0)
+        vw = gl.convert_layout(gl.reshape(gl.permute(vw, [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+        vs = gl.load(vs_ptr + row * (D // 16) + vs_off, mask=ok_v, other=0)
+        vs = gl.convert_layout(gl.reshape(gl.permute(gl.join(vs, vs), [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+        ok_s = t_s < n
+        kg = gl.load(kg_ptr + row + t_s.to(gl.int64), mask=ok_s, other=0.0)
+        vg = gl.load(vg_ptr + row + t_s.to(gl.int64), mask=ok_s, other=0.0)
+
+        k = _decode8(kw, ks)
+        s = gl.zeros([BLOCK_T, G_PAD], gl.float32, layout=mma)
+        for j in gl.static_range(8):
+            s = mma_v2(k[j], qh[j], s)
+        s = s * kg[:, None] * q_max[None, :]
+        s = gl.where(ok_s[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, _max(s, axis=0))
+        alpha = gl.exp(m_i - m_new)
+        p = gl.exp(s - m_new[None, :])
+        l_i = l_i * alpha + _sum(p, axis=0)
+        pw = p * vg[:, None]
+        pw_max = _max(pw, axis=0)
+        pw_max = gl.where(pw_max > 0, pw_max, 1.0)
+        ph = gl.convert_layout((pw / pw_max[None, :]).to(gl.float16), lb)
+        c = (pw_max * 16384.0)[None, :]
+
+        v = _decode8(vw, vs)
+        acc = (
+            acc[0] * alpha[None, :] + mma_v2(v[0], ph, zero) * c,
+            acc[1] * alpha[None, :] + mma_v2(v[1], ph, zero) * c,
+            acc[2] * alpha[None, :] + mma_v2(v[2], ph, zero) * c,
+            acc[3] * alpha[None, :] + mma_v2(v[3], ph, zero) * c,
+            acc[4] * alpha[None, :] + mma_v2(v[4], ph, zero) * c,
+            acc[5] * alpha[None, :] + mma_v2(v[5], ph, zero) * c,
+            acc[6] * alpha[None, :] + mma_v2(v[6], ph, zero) * c,
+            acc[7] * alpha[None, :] + mma_v2(v[7], ph, zero) * c,
+        )
+        m_i = m_new
+
+    empty = l_i == 0.0
+    lse = gl.where(empty, float("-inf"), m_i + gl.log(gl.where(empty, 1.0, l_i)))
+    inv_l = (1.0 / gl.where(empty, 1.0, l_i))[None, :]
+    g_o = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, mma))
+    m_o = gl.arange(0, DW, layout=gl.SliceLayout(1, mma))
+    w_o = (m_o // 16) * 16 + 2 * (m_o % 8) + (m_o // 8) % 2  # the word of V^T's row m (see the loads)
+    out = (b * HQ + kvh * GROUP + g_o).to(gl.int64) * S + split
+    o_ptrs = o_ptr + out[None, :] * D + (8 * w_o)[:, None]
+    o_ok = (g_o < GROUP)[None, :]
+    for j in gl.static_range(8):
+        gl.store(o_ptrs + j, acc[j] * inv_l, mask=o_ok)
+    gl.store(lse_ptr + out, lse, mask=g_o < GROUP)
