@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3,4")
     p.add_argument("--programs", default="264,528,1056", help="target_programs settings (split-K)")
+    p.add_argument("--prefetch", default="0,1", help="--hopper: software pipelining off/on")
+    p.add_argument("--maxnreg", default="0,128", help="--hopper: register caps (0: none)")
+    p.add_argument("--min-chunk", default="64,256", help="--hopper: smallest split, in tokens")
     p.add_argument("--hopper", action="store_true",
                    help="sweep the Gluon kernel's CONFIG['hopper'] (block_t x programs) instead, against the Triton "
                         "kernel's current config in the same run")  # fmt: skip
@@ -61,8 +64,10 @@ def main(argv=None) -> int:
             print("--hopper needs an sm_90+ GPU and a Triton with Gluon.", file=sys.stderr)
             return 2
         default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
-        grid = [{"kernel": "hopper", "block_t": bt, "target_programs": tp}
-                for bt, tp in itertools.product(_csv(args.block_t), _csv(args.programs))]  # fmt: skip
+        grid = [{"kernel": "hopper", "block_t": bt, "prefetch": bool(pf), "maxnreg": mr or None, "target_programs": tp,
+                 "min_chunk": mc}
+                for bt, pf, mr, tp, mc in itertools.product(*(_csv(a) for a in (
+                    args.block_t, args.prefetch, args.maxnreg, args.programs, args.min_chunk)))]  # fmt: skip
     else:
         A.CONFIG["hopper"] = {}  # the Triton kernel's configs
         default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
@@ -87,7 +92,7 @@ def main(argv=None) -> int:
         def timed(cache, cfg):
             launch = {k: v for k, v in cfg.items() if k not in ("kernel", "target_programs")}
             if cfg["kernel"] == "hopper":
-                A.CONFIG["hopper"] = {**launch, "target_programs": cfg["target_programs"]}
+                A.CONFIG["hopper"] = {**launch, "target_programs": cfg["target_programs"]}  # min_chunk in launch
             else:
                 A.CONFIG["hopper"] = {}
                 A.CONFIG["fp4"] = launch

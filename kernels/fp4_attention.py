@@ -357,11 +357,13 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 #: docs/benchmarks.md; ``dense``: the BF16 baseline, at the copy bandwidth with it). Splits: enough programs for
 #: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
 #: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only). ``hopper``: the Gluon kernel
-#: of `fp4_attention_hopper` for an FP4 cache on sm_90+ (one warp per program, so it wants more programs).
+#: of `fp4_attention_hopper` for an FP4 cache on sm_90+, with its own split rule (one warp per program, so it wants
+#: more programs); ``prefetch``: the next tile's loads before this tile's math; ``maxnreg``: a register cap (more
+#: warps per SM). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
-    "hopper": {"block_t": 64, "target_programs": 2112},
+    "hopper": {"block_t": 32, "prefetch": False, "maxnreg": None, "target_programs": 4224, "min_chunk": 64},
     "target_programs": 264,
     "min_chunk": 256,
     "ptx": True,
@@ -433,10 +435,10 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, hopper: bool = False
     """(splits, chunk) for a cache of ``max_len`` tokens: enough programs to fill the GPU, chunks of at least
     ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it. ``hopper``:
     for the Gluon kernel (`uses_hopper_kernel`), which runs more, smaller programs."""
-    bt = max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
-    target = CONFIG["hopper"]["target_programs"] if hopper else CONFIG["target_programs"]
-    want = max(1, target // max(1, batch * num_kv_heads))
-    chunk = max(CONFIG["min_chunk"], triton.cdiv(max_len, want))
+    cfg = CONFIG["hopper"] if hopper else CONFIG
+    bt = CONFIG["hopper"]["block_t"] if hopper else max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
+    want = max(1, cfg["target_programs"] // max(1, batch * num_kv_heads))
+    chunk = max(cfg["min_chunk"], triton.cdiv(max_len, want))
     chunk = triton.cdiv(chunk, bt) * bt
     return triton.cdiv(max_len, chunk), chunk
 
@@ -462,10 +464,11 @@ def decode_attention(
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     if hopper:
+        cfg = CONFIG["hopper"]
         _gluon_attention().attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
-            BLOCK_T=CONFIG["hopper"]["block_t"], num_warps=1,
+            BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], num_warps=1, maxnreg=cfg["maxnreg"],
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]

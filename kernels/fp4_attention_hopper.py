@@ -88,6 +88,25 @@ def _sum(x, axis: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr, row, n, k_off, t_k, ks_off, t_ks, v_off, vs_off, t_v,
+               t_s, la: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
+    """The K and V codes, scale bytes and row scales of cache rows ``row ..`` (``n`` of them valid, the rest read as
+    zeros), in `attn_split_kernel`'s operand layouts."""
+    DW: gl.constexpr = D // 8
+    kw = gl.load(k_words + row * DW + k_off, mask=(t_k < n)[:, None], other=0)
+    ks = gl.load(ks_ptr + row * (D // 16) + ks_off, mask=(t_ks < n)[:, None], other=0)
+    ks = gl.convert_layout(gl.reshape(gl.join(ks, ks), [BLOCK_T, DW]), la)
+    ok_v = (t_v < n)[None, None, :]
+    vw = gl.load(v_words + row * DW + v_off, mask=ok_v[:, :, :, None], other=0)
+    vw = gl.convert_layout(gl.reshape(gl.permute(vw, [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+    vs = gl.load(vs_ptr + row * (D // 16) + vs_off, mask=ok_v, other=0)
+    vs = gl.convert_layout(gl.reshape(gl.permute(gl.join(vs, vs), [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+    kg = gl.load(kg_ptr + row + t_s.to(gl.int64), mask=t_s < n, other=0.0)
+    vg = gl.load(vg_ptr + row + t_s.to(gl.int64), mask=t_s < n, other=0.0)
+    return kw, ks, vw, vs, kg, vg
+
+
+@gluon.jit
 def attn_split_kernel(
     q_ptr,  # [B, HQ, D] post-RoPE queries
     k_ptr,  # K codes: uint8 [B, HKV, T, D/2]
@@ -109,6 +128,7 @@ def attn_split_kernel(
     GROUP: gl.constexpr,
     G_PAD: gl.constexpr,
     BLOCK_T: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -182,21 +202,20 @@ def attn_split_kernel(
     l_i = gl.zeros([G_PAD], gl.float32, layout=gl.SliceLayout(0, mma))
     zero = gl.zeros([DW, G_PAD], gl.float32, layout=mma)
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    # PREFETCH: software pipelining by hand (Gluon does not pipeline), the next tile's loads go out before this
+    # tile's math; it costs the registers of a second tile (fewer warps per SM).
+    args = (k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr)
+    offs = (k_off, t_k, ks_off, t_ks, v_off, vs_off, t_v, t_s)
+    if PREFETCH:
+        tile = _load_tile(*args, base + start, end - start, *offs, la, D, BLOCK_T)
     for t0 in range(start, end, BLOCK_T):
-        row = base + t0
         n = end - t0  # valid tokens from t0 on
-        kw = gl.load(k_words + row * DW + k_off, mask=(t_k < n)[:, None], other=0)
-        ks = gl.load(ks_ptr + row * (D // 16) + ks_off, mask=(t_ks < n)[:, None], other=0)
-        ks = gl.convert_layout(gl.reshape(gl.join(ks, ks), [BLOCK_T, DW]), la)
-        ok_v = (t_v < n)[None, None, :]
-        vw = gl.load(v_words + row * DW + v_off, mask=ok_v[:, :, :, None], other=0)
-        vw = gl.convert_layout(gl.reshape(gl.permute(vw, [0, 3, 1, 2]), [DW, BLOCK_T]), la)
-        vs = gl.load(vs_ptr + row * (D // 16) + vs_off, mask=ok_v, other=0)
-        vs = gl.convert_layout(gl.reshape(gl.permute(gl.join(vs, vs), [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+        if PREFETCH:
+            nxt = _load_tile(*args, base + t0 + BLOCK_T, n - BLOCK_T, *offs, la, D, BLOCK_T)
+            kw, ks, vw, vs, kg, vg = tile
+        else:
+            kw, ks, vw, vs, kg, vg = _load_tile(*args, base + t0, n, *offs, la, D, BLOCK_T)
         ok_s = t_s < n
-        kg = gl.load(kg_ptr + row + t_s.to(gl.int64), mask=ok_s, other=0.0)
-        vg = gl.load(vg_ptr + row + t_s.to(gl.int64), mask=ok_s, other=0.0)
-
         k = _decode8(kw, ks)
         s = gl.zeros([BLOCK_T, G_PAD], gl.float32, layout=mma)
         for j in gl.static_range(8):
@@ -225,6 +244,8 @@ def attn_split_kernel(
             acc[7] * alpha[None, :] + mma_v2(v[7], ph, zero) * c,
         )
         m_i = m_new
+        if PREFETCH:
+            tile = nxt
 
     empty = l_i == 0.0
     lse = gl.where(empty, float("-inf"), m_i + gl.log(gl.where(empty, 1.0, l_i)))
