@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             return 2
         default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
         grid = [{"kernel": "hopper", "block_t": bt, "prefetch": bool(pf), "maxnreg": mr or None, "target_programs": tp,
-                 "min_chunk": mc}
+                 "min_chunk": mc, "max_splits": A.CONFIG["hopper"]["max_splits"]}
                 for bt, pf, mr, tp, mc in itertools.product(*(_csv(a) for a in (
                     args.block_t, args.prefetch, args.maxnreg, args.programs, args.min_chunk)))]  # fmt: skip
     else:

@@ -358,12 +358,14 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 #: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
 #: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only). ``hopper``: the Gluon kernel
 #: of `fp4_attention_hopper` for an FP4 cache on sm_90+, with its own split rule (one warp per program, so it wants
-#: more programs); ``prefetch``: the next tile's loads before this tile's math; ``maxnreg``: a register cap (more
-#: warps per SM). Empty: the Triton kernel everywhere.
+#: more programs, but at most ``max_splits`` splits: the combine's cost grows with them); ``prefetch``: the next
+#: tile's loads before this tile's math; ``maxnreg``: a register cap (more warps per SM). From
+#: `fp4_attention_tune.py --hopper` on the H200 (docs/benchmarks.md 2d). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
-    "hopper": {"block_t": 32, "prefetch": False, "maxnreg": None, "target_programs": 4224, "min_chunk": 64},
+    "hopper": {"block_t": 32, "prefetch": True, "maxnreg": None, "target_programs": 1056, "min_chunk": 64,
+               "max_splits": 128},
     "target_programs": 264,
     "min_chunk": 256,
     "ptx": True,
@@ -438,7 +440,7 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, hopper: bool = False
     cfg = CONFIG["hopper"] if hopper else CONFIG
     bt = CONFIG["hopper"]["block_t"] if hopper else max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
     want = max(1, cfg["target_programs"] // max(1, batch * num_kv_heads))
-    chunk = max(cfg["min_chunk"], triton.cdiv(max_len, want))
+    chunk = max(cfg["min_chunk"], triton.cdiv(max_len, want), triton.cdiv(max_len, cfg.get("max_splits", max_len)))
     chunk = triton.cdiv(chunk, bt) * bt
     return triton.cdiv(max_len, chunk), chunk
 
