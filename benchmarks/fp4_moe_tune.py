@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk}
         for bt, bn, dn, bk, w, sk in itertools.product(*(_ints(a) for a in (args.block_t, args.block_n, "1,2",
                                                                              args.block_k, args.warps, args.split_k)))
-        if bn >= 16 * w
+        if bn >= 16 * w and bk % 128 == 0  # the Gluon kernels' K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [
         {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,

@@ -81,7 +81,8 @@ if has decode; then
 fi
 if has grpo; then
   echo "== GRPO step benchmark"
-  timeout ${GRPO_BUDGET_S:-420} $PY benchmarks/grpo_step.py --out "$OUT/grpo_step${GRPO_TAG:-}.json" ${GRPO_ARGS:-} \
+  # GRPO_WRAP: a runner script and its arguments put before grpo_step.py (e.g. benchmarks/with_hopper_block_t.py 16)
+  timeout ${GRPO_BUDGET_S:-420} $PY ${GRPO_WRAP:-} benchmarks/grpo_step.py --out "$OUT/grpo_step${GRPO_TAG:-}.json" ${GRPO_ARGS:-} \
     > "$OUT/grpo_step${GRPO_TAG:-}.log" 2>&1
   echo "rc=$?" >> "$OUT/grpo_step${GRPO_TAG:-}.log"
   grep -E '^\{"setup"|rc=|Error' "$OUT/grpo_step${GRPO_TAG:-}.log" | tail -n 12

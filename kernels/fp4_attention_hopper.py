@@ -7,7 +7,7 @@ of the KV group as the 8-wide N side of ``mma.m16n8k16`` in both products ("swap
 
 * **Scores:** ``S^T = K Q^T``. K's tokens are the MMA's M rows. A thread holds pairs of consecutive K-columns per
   register, so K's codes are read as ``uint32`` words (8 elements each) in exactly that operand layout: a register
-  pair is words ``w, w+1`` of one token. `_decode8` turns nibble ``j`` of both into the fp16 operand register of
+  pair is words ``w, w+1`` of one token. `fp4_moe_hopper.decode8` turns nibble ``j`` of both into the fp16 operand register of
   K-slice ``j``, so slice ``j`` multiplies the elements ``8w + j``; Q is loaded in the same permuted order.
 * **Output:** ``O^T = V^T P^T``. Here the K side of the MMA is the tokens, and a register holds two consecutive
   tokens of one row of ``V^T``: words ``w`` of tokens ``t, t+1``, read with one 4-byte load each. The same decoding
@@ -35,34 +35,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
-from trace_hf.kernels.fp4_moe_hopper import nibbles_ptx, scale_pair_ptx  # noqa: E402
-
-
-def _decode8_ptx() -> str:
-    """PTX: a register pair of uint32 code words ($8, $9) and their E4M3 scale bytes ($10, $11) to eight fp16 pairs
-    ($0..$7), pair j = (element j of word $8, element j of word $9) * (s_8, s_9) * 2^-14. One ``prmt`` puts the low
-    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7)."""
-    head = ["{", ".reg .b32 m, s, sc, p;", ".reg .b16 sl, sh;"] + scale_pair_ptx("$10", "$11")
-    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles_ptx("p", ["$0", "$1", "$2", "$3"])
-    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles_ptx("p", ["$4", "$5", "$6", "$7"])
-    return "\n".join(head + lo + hi + ["}"])
-
-
-_DECODE8_PTX = gl.constexpr(_decode8_ptx())
-
-
-@gluon.jit
-def _decode8(words, scales):
-    """uint32 code words and their uint8 block-scale bytes (same layout) to the eight fp16 slices
-    ``E2M1 * s * 2^-14`` (slice j: element j of each word)."""
-    return gl.inline_asm_elementwise(
-        _DECODE8_PTX,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-        [words, scales.to(gl.int32)],
-        dtype=(gl.float16,) * 8,
-        is_pure=True,
-        pack=2,
-    )
+from trace_hf.kernels.fp4_moe_hopper import decode8, pair_scales  # noqa: E402
 
 
 @gluon.jit
@@ -95,7 +68,7 @@ def _load_tile(k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr, row, n, k_off, 
     DW: gl.constexpr = D // 8
     kw = gl.load(k_words + row * DW + k_off, mask=(t_k < n)[:, None], other=0)
     ks = gl.load(ks_ptr + row * (D // 16) + ks_off, mask=(t_ks < n)[:, None], other=0)
-    ks = gl.convert_layout(gl.reshape(gl.join(ks, ks), [BLOCK_T, DW]), la)
+    ks = pair_scales(ks, la)
     ok_v = (t_v < n)[None, None, :]
     vw = gl.load(v_words + row * DW + v_off, mask=ok_v[:, :, :, None], other=0)
     vw = gl.convert_layout(gl.reshape(gl.permute(vw, [0, 3, 1, 2]), [DW, BLOCK_T]), la)
@@ -216,7 +189,7 @@ def attn_split_kernel(
         else:
             kw, ks, vw, vs, kg, vg = _load_tile(*args, base + t0, n, *offs, la, D, BLOCK_T)
         ok_s = t_s < n
-        k = _decode8(kw, ks)
+        k = decode8(kw, ks)
         s = gl.zeros([BLOCK_T, G_PAD], gl.float32, layout=mma)
         for j in gl.static_range(8):
             s = mma_v2(k[j], qh[j], s)
@@ -232,7 +205,7 @@ def attn_split_kernel(
         ph = gl.convert_layout((pw / pw_max[None, :]).to(gl.float16), lb)
         c = (pw_max * 16384.0)[None, :]
 
-        v = _decode8(vw, vs)
+        v = decode8(vw, vs)
         acc = (
             acc[0] * alpha[None, :] + mma_v2(v[0], ph, zero) * c,
             acc[1] * alpha[None, :] + mma_v2(v[1], ph, zero) * c,

@@ -473,13 +473,14 @@ _FP4 = {
 CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_gate_up=64, block_n_down=128, num_stages=3, split_k=4)), (1 << 62, _FP4)]}  # fmt: skip
 #: W4A4 on sm_90+: the Gluon kernels of `fp4_moe_hopper` (weights as the MMA's A operand, codes decoded in the
 #: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
-#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``split_k``: gate/up programs
+#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``block_k``: a multiple of 128
+#: (16 code words, one MMA's K); ``split_k``: gate/up programs
 #: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU). From
 #: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 HOPPER = [
-    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 64, "num_warps": 1, "split_k": 4}),
+    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
     (256, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
-    (1024, {"block_t": 8, "block_n_gate_up": 128, "block_n_down": 256, "block_k": 64, "num_warps": 4}),
+    (1024, {"block_t": 8, "block_n_gate_up": 128, "block_n_down": 256, "block_k": 128, "num_warps": 4}),
 ]
 #: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
 #: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.

@@ -8,19 +8,24 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
 
 * **Weights are the MMA's A operand** (``out^T = W @ x^T``, "swap AB"): the many weight rows fill the 16-row MMA
   tile and the few tokens of an expert fill its 8-wide N side, so a decode batch does not pad tokens to 16.
-* **Each 16-bit word of packed codes is four K-slices.** A thread of ``mma.m16n8k16`` holds pairs of consecutive K
-  per register (``k_width=2``). Reading the packed codes as ``uint16`` in exactly that operand layout, register
-  ``r`` holds words ``k', k'+1``; nibble ``j`` of both (16 bits apart) decodes with one pair of shifts into an fp16
-  pair, which *is* the operand register for K-slice ``j``. The MMA then sums ``sum_j sum_k' W[n, 4k'+j] x[4k'+j]``,
-  the whole dot product in another order; activations are decoded the same way, so their K order matches. The
-  canonical `FP4Tensor` layout serves as is: no re-layout, nothing for export to convert.
-* **Scales ride along.** Words ``k', k'+1`` (elements ``4k' .. 4k'+7``, ``k'`` even) lie in one NVFP4 block, so the
-  two scale bytes of the register are equal and one ``cvt.rn.f16x2.e4m3x2`` gives the multiplier pair.
+* **Each 32-bit word of packed codes is eight K-slices.** A thread of ``mma.m16n8k16`` holds pairs of consecutive K
+  per register (``k_width=2``). Reading the packed codes as ``uint32`` words in exactly that operand layout, a
+  register pair holds words ``w, w+1`` (one 8-byte load); `decode8` turns element ``j`` of both into an fp16 pair
+  (two ``prmt`` put the words' low and high 16-bit halves side by side, then one pair of shifts per element), which
+  *is* the operand register for K-slice ``j``. The MMA then sums ``sum_j sum_w W[n, 8w+j] x[8w+j]``, the whole dot
+  product in another order; activations are decoded the same way, so their K order matches. The canonical
+  `FP4Tensor` layout serves as is: no re-layout, nothing for export to convert.
+* **Scales ride along.** Words ``w, w+1`` (``w`` even) are one NVFP4 block, so a register pair needs one scale byte:
+  it is loaded once per pair in the ``k_width=1`` operand layout and doubled in registers (`pair_scales`), and one
+  ``cvt.rn.f16x2.e4m3x2`` gives the multiplier pair.
+* **Addresses in int64**, so that each register's address is the thread's base plus a constant and the loads use
+  immediate offsets instead of per-element address arithmetic.
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
-smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.9
-instructions per weight element instead of 7 (sm_90 SASS, docs/benchmarks.md). GPU only (inline PTX; Gluon does not
-run in the interpreter); `fp4_moe.experts_from_quantized` picks these kernels on sm_90+ for W4A4.
+smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
+instructions per weight element instead of 7 (sm_90 SASS, docs/benchmarks.md). `fp4_attention_hopper` uses the
+same decoding. GPU only (inline PTX; Gluon does not run in the interpreter); `fp4_moe.experts_from_quantized` picks
+these kernels on sm_90+ for W4A4.
 """
 
 from __future__ import annotations
@@ -55,33 +60,56 @@ def nibbles_ptx(src: str, outs: list[str]) -> list[str]:
     return lines
 
 
-def _decode_ptx() -> str:
-    """PTX: a register of two uint16 code words ($4) and their two (equal) E4M3 scale bytes ($5, $6) to four fp16
-    pairs ($0..$3), pair j = (nibble j of the low word, nibble j of the high word) * s * 2^-14."""
-    head = ["{", ".reg .b32 m, s, sc;", ".reg .b16 sl, sh;"]
-    return "\n".join(head + scale_pair_ptx("$5", "$6") + nibbles_ptx("$4", ["$0", "$1", "$2", "$3"]) + ["}"])
+def _decode8_ptx() -> str:
+    """PTX: a register pair of uint32 code words ($8, $9) and their E4M3 scale bytes ($10, $11) to eight fp16 pairs
+    ($0..$7), pair j = (element j of word $8, element j of word $9) * (s_8, s_9) * 2^-14. One ``prmt`` puts the low
+    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7)."""
+    head = ["{", ".reg .b32 m, s, sc, p;", ".reg .b16 sl, sh;"] + scale_pair_ptx("$10", "$11")
+    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles_ptx("p", ["$0", "$1", "$2", "$3"])
+    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles_ptx("p", ["$4", "$5", "$6", "$7"])
+    return "\n".join(head + lo + hi + ["}"])
 
 
-_DECODE_PTX = gl.constexpr(_decode_ptx())
+_DECODE8_PTX = gl.constexpr(_decode8_ptx())
 
 
 @gluon.jit
-def _decode(words, scales):
-    """uint16 code words and their uint8 block-scale bytes (same layout) to the four fp16 K-slices
-    ``E2M1 * s * 2^-14``."""
+def decode8(words, scales):
+    """uint32 code words and their uint8 block-scale bytes (same layout, consecutive pairs in one register pair of
+    the MMA operand) to the eight fp16 slices ``E2M1 * s * 2^-14`` (slice j: element j of each word)."""
     return gl.inline_asm_elementwise(
-        _DECODE_PTX, "=r,=r,=r,=r,r,r,r", [words, scales.to(gl.int32)], dtype=(gl.float16,) * 4, is_pure=True, pack=2
+        _DECODE8_PTX,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+        [words, scales.to(gl.int32)],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=2,
     )
 
 
 @gluon.jit
-def _mma4(w, ws, x, xs, acc):
-    w0, w1, w2, w3 = _decode(w, ws)
-    x0, x1, x2, x3 = _decode(x, xs)
-    acc = mma_v2(w0, x0, acc)
-    acc = mma_v2(w1, x1, acc)
-    acc = mma_v2(w2, x2, acc)
-    return mma_v2(w3, x3, acc)
+def pair_scales(s, layout: gl.constexpr):
+    """Scale bytes ``s`` [R, C] loaded one per word pair in the k_width=1 operand layout (a thread holds columns
+    q, q + 4, ...) to [R, 2C], each byte twice, in the k_width=2 layout ``layout`` (columns 2q, 2q + 1, ...): a
+    register-only reshuffle, no data movement."""
+    return gl.convert_layout(gl.reshape(gl.join(s, s), [s.shape[0], 2 * s.shape[1]]), layout)
+
+
+@gluon.jit
+def pair_scales_t(s, layout: gl.constexpr):
+    """`pair_scales` along the rows: [R, C] to [2R, C] (the B operand, whose K runs down the rows)."""
+    return gl.convert_layout(
+        gl.reshape(gl.permute(gl.join(s, s), [0, 2, 1]), [2 * s.shape[0], s.shape[1]]), layout
+    )
+
+
+@gluon.jit
+def _mma8(w, ws, x, xs, acc):
+    wd = decode8(w, ws)
+    xd = decode8(x, xs)
+    for j in gl.static_range(8):
+        acc = mma_v2(wd[j], xd[j], acc)
+    return acc
 
 
 @gluon.jit
@@ -116,27 +144,35 @@ def gate_up_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    la1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
+    lb1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=1)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     pid_k = gl.program_id(2)
     e = gl.load(expert_ptr + pid_m)
     if e < 0:
         return
-    KQ: gl.constexpr = BLOCK_K // 4
+    KW: gl.constexpr = BLOCK_K // 8  # uint32 code words per row of a K tile
     k_len = H // SPLIT_K  # a slice of K per program (batch 1 has too few row blocks to fill the GPU)
-    n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la))
     k_off = pid_k * k_len
-    kq = gl.arange(0, KQ, layout=gl.SliceLayout(0, la))
-    g_rows = (e.to(gl.int64) * (2 * NI) + n)[:, None]
-    g_ptrs = (w_ptr + k_off // 2).to(gl.pointer_type(gl.uint16), bitcast=True) + g_rows * (H // 4) + kq[None, :]
-    gs_ptrs = (ws_ptr + k_off // 16) + g_rows * (H // 16) + (kq // 4)[None, :]
-    u_off = NI * (H // 4)
+    # Offsets in int64, so that every register's address is the thread's base plus a constant (immediate offsets).
+    g_rows = e.to(gl.int64) * (2 * NI) + pid_n * BLOCK_N
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la)).to(gl.int64)[:, None]
+    n1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la1)).to(gl.int64)[:, None]
+    g_ptrs = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (g_rows * (H // 8) + k_off // 8) + (
+        n * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
+    gs_ptrs = ws_ptr + (g_rows * (H // 16) + k_off // 16) + (
+        n1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
+    u_off = NI * (H // 8)
     us_off = NI * (H // 16)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
     tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
-    kb = gl.arange(0, KQ, layout=gl.SliceLayout(1, lb))[:, None]
-    x_ptrs = (a_ptr + k_off // 2).to(gl.pointer_type(gl.uint16), bitcast=True) + tok * (H // 4) + kb
-    xs_ptrs = (as_ptr + k_off // 16) + tok * (H // 16) + kb // 4
+    offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
+    tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
+    x_ptrs = a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k_off // 8 + (
+        tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    xs_ptrs = as_ptr + k_off // 16 + (
+        tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this one's
@@ -145,14 +181,16 @@ def gate_up_kernel(
     u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
     x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
     for k0 in range(BLOCK_K, k_len, BLOCK_K):
-        g_n, gs_n = gl.load(g_ptrs + k0 // 4), gl.load(gs_ptrs + k0 // 16)
-        u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 4)), gl.load(gs_ptrs + (us_off + k0 // 16))
-        x_n, xs_n = gl.load(x_ptrs + k0 // 4), gl.load(xs_ptrs + k0 // 16)
-        acc_g = _mma4(g, gs, x, xs, acc_g)
-        acc_u = _mma4(u, us, x, xs, acc_u)
+        g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
+        u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
+        x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+        xs2 = pair_scales_t(xs, lb)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
         g, gs, u, us, x, xs = g_n, gs_n, u_n, us_n, x_n, xs_n
-    acc_g = _mma4(g, gs, x, xs, acc_g)
-    acc_u = _mma4(u, us, x, xs, acc_u)
+    xs2 = pair_scales_t(xs, lb)
+    acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+    acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -196,31 +234,37 @@ def down_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    la1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
+    lb1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=1)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     e = gl.load(expert_ptr + pid_m)
     if e < 0:
         return
-    KQ: gl.constexpr = BLOCK_K // 4
-    n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la))
-    kq = gl.arange(0, KQ, layout=gl.SliceLayout(0, la))
-    w_rows = (e.to(gl.int64) * H + n)[:, None]
-    w_ptrs = w_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + w_rows * (NI // 4) + kq[None, :]
-    ws_ptrs = ws_ptr + w_rows * (NI // 16) + (kq // 4)[None, :]
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
-    p = offs_p.to(gl.int64)[None, :]
-    kb = gl.arange(0, KQ, layout=gl.SliceLayout(1, lb))[:, None]
-    x_ptrs = a_ptr.to(gl.pointer_type(gl.uint16), bitcast=True) + p * (NI // 4) + kb
-    xs_ptrs = as_ptr + p * (NI // 16) + kb // 4
+    KW: gl.constexpr = BLOCK_K // 8
+    w_rows = e.to(gl.int64) * H + pid_n * BLOCK_N
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la)).to(gl.int64)[:, None]
+    n1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la1)).to(gl.int64)[:, None]
+    w_ptrs = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + w_rows * (NI // 8) + (
+        n * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
+    ws_ptrs = ws_ptr + w_rows * (NI // 16) + (
+        n1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
+    p0 = pid_m.to(gl.int64) * BLOCK_T
+    p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
+    p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
+    x_ptrs = a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + p0 * (NI // 8) + (
+        p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    xs_ptrs = as_ptr + p0 * (NI // 16) + (
+        p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
     x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
     for k0 in range(BLOCK_K, NI, BLOCK_K):
-        w_n, ws_n = gl.load(w_ptrs + k0 // 4), gl.load(ws_ptrs + k0 // 16)
-        x_n, xs_n = gl.load(x_ptrs + k0 // 4), gl.load(xs_ptrs + k0 // 16)
-        acc = _mma4(w, ws, x, xs, acc)
+        w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
+        x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
         w, ws, x, xs = w_n, ws_n, x_n, xs_n
-    acc = _mma4(w, ws, x, xs, acc)
+    acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
