@@ -479,8 +479,7 @@ CONFIG = {"block_m": 16, "dense": _DENSE, "by_slots": [(8, dict(_FP4, block_n_ga
 #: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 HOPPER = [
     (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
-    (256, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
-    (1024, {"block_t": 8, "block_n_gate_up": 128, "block_n_down": 256, "block_k": 128, "num_warps": 4}),
+    (1024, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 256, "num_warps": 4}),
 ]
 #: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
 #: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
