@@ -13,7 +13,9 @@ example with ``pip install --target``) to count exactly what runs there.
 
 from __future__ import annotations
 
+import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -83,15 +85,13 @@ def attention_counts(block_t: int | None = None, prefetch: bool | None = None) -
     return n, bt * 2 * 128 // 32, ops
 
 
-def _top(ops: dict) -> dict:
-    return dict(list(ops.items())[:8])
-
-
-def main() -> int:
+def gluon_counts() -> list[dict]:
+    """Loop counts of every `fp4_moe.HOPPER` config of both expert kernels and of the attention: records with the
+    kernel, its tile, the instructions, the FP4 elements per thread per iteration and the opcodes."""
     from trace_hf.kernels import fp4_moe as moe
     from trace_hf.kernels import fp4_moe_hopper as hop
 
-    print("kernel, tile: instructions in the loop / weight elements per thread per iteration = per element")
+    out = []
     for _limit, c in moe.HOPPER:
         bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
         for name, fn, bn, sig, extra in (
@@ -101,9 +101,35 @@ def main() -> int:
         ):  # fmt: skip
             n, ops = loop_counts(fn, sig, extra | {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw}, nw)
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
-            print(f"{name}, N {bn} K {bk} warps {nw}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
+            out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}", "instructions": n,
+                        "elements": per_thread, "ops": ops})  # fmt: skip
     n, per_thread, ops = attention_counts()
-    print(f"gluon attention, {CONFIG_NOTE}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
+    out.append(
+        {"kernel": "gluon attention", "tile": CONFIG_NOTE, "instructions": n, "elements": per_thread, "ops": ops}
+    )
+    return out
+
+
+def _top(ops: dict) -> dict:
+    return dict(list(ops.items())[:8])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--json", action="store_true", help="print the Gluon kernels' records as JSON (what the tests read)"
+    )
+    args = p.parse_args(argv)
+    records = gluon_counts()
+    if args.json:
+        print(json.dumps(records))
+        return 0
+    from trace_hf.kernels import fp4_moe as moe
+
+    print("kernel, tile: instructions in the loop / FP4 elements per thread per iteration = per element")
+    for r in records:
+        n, e = r["instructions"], r["elements"]
+        print(f"{r['kernel']}, {r['tile']}: {n} / {e} = {n / e:.2f}  {_top(r['ops'])}")
     cfg = moe.CONFIG["by_slots"][-1][1]
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"]}  # fmt: skip
@@ -113,6 +139,17 @@ def main() -> int:
     per_thread = bn * cfg["block_k"] // (32 * cfg["num_warps"])
     print(f"triton down (CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
     return 0
+
+
+def run_clean(script: str) -> list[dict]:
+    """``gluon_counts()`` from a fresh Python without ``TRITON_INTERPRET``. Why: Triton's interpreter leaves some
+    of ``triton.language.core`` patched after it runs a kernel, and a Gluon compile in that process then fails; the
+    CPU tests run kernels in the interpreter before they compile these."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, script, "--json"], capture_output=True, text=True, env=env, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{script} --json failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

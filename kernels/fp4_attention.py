@@ -364,8 +364,14 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
-    "hopper": {"block_t": 32, "prefetch": True, "maxnreg": None, "target_programs": 1056, "min_chunk": 64,
-               "max_splits": 128},
+    "hopper": {
+        "block_t": 32,
+        "prefetch": True,
+        "maxnreg": None,
+        "target_programs": 1056,
+        "min_chunk": 64,
+        "max_splits": 128,
+    },
     "target_programs": 264,
     "min_chunk": 256,
     "ptx": True,

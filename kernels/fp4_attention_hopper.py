@@ -39,28 +39,6 @@ from trace_hf.kernels.fp4_moe_hopper import decode8, pair_scales  # noqa: E402
 
 
 @gluon.jit
-def _maximum(a, b):
-    return gl.maximum(a, b)
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-# Reductions through gl.reduce with Gluon combine functions: `gl.max` / `gl.sum` are Triton library functions, which
-# the interpreter replaces, so that CI (TRITON_INTERPRET=1) could not compile this kernel for sm_90 with them.
-@gluon.jit
-def _max(x, axis: gl.constexpr):
-    return gl.reduce(x, axis, _maximum)
-
-
-@gluon.jit
-def _sum(x, axis: gl.constexpr):
-    return gl.reduce(x, axis, _add)
-
-
-@gluon.jit
 def _load_tile(k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr, row, n, k_off, t_k, ks_off, t_ks, v_off, vs_off, t_v,
                t_s, la: gl.constexpr, D: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
     """The K and V codes, scale bytes and row scales of cache rows ``row ..`` (``n`` of them valid, the rest read as
@@ -130,9 +108,9 @@ def attn_split_kernel(
         gl.load(q_ptrs + 6, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
         gl.load(q_ptrs + 7, mask=q_ok, other=0.0).to(gl.float32) * sm_scale,
     )
-    q_max = _max(gl.abs(q[0]), axis=0)
+    q_max = gl.max(gl.abs(q[0]), axis=0)
     for j in gl.static_range(1, 8):
-        q_max = gl.maximum(q_max, _max(gl.abs(q[j]), axis=0))
+        q_max = gl.maximum(q_max, gl.max(gl.abs(q[j]), axis=0))
     q_max = gl.where(q_max > 0, q_max, 1.0)
     qh = (
         (q[0] / q_max[None, :]).to(gl.float16),
@@ -195,12 +173,12 @@ def attn_split_kernel(
             s = mma_v2(k[j], qh[j], s)
         s = s * kg[:, None] * q_max[None, :]
         s = gl.where(ok_s[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, _max(s, axis=0))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp(m_i - m_new)
         p = gl.exp(s - m_new[None, :])
-        l_i = l_i * alpha + _sum(p, axis=0)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
         pw = p * vg[:, None]
-        pw_max = _max(pw, axis=0)
+        pw_max = gl.max(pw, axis=0)
         pw_max = gl.where(pw_max > 0, pw_max, 1.0)
         ph = gl.convert_layout((pw / pw_max[None, :]).to(gl.float16), lb)
         c = (pw_max * 16384.0)[None, :]

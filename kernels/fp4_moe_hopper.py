@@ -98,9 +98,7 @@ def pair_scales(s, layout: gl.constexpr):
 @gluon.jit
 def pair_scales_t(s, layout: gl.constexpr):
     """`pair_scales` along the rows: [R, C] to [2R, C] (the B operand, whose K runs down the rows)."""
-    return gl.convert_layout(
-        gl.reshape(gl.permute(gl.join(s, s), [0, 2, 1]), [2 * s.shape[0], s.shape[1]]), layout
-    )
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(s, s), [0, 2, 1]), [2 * s.shape[0], s.shape[1]]), layout)
 
 
 @gluon.jit
@@ -159,20 +157,32 @@ def gate_up_kernel(
     g_rows = e.to(gl.int64) * (2 * NI) + pid_n * BLOCK_N
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la)).to(gl.int64)[:, None]
     n1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la1)).to(gl.int64)[:, None]
-    g_ptrs = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (g_rows * (H // 8) + k_off // 8) + (
-        n * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
-    gs_ptrs = ws_ptr + (g_rows * (H // 16) + k_off // 16) + (
-        n1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
+    g_ptrs = (
+        w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + (g_rows * (H // 8) + k_off // 8)
+        + (n * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
+    )
+    gs_ptrs = (
+        ws_ptr
+        + (g_rows * (H // 16) + k_off // 16)
+        + (n1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
+    )
     u_off = NI * (H // 8)
     us_off = NI * (H // 16)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
     tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
     offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
     tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
-    x_ptrs = a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + k_off // 8 + (
-        tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-    xs_ptrs = as_ptr + k_off // 16 + (
-        tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    x_ptrs = (
+        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + k_off // 8
+        + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    )
+    xs_ptrs = (
+        as_ptr
+        + k_off // 16
+        + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    )
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this one's
@@ -245,17 +255,29 @@ def down_kernel(
     w_rows = e.to(gl.int64) * H + pid_n * BLOCK_N
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la)).to(gl.int64)[:, None]
     n1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la1)).to(gl.int64)[:, None]
-    w_ptrs = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + w_rows * (NI // 8) + (
-        n * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
-    ws_ptrs = ws_ptr + w_rows * (NI // 16) + (
-        n1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
+    w_ptrs = (
+        w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + w_rows * (NI // 8)
+        + (n * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
+    )
+    ws_ptrs = (
+        ws_ptr
+        + w_rows * (NI // 16)
+        + (n1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
+    )
     p0 = pid_m.to(gl.int64) * BLOCK_T
     p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
     p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
-    x_ptrs = a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + p0 * (NI // 8) + (
-        p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-    xs_ptrs = as_ptr + p0 * (NI // 16) + (
-        p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    x_ptrs = (
+        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + p0 * (NI // 8)
+        + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    )
+    xs_ptrs = (
+        as_ptr
+        + p0 * (NI // 16)
+        + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    )
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
     x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
