@@ -119,6 +119,7 @@ def test_kernel_selection_without_gluon_or_gpu(monkeypatch):
         for hopper in (False, True):
             S, chunk = A.num_splits(B, H, T, hopper)
             assert S * chunk >= T and (S - 1) * chunk < T
+    assert not A.uses_hopper_kernel(True, 64, "cuda")  # heads narrower than the 16-word MMA tiles: Triton kernel
     monkeypatch.setitem(A.CONFIG, "hopper", {})
     assert not A.uses_hopper_kernel(True, 128, "cuda")  # an empty config turns it off before any device query
 
