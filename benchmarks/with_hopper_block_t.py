@@ -8,6 +8,7 @@ re-reads the expert's weights).
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -19,7 +20,7 @@ def main() -> None:
     fp4_moe.HOPPER[:] = [(lim, dict(cfg, block_t=block_t) if lim > 8 else cfg) for lim, cfg in fp4_moe.HOPPER]
     print("HOPPER:", fp4_moe.HOPPER, flush=True)
     sys.argv = [script, *rest]
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script's neighbours, as `python script` has
     runpy.run_path(script, run_name="__main__")
 
 

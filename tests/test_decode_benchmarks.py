@@ -16,21 +16,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, out: Path) -> dict:
+def _run(script: str, out: Path, runner: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """Run a benchmark in its --smoke mode (behind ``runner``, a wrapper script and its arguments): its JSON, stdout."""
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
+        [sys.executable, *runner, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
         cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_rollout_decode_smoke(tmp_path):
-    res = _run("rollout_decode.py", tmp_path / "rollout.json")
+    res, _ = _run("rollout_decode.py", tmp_path / "rollout.json")
     cells = {(c["setup"], c["batch"]): c for c in res["cells"]}
     for setup in ("hf", "fast_bf16", "fast_fp4"):
         for b in (1, 2):
@@ -42,6 +43,17 @@ def test_rollout_decode_smoke(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_train_step_smoke(tmp_path):
-    res = _run("train_step.py", tmp_path / "train.json")
+    res, _ = _run("train_step.py", tmp_path / "train.json")
     assert res["ratio"] > 0 and res["bf16_step_s"] > 0 and res["qat_step_s"] > 0 and res["qat_uncached_step_s"] > 0
     assert res["weight_cache_gib"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
+def test_block_t_runner_sets_the_table_and_runs_the_script(tmp_path):
+    """`benchmarks/with_hopper_block_t.py` (the 16-token-block experiment of docs/benchmarks.md 2d) from another
+    directory: the table it runs with, and the wrapped benchmark's result."""
+    runner = (str(ROOT / "benchmarks" / "with_hopper_block_t.py"), "16")
+    res, stdout = _run("train_step.py", tmp_path / "train.json", runner)
+    table = next(line for line in stdout.splitlines() if line.startswith("HOPPER:"))
+    assert "'block_t': 16" in table and "'block_t': 8" in table  # batch 1's entry keeps its 8-token blocks
+    assert res["qat_step_s"] > 0
