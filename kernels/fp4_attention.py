@@ -21,16 +21,22 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_attention (see kernels/README.md), not kernels.fp4_attention.")
 
-import functools  # noqa: E402
 import math  # noqa: E402
-import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trace_hf.kernels.fp4_moe import DOT_BF16, INTERPRETED, _load_halves, hardware_fp8, load_fp4_rows  # noqa: E402
+from trace_hf import fp4  # noqa: E402
+from trace_hf.kernels.fp4_moe import (  # noqa: E402
+    DOT_BF16,
+    INTERPRETED,
+    _load_halves,
+    gluon_module,
+    hardware_fp8,
+    load_fp4_rows,
+)
 from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale, check_device  # noqa: E402
 
 
@@ -105,6 +111,23 @@ def fill_random(cache: KVCache, generator: torch.Generator | None = None) -> Non
     else:
         for t in (cache.k, cache.v):
             t.normal_(generator=generator)
+
+
+def fill_cache(cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put K and V [B, Hkv, T, D] in the cache as `qkv_post` stores them (FP4: ``fp4.quantize(x, "nvfp4", "row")``);
+    returns the values the cache now holds (dequantized), what the attention must be compared against."""
+    if not cache.fp4:
+        cache.k.copy_(k)
+        cache.v.copy_(v)
+        return cache.k.clone(), cache.v.clone()
+    held = []
+    for x, codes, scales, g in ((k, cache.k, cache.k_scale, cache.k_g), (v, cache.v, cache.v_scale, cache.v_g)):
+        q = fp4.quantize(x, "nvfp4", "row")
+        codes.copy_(q.packed)
+        scales.copy_(q.block_scale)
+        g.copy_(q.global_scale[..., 0])
+        held.append(q.dequantize())
+    return held[0], held[1]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -384,19 +407,7 @@ def uses_hopper_kernel(fp4: bool, head_dim: int, device: torch.device | str) -> 
     device = torch.device(device)
     if not (fp4 and CONFIG["hopper"] and head_dim % 128 == 0) or INTERPRETED or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and _gluon_attention() is not None
-
-
-@functools.cache
-def _gluon_attention():
-    """The Gluon module, or None (with one warning) where this Triton lacks it."""
-    try:
-        from trace_hf.kernels import fp4_attention_hopper
-    except (ImportError, AttributeError) as e:
-        warnings.warn(f"Triton {triton.__version__} lacks Gluon's MMA layouts ({e}); the FP4 decode attention uses "
-                      "the Triton kernel. Triton >= 3.6 gives the faster Hopper kernel.", stacklevel=3)  # fmt: skip
-        return None
-    return fp4_attention_hopper
+    return torch.cuda.get_device_capability(device) >= (9, 0) and gluon_module("fp4_attention_hopper") is not None
 
 
 def _cache_args(cache: KVCache):
@@ -473,7 +484,7 @@ def decode_attention(
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     if hopper:
         cfg = CONFIG["hopper"]
-        _gluon_attention().attn_split_kernel[(B, HKV, S)](
+        gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], num_warps=1, maxnreg=cfg["maxnreg"],

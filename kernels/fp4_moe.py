@@ -37,6 +37,7 @@ if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe (see kernels/README.md), not kernels.fp4_moe.")
 
 import functools  # noqa: E402
+import importlib  # noqa: E402
 import os  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -486,16 +487,15 @@ HOPPER = [
 
 
 @functools.cache
-def _gluon() -> bool:
-    """Whether this Triton has the Gluon pieces `fp4_moe_hopper` uses (measured with Triton 3.6; older ones fall
-    back to the Triton kernels, with one warning)."""
+def gluon_module(name: str):
+    """The Gluon kernel module ``trace_hf.kernels.<name>``, or None, with one warning, where this Triton lacks the
+    Gluon pieces it uses (measured with Triton 3.6; older ones fall back to the Triton kernels)."""
     try:
-        from trace_hf.kernels import fp4_moe_hopper  # noqa: F401
+        return importlib.import_module(f"trace_hf.kernels.{name}")
     except (ImportError, AttributeError) as e:
-        warnings.warn(f"Triton {triton.__version__} lacks Gluon's MMA layouts ({e}); the FP4 experts use the Triton "
-                      "kernels. Triton >= 3.6 gives the faster Hopper decode.", stacklevel=3)  # fmt: skip
-        return False
-    return True
+        warnings.warn(f"Triton {triton.__version__} lacks Gluon's MMA layouts ({e}); the Triton kernels run instead of "
+                      f"{name}. Triton >= 3.6 gives the faster Hopper kernels.", stacklevel=3)  # fmt: skip
+        return None
 
 
 def hopper_config(num_slots: int, device: torch.device) -> dict | None:
@@ -503,7 +503,7 @@ def hopper_config(num_slots: int, device: torch.device) -> dict | None:
     if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
         return None
     cfg = next((cfg for limit, cfg in HOPPER if num_slots <= limit), None)
-    return cfg if cfg is not None and _gluon() else None
+    return cfg if cfg is not None and gluon_module("fp4_moe_hopper") is not None else None
 
 
 def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
@@ -688,11 +688,7 @@ def experts_from_quantized(
         )  # fmt: skip
     hidden = None
     if hidden_fp4:
-        if return_hidden:
-            hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
-            hidden = QuantizedHidden(hq, hints, sorted_ids, n)
-        else:
-            hq = fp4_quant.quantize(h, "nvfp4", "row")
+        hq, hidden = _quantize_hidden(h, sorted_ids, n, return_hidden)
         h_arg, hs, hg, h_is_fp4 = hq.packed, hq.block_scale, hq.global_scale.reshape(-1), True
     else:
         h_arg, hs, hg, h_is_fp4 = h, h, h, False
@@ -704,6 +700,15 @@ def experts_from_quantized(
         BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
+
+
+def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
+    """The hidden activation [P, I] quantized per row as ``fp4.quantize(h, "nvfp4", "row")``, and its
+    `QuantizedHidden` (codes with hints, in sorted order) when ``return_hidden``, else None."""
+    if not return_hidden:
+        return fp4_quant.quantize(h, "nvfp4", "row"), None
+    hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
+    return hq, QuantizedHidden(hq, hints, sorted_ids, num_slots)
 
 
 def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, h, sorted_ids, expert_ids, M, K, H,
@@ -726,12 +731,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
             part, xg, wgug, h, sorted_ids, expert_ids, n, K, NI, P,
             A_FP4=True, W_FP4=True, SPLIT_K=split, BLOCK_M=bt, BLOCK_N=128, num_warps=4,
         )  # fmt: skip
-    hidden = None
-    if return_hidden:
-        hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
-        hidden = QuantizedHidden(hq, hints, sorted_ids, n)
-    else:
-        hq = fp4_quant.quantize(h, "nvfp4", "row")
+    hq, hidden = _quantize_hidden(h, sorted_ids, n, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=h.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](

@@ -13,22 +13,6 @@ from trace_hf import fp4
 A = pytest.importorskip("trace_hf.kernels.fp4_attention")
 
 
-def _fill(cache, K, V):
-    """Put K/V [B, Hkv, T, D] in the cache; returns the values the cache now holds."""
-    if not cache.fp4:
-        cache.k.copy_(K)
-        cache.v.copy_(V)
-        return K.clone(), V.clone()
-    out = []
-    for src, q_t, s_t, g_t in ((K, cache.k, cache.k_scale, cache.k_g), (V, cache.v, cache.v_scale, cache.v_g)):
-        q = fp4.quantize(src, "nvfp4", "row")
-        q_t.copy_(q.packed)
-        s_t.copy_(q.block_scale)
-        g_t.copy_(q.global_scale[..., 0])
-        out.append(q.dequantize())
-    return out
-
-
 def _rope_ref(x, pos, cos, sin):
     c, s = cos[pos.long()][:, None, :], sin[pos.long()][:, None, :]
     half = x.shape[-1] // 2
@@ -88,7 +72,7 @@ def test_decode_attention_matches_reference(kv_fp4, HQ, HKV, splits):
     B, D, T = 3, 32, 256
     cache = A.allocate_kv_cache(B, HKV, T, D, kv_fp4, dtype=torch.float32, device="cpu")
     K, V = torch.randn(B, HKV, T, D), torch.randn(B, HKV, T, D)
-    Kd, Vd = _fill(cache, K, V)
+    Kd, Vd = A.fill_cache(cache, K, V)
     q = torch.randn(B, HQ, D)
     lengths = torch.tensor([1, 100, 256], dtype=torch.int32)
     out = A.decode_attention(q, cache, lengths, splits=splits)
@@ -115,7 +99,7 @@ def test_decode_attention_gpu(kv_fp4):
     cache = A.allocate_kv_cache(B, HKV, T, D, kv_fp4, dtype=torch.bfloat16, device="cuda")
     K = torch.randn(B, HKV, T, D, device="cuda")
     V = torch.randn(B, HKV, T, D, device="cuda")
-    Kd, Vd = _fill(cache, K.bfloat16() if not kv_fp4 else K, V.bfloat16() if not kv_fp4 else V)
+    Kd, Vd = A.fill_cache(cache, K.bfloat16() if not kv_fp4 else K, V.bfloat16() if not kv_fp4 else V)
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     lengths = torch.tensor([1, 777, 4096, 5000], dtype=torch.int32, device="cuda")
     out = A.decode_attention(q, cache, lengths)
@@ -134,7 +118,7 @@ def test_ptx_decoding_is_at_least_as_accurate_as_bf16_operands(monkeypatch):
     mag = 10 ** torch.empty(B, HKV, T, 1, device="cuda").uniform_(-4, 4)
     K = torch.randn(B, HKV, T, D, device="cuda") * mag.clamp(max=1.0)  # scores stay O(1)
     V = torch.randn(B, HKV, T, D, device="cuda") * mag.flip(2)
-    Kd, Vd = _fill(cache, K, V)
+    Kd, Vd = A.fill_cache(cache, K, V)
     q = torch.randn(B, HQ, D, device="cuda")
     lengths = torch.tensor([3000, 1234], dtype=torch.int32, device="cuda")
     ref = A.attention_reference(q, Kd, Vd, lengths)

@@ -14,21 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_hf import fp4
-
 
 A = pytest.importorskip("trace_hf.kernels.fp4_attention")
-
-
-def _fill(cache, K, V):
-    out = []
-    for src, q_t, s_t, g_t in ((K, cache.k, cache.k_scale, cache.k_g), (V, cache.v, cache.v_scale, cache.v_g)):
-        q = fp4.quantize(src, "nvfp4", "row")
-        q_t.copy_(q.packed)
-        s_t.copy_(q.block_scale)
-        g_t.copy_(q.global_scale[..., 0])
-        out.append(q.dequantize())
-    return out
 
 
 def _hopper():
@@ -52,7 +39,7 @@ def test_matches_fp32_attention_over_the_cache(HQ, HKV, D):
     mag = 10 ** torch.empty(B, HKV, T, 1, device="cuda").uniform_(-4, 4)  # row scales over 8 decades
     K = torch.randn(B, HKV, T, D, device="cuda") * mag.clamp(max=1.0)  # scores stay O(1)
     V = torch.randn(B, HKV, T, D, device="cuda") * mag.flip(2)
-    Kd, Vd = _fill(cache, K, V)
+    Kd, Vd = A.fill_cache(cache, K, V)
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     lengths = torch.tensor([1, 1777, 3000], dtype=torch.int32, device="cuda")
     ref = A.attention_reference(q, Kd, Vd, lengths)
@@ -69,7 +56,7 @@ def test_agrees_with_the_triton_kernel_and_keeps_fp32_accuracy(monkeypatch):
     torch.manual_seed(1)
     B, HQ, HKV, D, T = 2, 32, 4, 128, 2500
     cache = A.allocate_kv_cache(B, HKV, T, D, True, device="cuda")
-    Kd, Vd = _fill(cache, torch.randn(B, HKV, T, D, device="cuda"), torch.randn(B, HKV, T, D, device="cuda"))
+    Kd, Vd = A.fill_cache(cache, torch.randn(B, HKV, T, D, device="cuda"), torch.randn(B, HKV, T, D, device="cuda"))
     q = torch.randn(B, HQ, D, device="cuda")  # fp32 output: no bf16 rounding
     lengths = torch.tensor([2500, 999], dtype=torch.int32, device="cuda")
     ref = A.attention_reference(q, Kd, Vd, lengths)
@@ -89,7 +76,7 @@ def test_stale_rows_past_the_length_do_not_leak_and_nan_reaches_its_head_group()
     torch.manual_seed(2)
     B, HQ, HKV, D, T = 2, 32, 4, 128, 700
     cache = A.allocate_kv_cache(B, HKV, T, D, True, device="cuda")
-    Kd, Vd = _fill(cache, torch.randn(B, HKV, T, D, device="cuda"), torch.randn(B, HKV, T, D, device="cuda"))
+    Kd, Vd = A.fill_cache(cache, torch.randn(B, HKV, T, D, device="cuda"), torch.randn(B, HKV, T, D, device="cuda"))
     lengths = torch.tensor([300, 513], dtype=torch.int32, device="cuda")
     cache.k_scale[0, :, 300:] = 0x7F
     cache.v_scale[0, :, 300:] = 0x7F

@@ -149,7 +149,7 @@ def test_table_lookup_and_fallbacks(monkeypatch):
     cap["value"] = (8, 0)
     assert moe.hopper_config(8, dev) is None
     cap["value"] = (9, 0)
-    moe._gluon.cache_clear()
+    moe.gluon_module.cache_clear()
     import sys
 
     import trace_hf.kernels
@@ -158,7 +158,7 @@ def test_table_lookup_and_fallbacks(monkeypatch):
     monkeypatch.delattr(trace_hf.kernels, "fp4_moe_hopper", raising=False)
     with pytest.warns(UserWarning, match="Gluon"):
         assert moe.hopper_config(8, dev) is None
-    moe._gluon.cache_clear()
+    moe.gluon_module.cache_clear()
 
 
 def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
