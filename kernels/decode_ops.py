@@ -1,5 +1,6 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Small fused kernels of the decode step: residual add + RMSNorm, and the router's softmax + top-k.
+"""Small fused kernels of the decode step: residual add + RMSNorm (optionally with the NVFP4 quantization of its
+output, the experts' input), and the router's softmax + top-k.
 
 At decode sizes every elementwise torch op is its own launch that moves a few KB; a 48-layer step would be made
 of thousands of them. These two kernels replace the ~15 launches per layer the plain torch code needs for the
@@ -16,13 +17,18 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from trace_hf.fp4 import FP4Hints, FP4Tensor  # noqa: E402
 from trace_hf.kernels.fp4_moe import INTERPRETED  # noqa: E402
+from trace_hf.kernels.fp4_quant import quantize_rows_nvfp4  # noqa: E402
 
 
 @triton.jit
-def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, H, eps, NADD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, H, eps, NADD: tl.constexpr,
+                        QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr):  # fmt: skip
+    # A row as [1, NBT, 16]: NVFP4 blocks of 16 along the last axis, the layout `quantize_rows_nvfp4` takes.
     r = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
+    blks = tl.arange(0, NBT)
+    h = (blks[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
     m = h < H
     x = tl.load(res_ptr + r * H + h, mask=m, other=0.0).to(tl.float32)
     if NADD > 0:
@@ -32,9 +38,14 @@ def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, H, eps, NADD: tl.const
         x = x.to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + r * H + h, x, mask=m)
         x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)[:, None, None]
     y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + h, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * H + h, y.to(out_ptr.dtype.element_ty), mask=m)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r * H + h, y, mask=m)
+    if QUANT:
+        # The stored value, widened exactly: the codes are those of `quantize(out)`.
+        quantize_rows_nvfp4(y.to(tl.float32), tl.full([1], 0, tl.int64) + r, tl.full([1], 1, tl.int1), blks, H, q_ptr, sb_ptr, g_ptr,
+                            hb_ptr, WRITE_BITS, 1, NBT)  # fmt: skip
 
 
 @triton.jit
@@ -74,14 +85,53 @@ def add_rmsnorm(
     """``res += add.sum(1)`` in place (``add`` [M, n, H], any float dtype; None: no add), then RMSNorm(res) * weight
     in ``res.dtype`` (Qwen3's RMSNorm: fp32 statistics, normalized value rounded to the dtype before the weight)."""
     _check(res)
-    M, H = res.shape
     out = torch.empty_like(res) if out is None else out
-    nadd = 0 if add is None else add.shape[1]
-    _add_rmsnorm_kernel[(M,)](
-        res, add.contiguous() if add is not None else res, weight, out, H, eps,
-        NADD=nadd, BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 4096 else 8,
-    )  # fmt: skip
+    _launch_add_rmsnorm(res, add, weight, eps, out, None, None, None, None)
     return out
+
+
+def add_rmsnorm_fp4(
+    res: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float, hints: FP4Hints | None = None
+) -> tuple[torch.Tensor, FP4Tensor]:
+    """`add_rmsnorm`, and its output quantized as ``fp4.quantize(out, "nvfp4", "row")`` in the same launch: the
+    MoE input of the decode step, one launch per layer instead of two. Returns ``(out, FP4Tensor)``.
+
+    ``hints``: `FP4Hints` buffers (NVFP4, [M, H / 8], [M, H / 16], [M, 1]) that receive the result's hints in place
+    (a decode step's static buffers); the returned tensor's scales are those buffers.
+    """
+    _check(res)
+    M, H = res.shape
+    if H % 16:
+        raise ValueError(f"add_rmsnorm_fp4 quantizes rows in NVFP4 blocks of 16: hidden size {H} is not a multiple of 16.")
+    dev = res.device
+    if hints is None:
+        bits = None
+        scale = torch.empty(M, H // 16, dtype=torch.uint8, device=dev)
+        g = torch.empty(M, 1, dtype=torch.float32, device=dev)
+    else:
+        bits, scale, g = hints.mantissa_bits, hints.block_scale, hints.global_scale
+        want = {"mantissa_bits": (bits, (M, H // 8), torch.uint8), "block_scale": (scale, (M, H // 16), torch.uint8),
+                "global_scale": (g, (M, 1), torch.float32)}  # fmt: skip
+        for name, (t, shape, dtype) in want.items():
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != dev:
+                raise ValueError(f"hints.{name} must be a contiguous {dtype} tensor of shape {list(shape)} on {dev}, "
+                                 f"got {t.dtype} {list(t.shape)} on {t.device}: the buffers are written in place.")  # fmt: skip
+    out = torch.empty_like(res)
+    packed = torch.empty(M, H // 2, dtype=torch.uint8, device=dev)
+    _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits)
+    return out, FP4Tensor(packed, scale, g, "nvfp4")
+
+
+def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits) -> None:
+    M, H = res.shape
+    quant = packed is not None
+    dummy = res  # never touched: its constexpr switch is off
+    _add_rmsnorm_kernel[(M,)](
+        res, add.contiguous() if add is not None else res, weight, out, packed if quant else dummy,
+        scale if quant else dummy, g if quant else dummy, bits if bits is not None else dummy, H, eps,
+        NADD=0 if add is None else add.shape[1], QUANT=quant, WRITE_BITS=bits is not None,
+        NBT=triton.next_power_of_2(triton.cdiv(H, 16)), num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -284,9 +284,8 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI,
-                    A_FP4: tl.constexpr, W_FP4: tl.constexpr):  # fmt: skip
-    """The gate/up epilogue: global scales, SiLU(gate) * up, padding rows zeroed, stored by sorted position."""
+def _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row, valid, A_FP4: tl.constexpr, W_FP4: tl.constexpr):
+    """The gate/up epilogue's math: global scales, SiLU(gate) * up, padding rows zeroed."""
     if A_FP4:
         gx = tl.load(ag_ptr + row, mask=valid, other=0.0)
         acc_g = acc_g * gx[:, None]
@@ -296,7 +295,14 @@ def _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, 
         acc_g = acc_g * gw
         acc_u = acc_u * gw
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    h = tl.where(valid[:, None], h, 0.0)
+    return tl.where(valid[:, None], h, 0.0)
+
+
+@triton.jit
+def _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI,
+                    A_FP4: tl.constexpr, W_FP4: tl.constexpr):  # fmt: skip
+    """The gate/up epilogue, stored by sorted position."""
+    h = _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row, valid, A_FP4, W_FP4)
     tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * NI + offs_n[None, :], h, mask=n_ok[None, :])
 
 
@@ -305,7 +311,10 @@ def _silu_mul_kernel(
     part_ptr,  # fp32 [SPLIT_K, P, 2I] partial gate / up sums of `_gate_up_kernel`
     ag_ptr,
     wg_ptr,
-    h_ptr,  # out: fp32 [P, I]
+    h_ptr,  # out: fp32 [P, I]; with QUANT the packed codes [P, I / 2]
+    sb_ptr,  # with QUANT: out, scale bytes [P, I / 16]
+    hg_ptr,  # with QUANT: out, row scales [P]
+    hb_ptr,  # with WRITE_BITS: out, hint bits [P, I / 8]
     sorted_ptr,
     expert_ptr,
     num_slots,
@@ -315,10 +324,14 @@ def _silu_mul_kernel(
     A_FP4: tl.constexpr,
     W_FP4: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    WRITE_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Split-K gate/up: sums the partials in split order (deterministic), then the same epilogue."""
+    """Split-K gate/up: sums the partials in split order (deterministic), then the same epilogue. With QUANT a
+    program holds whole rows (BLOCK_N >= I) and writes them quantized as `_quantize_hidden` would: the hidden
+    activation never goes to memory in fp32 (batch 1's path, where each launch costs more than its bytes)."""
     pid_m = tl.program_id(0)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
@@ -333,7 +346,13 @@ def _silu_mul_kernel(
         part = part_ptr + (k * P + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
         acc_g += tl.load(part, mask=n_ok[None, :], other=0.0)
         acc_u += tl.load(part + NI, mask=n_ok[None, :], other=0.0)
-    _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI, A_FP4, W_FP4)
+    if QUANT:
+        h = tl.where(n_ok[None, :], _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row, valid, A_FP4, W_FP4), 0.0)
+        NBT: tl.constexpr = BLOCK_N // 16
+        fp4_quant.quantize_rows_nvfp4(tl.reshape(h, [BLOCK_M, NBT, 16]), offs_p.to(tl.int64), offs_p < P,
+                                      tl.arange(0, NBT), NI, h_ptr, sb_ptr, hg_ptr, hb_ptr, WRITE_BITS, BLOCK_M, NBT)  # fmt: skip
+    else:
+        _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI, A_FP4, W_FP4)
 
 
 @triton.jit
@@ -657,9 +676,8 @@ def experts_from_quantized(
     bm = hopper["block_t"] if hopper else CONFIG["block_m"]
     sorted_ids, expert_ids = moe_align(topk_ids, E, bm, align_backend)
     P = sorted_ids.numel()
-    h = torch.empty(P, NI, dtype=torch.float32, device=dev)
     if hopper is not None:
-        return _experts_hopper(hopper, x_arg, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, h, sorted_ids,
+        return _experts_hopper(hopper, x_arg, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids,
                                expert_ids, M, K, H, NI, return_hidden)  # fmt: skip
     cfg = launch_config(n, w_fp4)
     if not hardware_fp8(dev):
@@ -675,23 +693,17 @@ def experts_from_quantized(
     split = cfg.get("split_k", 1)
     while split > 1 and H % (split * bk_h):  # a launch knob: fewer splits where the K tiles do not divide evenly
         split //= 2
-    part = h if split == 1 else torch.empty(split, P, 2 * NI, dtype=torch.float32, device=dev)
+    part = _gate_up_out(split, P, NI, dev)
     _gate_up_kernel[(P // bm, triton.cdiv(NI, bn_gu), split)](
         x_arg, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         A_FP4=a_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (a_fp4 or w_fp4), PTX=_ptx(cfg, a_fp4, w_fp4),
         SPLIT_K=split, BLOCK_N=bn_gu, BLOCK_K=bk_h, **common,
     )  # fmt: skip
-    if split > 1:
-        _silu_mul_kernel[(P // bm, triton.cdiv(NI, 128))](
-            part, xg, wgug, h, sorted_ids, expert_ids, n, K, NI, P,
-            A_FP4=a_fp4, W_FP4=w_fp4, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=128, num_warps=4,
-        )  # fmt: skip
-    hidden = None
+    hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bm, a_fp4, w_fp4, hidden_fp4, return_hidden)
     if hidden_fp4:
-        hq, hidden = _quantize_hidden(h, sorted_ids, n, return_hidden)
         h_arg, hs, hg, h_is_fp4 = hq.packed, hq.block_scale, hq.global_scale.reshape(-1), True
     else:
-        h_arg, hs, hg, h_is_fp4 = h, h, h, False
+        h_arg, hs, hg, h_is_fp4 = hq, hq, hq, False
     y = torch.empty(M, K, H, dtype=torch.float32, device=dev)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(P // bm, triton.cdiv(H, bn_d))](
@@ -700,6 +712,44 @@ def experts_from_quantized(
         BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
+
+
+def _gate_up_out(split: int, P: int, NI: int, device) -> torch.Tensor:
+    """What the gate/up kernels write: the hidden activation fp32 [P, I], or with split-K the partial gate and up
+    sums fp32 [split, P, 2I]."""
+    shape = (P, NI) if split == 1 else (split, P, 2 * NI)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a_fp4, w_fp4, hidden_fp4,
+            return_hidden):  # fmt: skip
+    """The down projection's input from the gate/up output ``part`` (`_gate_up_out`): the hidden activation,
+    quantized when ``hidden_fp4`` (`FP4Tensor`, and with ``return_hidden`` its `QuantizedHidden`), else fp32.
+    Split-K partials are summed by `_silu_mul_kernel`, which quantizes in the same launch (batch 1's path)."""
+    if part.ndim == 2:
+        return _quantize_hidden(part, sorted_ids, num_slots, return_hidden) if hidden_fp4 else (part, None)
+    split, P, NI = part.shape[0], part.shape[1], part.shape[2] // 2
+    dev = part.device
+    common = dict(A_FP4=a_fp4, W_FP4=w_fp4, SPLIT_K=split, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=False)
+    if not hidden_fp4 or NI % 16:  # (an FP4 width that is not a multiple of 16 gets `quantize`'s error below)
+        h = torch.empty(P, NI, dtype=torch.float32, device=dev)
+        _silu_mul_kernel[(P // block_m, triton.cdiv(NI, 128))](
+            part, xg, wgug, h, h, h, h, sorted_ids, expert_ids, num_slots, top_k, NI, P,
+            QUANT=False, WRITE_BITS=False, BLOCK_N=128, **common,
+        )  # fmt: skip
+        return _quantize_hidden(h, sorted_ids, num_slots, return_hidden) if hidden_fp4 else (h, None)
+    packed = torch.empty(P, NI // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(P, NI // 16, dtype=torch.uint8, device=dev)
+    g = torch.empty(P, 1, dtype=torch.float32, device=dev)
+    bits = torch.empty(P, NI // 8, dtype=torch.uint8, device=dev) if return_hidden else packed
+    _silu_mul_kernel[(P // block_m, 1)](
+        part, xg, wgug, packed, scale, g, bits, sorted_ids, expert_ids, num_slots, top_k, NI, P,
+        QUANT=True, WRITE_BITS=return_hidden, BLOCK_N=triton.next_power_of_2(NI), **common,
+    )  # fmt: skip
+    hq = FP4Tensor(packed, scale, g, "nvfp4")
+    if not return_hidden:
+        return hq, None
+    return hq, QuantizedHidden(hq, fp4.FP4Hints(bits, scale, g, "nvfp4"), sorted_ids, num_slots)
 
 
 def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
@@ -711,8 +761,8 @@ def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
     return hq, QuantizedHidden(hq, hints, sorted_ids, num_slots)
 
 
-def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, h, sorted_ids, expert_ids, M, K, H,
-                    NI, return_hidden):  # fmt: skip
+def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,
+                    return_hidden):  # fmt: skip
     """`experts_from_quantized` through the Gluon kernels (W4A4, sm_90+): same steps, same outputs."""
     from trace_hf.kernels import fp4_moe_hopper as hop
 
@@ -721,18 +771,13 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     split = cfg.get("split_k", 1)
     while split > 1 and H % (split * bk):
         split //= 2
-    part = h if split == 1 else torch.empty(split, P, 2 * NI, dtype=torch.float32, device=h.device)
+    part = _gate_up_out(split, P, NI, x.device)
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
     )  # fmt: skip
-    if split > 1:
-        _silu_mul_kernel[(P // bt, triton.cdiv(NI, 128))](
-            part, xg, wgug, h, sorted_ids, expert_ids, n, K, NI, P,
-            A_FP4=True, W_FP4=True, SPLIT_K=split, BLOCK_M=bt, BLOCK_N=128, num_warps=4,
-        )  # fmt: skip
-    hq, hidden = _quantize_hidden(h, sorted_ids, n, return_hidden)
-    y = torch.empty(M, K, H, dtype=torch.float32, device=h.device)
+    hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,

@@ -179,6 +179,81 @@ def _store_out(ptr, offs, v, mask, OUT_KIND: tl.constexpr):
         tl.store(ptr + offs, v, mask=mask)
 
 
+@triton.jit
+def _nvfp4_row_global(amax_i):
+    """NVFP4 row scale g = amax / (6 * 448) from the blocks' |x| maxima as bits [rows, blocks]; NaN for a row
+    holding a non-finite value (Inf / NaN bits order above every finite value)."""
+    amax_r = tl.max(amax_i, axis=1)
+    return tl.div_rn(tl.where(amax_r < 0x7F800000, _float(amax_r), float("nan")), 2688.0)
+
+
+@triton.jit
+def _scaled_magnitude(x, sg, ok):
+    """(min(RN(|x| / d), 6) or a value that rounds the same, d) for x [rows, blocks, BS] and the per-block scale
+    d = s * g (1 where not ``ok``).
+
+    tl.div_rn per element is a branchy ~10-instruction sequence. Instead, per block: scale d by a power of two P
+    into [2^-23, 4) (exact), and take r = RN(1 / (d * P)) with one div_rn. Per element: xs = |x| * P (exact
+    wherever the quotient matters), then Markstein's iteration: q = xs * r, two fma corrections; with a correctly
+    rounded r the last one returns RN(xs / m) = RN(|x| / d) (no ties exist in binary division). This holds
+    whenever the quotient is >= 2^-4 (no intermediate underflows); below, only "tiny" matters (index 0), and
+    guided rounding also needs "exactly 0", decided by its caller with d. xs is capped at 32 (quotient >= 8,
+    saturated either way). Blocks that are not ok (zero, flushed, non-finite scale) divide by 1: their values can
+    be anything here, NaN included, since the caller masks their index off."""
+    d = tl.where(ok, sg, 1.0)
+    p = _float(tl.minimum(tl.maximum(254 - ((_bits(d) >> 23) & 0xFF), 1), 253) << 23)
+    m = d * p
+    r = tl.div_rn(1.0, m)
+    m3, r3 = m[:, :, None], r[:, :, None]
+    xs = tl.minimum(tl.abs(x) * p[:, :, None], 32.0)
+    q = xs * r3
+    q = tl.fma(tl.fma(-m3, q, xs), r3, q)
+    q = tl.fma(tl.fma(-m3, q, xs), r3, q)
+    return tl.minimum(q, 6.0), d
+
+
+@triton.jit
+def _store_codes(q_ptr, code, row64, blks, K, mask, BLOCK_M: tl.constexpr, NBT: tl.constexpr, BS: tl.constexpr):
+    # Element 2i in the low nibble, 2i+1 in the high one: pairs are neighbours in a thread's registers.
+    lo_c, hi_c = tl.split(tl.reshape(code, [BLOCK_M, NBT, BS // 2, 2]))
+    j2 = tl.arange(0, BS // 2)[None, None, :]
+    q_offs = (row64 * (K // 2))[:, None, None] + blks[None, :, None] * (BS // 2) + j2
+    tl.store(q_ptr + q_offs, (lo_c | (hi_c << 4)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_bits(hb_ptr, code, row64, blks, K, mask, BLOCK_M: tl.constexpr, NBT: tl.constexpr, BS: tl.constexpr):
+    # Eight mantissa bits per byte, element 8j + b at bit b: a sum over 8 neighbours in a thread.
+    m4 = tl.reshape(code & 1, [BLOCK_M, NBT, BS // 8, 8])
+    packed_bits = tl.sum(m4 << tl.arange(0, 8)[None, None, None, :], axis=3)
+    j8 = tl.arange(0, BS // 8)[None, None, :]
+    hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
+    tl.store(hb_ptr + hb_offs, packed_bits.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def quantize_rows_nvfp4(x, row64, row_ok, blks, K, q_ptr, sb_ptr, g_ptr, hb_ptr, WRITE_BITS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, NBT: tl.constexpr):  # fmt: skip
+    """``fp4.quantize(x, "nvfp4", "row")`` of whole rows held by one program, for kernels that fuse it into the
+    pass producing them: ``x`` fp32 [BLOCK_M, NBT, 16] (zeros past the row's end) at rows ``row64`` of [M, K].
+    Writes what `quantize` writes (codes, scale bytes, row scale, with ``WRITE_BITS`` the hints' mantissa bits),
+    through the same pieces as `_fp4_kernel`. Launch with ``enable_fp_fusion=False``."""
+    BS: tl.constexpr = 16
+    bmask = row_ok[:, None] & (blks < K // BS)[None, :]
+    mask = bmask[:, :, None]
+    xb = _bits(x)
+    amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)
+    g = _nvfp4_row_global(amax_i)
+    tl.store(g_ptr + row64, g, mask=row_ok)
+    sbyte, _, sg, ok = _nvfp4_block_scale(_float(amax_i), g[:, None])
+    a, _ = _scaled_magnitude(x, sg, ok)
+    code = tl.where(ok[:, :, None], _e2m1_nearest(a), 0) | ((xb >> 28) & 8)
+    _store_codes(q_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
+    tl.store(sb_ptr + (row64 * (K // BS))[:, None] + blks[None, :], sbyte.to(tl.uint8), mask=bmask)
+    if WRITE_BITS:
+        _store_bits(hb_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------
@@ -260,9 +335,7 @@ def _fp4_kernel(
         ok = _is_finite(sg) & (sg > 0)
     elif NVFP4:
         if MODE == 0:
-            # Row global scale: amax over the row, NaN if the row is not finite, over 6 * 448.
-            amax_r = tl.max(amax_i, axis=1)
-            g = tl.div_rn(tl.where(amax_r < 0x7F800000, _float(amax_r), float("nan")), 2688.0)
+            g = _nvfp4_row_global(amax_i)
             if WRITE_Q:
                 tl.store(g_ptr + rows, g, mask=rows < M)
             g = g[:, None]
@@ -280,25 +353,7 @@ def _fp4_kernel(
         ok = ~bad_b
         sg = s
 
-    # ---- the division |x| / (s * g), exact and branch-free --------------------------------------------------
-    # tl.div_rn per element is a branchy ~10-instruction sequence. Instead, per block: scale d = s * g by a power
-    # of two P into [2^-23, 4) (exact), and take r = RN(1 / (d * P)) with one div_rn. Per element: xs = |x| * P
-    # (exact wherever the quotient matters), then Markstein's iteration: q = xs * r, two fma corrections; with a
-    # correctly rounded r the last one returns RN(xs / m) = RN(|x| / d) (no ties exist in binary division). This
-    # holds whenever the quotient is >= 2^-4 (no intermediate underflows); below, only "tiny" matters (index 0),
-    # and guided rounding also needs "exactly 0", decided by a comparison. xs is capped at 32 (quotient >= 8,
-    # saturated either way). Blocks that are not ok (zero, flushed, non-finite scale) divide by 1 and keep only
-    # the sign: their values can be anything here, NaN included, since the index is masked off.
-    d = tl.where(ok, sg, 1.0)
-    p = _float(tl.minimum(tl.maximum(254 - ((_bits(d) >> 23) & 0xFF), 1), 253) << 23)
-    m = d * p
-    r = tl.div_rn(1.0, m)
-    m3, r3 = m[:, :, None], r[:, :, None]
-    xs = tl.minimum(tl.abs(x) * p[:, :, None], 32.0)
-    q = xs * r3
-    q = tl.fma(tl.fma(-m3, q, xs), r3, q)
-    q = tl.fma(tl.fma(-m3, q, xs), r3, q)
-    a = tl.minimum(q, 6.0)
+    a, d = _scaled_magnitude(x, sg, ok)
     if MODE == 2:
         # The recorded mantissa bits: a byte per 8 elements, i.e. per thread (a thread holds 8 neighbours).
         j8 = tl.arange(0, BS // 8)[None, None, :]
@@ -316,20 +371,11 @@ def _fp4_kernel(
 
     # ---- outputs ----------------------------------------------------------------------------------------
     if WRITE_Q:
-        # Element 2i in the low nibble, 2i+1 in the high one: pairs are neighbours in a thread's registers.
-        lo_c, hi_c = tl.split(tl.reshape(code, [BLOCK_M, NBT, BS // 2, 2]))
-        j2 = tl.arange(0, BS // 2)[None, None, :]
-        q_offs = (row64 * (K // 2))[:, None, None] + blks[None, :, None] * (BS // 2) + j2
-        tl.store(q_ptr + q_offs, (lo_c | (hi_c << 4)).to(tl.uint8), mask=mask)
+        _store_codes(q_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
         if MODE != 2:
             tl.store(sb_ptr + (row64 * NB)[:, None] + blks[None, :], sbyte.to(tl.uint8), mask=bmask)
     if WRITE_BITS:
-        # Eight mantissa bits per byte, element 8j + b at bit b: a sum over 8 neighbours in a thread.
-        m4 = tl.reshape(code & 1, [BLOCK_M, NBT, BS // 8, 8])
-        packed_bits = tl.sum(m4 << tl.arange(0, 8)[None, None, None, :], axis=3)
-        j8 = tl.arange(0, BS // 8)[None, None, :]
-        hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
-        tl.store(hb_ptr + hb_offs, packed_bits.to(tl.uint8), mask=mask)
+        _store_bits(hb_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
     if WRITE_OUT:
         # value = (E2M1(code) * s) * g, in this order, as the reference (s and g of a hint may be negative).
         # A block's values are NaN exactly when 0 * s * g is: that is decided per block, not per element.

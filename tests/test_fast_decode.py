@@ -96,6 +96,54 @@ def test_decode_ops_match_torch():
     assert torch.allclose(tw.sort(-1).values, (v / v.sum(-1, keepdim=True)).sort(-1).values, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [64, 96])
+def test_add_rmsnorm_fp4_is_quantize_of_add_rmsnorm(dtype, H):
+    """The fused norm + quantization of the experts' input: the same residual and output as `add_rmsnorm`, and codes,
+    scales and hints equal to `quantize` of that output (and the torch reference), with a NaN row, a zero row and
+    a saturating weight; with hint buffers, the hints land in them."""
+    from trace_hf import fp4
+    from trace_hf.kernels import decode_ops, fp4_quant
+
+    g = torch.Generator().manual_seed(11)
+    res = torch.randn(6, H, generator=g).to(dtype)
+    add = torch.randn(6, 2, H, generator=g)
+    add[1, 0, 3] = float("nan")
+    add[2] = 0.0
+    res[2] = 0.0
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    w[7] = 1e4
+    r1, r2 = res.clone(), res.clone()
+    out = decode_ops.add_rmsnorm(r1, add, w, 1e-6)
+    bufs = fp4.FP4Hints(torch.empty(6, H // 8, dtype=torch.uint8), torch.empty(6, H // 16, dtype=torch.uint8),
+                        torch.empty(6, 1), "nvfp4")  # fmt: skip
+    out2, q = decode_ops.add_rmsnorm_fp4(r2, add, w, 1e-6, hints=bufs)
+    same = dict(rtol=0, atol=0, equal_nan=True)  # row 1 is NaN
+    torch.testing.assert_close(r2, r1, **same)
+    torch.testing.assert_close(out2, out, **same)
+    want, want_hints = fp4_quant.quantize(out, "nvfp4", "row", return_hints=True)
+    ref = fp4.quantize(out.float(), "nvfp4", "row", backend="torch")
+    assert torch.equal(q.packed, want.packed) and torch.equal(want.packed, ref.packed)
+    assert torch.equal(q.block_scale, ref.block_scale) and q.block_scale is bufs.block_scale
+    torch.testing.assert_close(q.global_scale, ref.global_scale, **same)
+    assert torch.isnan(q.global_scale[1]).all() and (q.global_scale[2] == 0).all()
+    assert torch.equal(bufs.mantissa_bits, want_hints.mantissa_bits)
+    _, q3 = decode_ops.add_rmsnorm_fp4(res.clone(), add, w, 1e-6)  # no hint buffers
+    assert torch.equal(q3.packed, q.packed) and torch.equal(q3.block_scale, q.block_scale)
+
+
+def test_add_rmsnorm_fp4_rejects_what_it_cannot_quantize():
+    from trace_hf import fp4
+    from trace_hf.kernels import decode_ops
+
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        decode_ops.add_rmsnorm_fp4(torch.randn(2, 40), None, torch.ones(40), 1e-6)
+    bad = fp4.FP4Hints(torch.empty(2, 8, dtype=torch.uint8), torch.empty(2, 4, dtype=torch.uint8), torch.empty(2),
+                       "nvfp4")  # fmt: skip
+    with pytest.raises(ValueError, match=r"hints.global_scale must be .* shape \[2, 1\]"):
+        decode_ops.add_rmsnorm_fp4(torch.randn(2, 64), None, torch.ones(64), 1e-6, hints=bad)
+
+
 def test_random_weights_share_and_count_bytes():
     dims = fd.Dims(64, 4, 2, 32, 8, 2, 32, 128, 2)
     dense = decode_setup.random_weights(dims, torch.float32, "cpu", fp4_experts=False)

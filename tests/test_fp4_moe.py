@@ -192,6 +192,41 @@ def test_w4a16_and_dense_paths(operand_layout):
     assert _rel(dense, ref) < 1e-5
 
 
+@pytest.mark.parametrize("return_hidden", [False, True])
+def test_split_k_epilogue_quantizes_as_quantize(return_hidden):
+    """Batch 1's split-K path sums the partials, applies SiLU * up and quantizes the hidden in one launch: the codes,
+    scales and hints are those of `quantize` (and the torch reference) of the hidden the unfused path writes, with
+    a NaN partial, an all-zero row, saturating and tiny values, padding rows and an unused row block."""
+    from trace_hf.kernels import fp4_quant
+
+    g = torch.Generator().manual_seed(21)
+    split, bm, NI, top_k = 4, 8, 96, 2  # 96: a width that is not a power of two (the program pads to 128)
+    ids, _ = _routing(5, 4, top_k, seed=22)
+    sorted_ids, expert_ids = moe.moe_align(ids, 4, bm, backend="torch")
+    expert_ids[-1] = -1  # a row block no expert uses: skipped by both paths
+    P = sorted_ids.numel()
+    part = torch.randn(split, P, 2 * NI, generator=g) * torch.logspace(-6, 3, 2 * NI)
+    part[:, 0, :NI] = 0.0  # gate 0: an all-zero hidden row
+    part[2, 1, 5] = float("nan")  # poisons row 1: NaN row scale
+    xg = torch.rand(5, generator=g) + 0.5
+    wg = torch.rand(4, generator=g) + 0.5
+    args = (part, xg, wg, sorted_ids, expert_ids, 10, top_k, bm, True, True)
+    h, _ = moe._hidden(*args, False, False)
+    hq, hidden = moe._hidden(*args, True, return_hidden)
+    used = (expert_ids >= 0).repeat_interleave(bm)
+    want, want_hints = fp4_quant.quantize(h[used], "nvfp4", "row", return_hints=True)
+    ref = fp4.quantize(h[used], "nvfp4", "row", backend="torch")
+    for got_t, want_t, ref_t in ((hq.packed, want.packed, ref.packed), (hq.block_scale, want.block_scale, ref.block_scale)):
+        assert torch.equal(got_t[used], want_t) and torch.equal(want_t, ref_t)
+    torch.testing.assert_close(hq.global_scale[used], ref.global_scale, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(hq.global_scale[1]).all() and (hq.global_scale[0] == 0).all()
+    if return_hidden:
+        assert torch.equal(hidden.hints.mantissa_bits[used], want_hints.mantissa_bits)
+        assert hidden.hints.block_scale is hq.block_scale and torch.equal(hidden.slots, sorted_ids)
+    else:
+        assert hidden is None
+
+
 @pytest.mark.gpu
 def test_ptx_decoding_is_exact_for_every_code_and_scale_byte():
     """`_fp4_halves_f16` against the spec: all 256 code bytes (two nibbles) times all 256 E4M3 scale bytes, bit

@@ -8,11 +8,12 @@ path (with `TraceFP4Config`: W4A4 FP4 experts, FP4 KV cache, hints) with a fixed
 (~14) over static buffers, so that the whole step replays from one CUDA graph.
 
 Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM), q/k RMSNorm + RoPE + KV-cache write
-(`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm, router GEMM, softmax + top-k,
-experts input quantized per token (writing the hints of hinted layers straight into a static buffer), routed
-experts (`fp4_moe`; at layers hinted at "experts_hidden" also the hints of the hidden they quantized, in slot order),
-whose per-slot outputs the next norm sums. Then the final norm, lm_head and the greedy next
-token (or the rollout engine's sampler, `trace_hf.rollout.engine`), which becomes the next step's input.
+(`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm fused with the experts' input
+quantization per token (`add_rmsnorm_fp4`: the hints of hinted layers go straight into static buffers), router
+GEMM, softmax + top-k, routed experts (`fp4_moe`; at layers hinted at "experts_hidden" also the hints of the
+hidden they quantized, in slot order), whose per-slot outputs the next norm sums. Then the final norm, lm_head and
+the greedy next token (or the rollout engine's sampler, `trace_hf.rollout.engine`), which becomes the next step's
+input.
 
 The kernels are also registered as torch custom ops (``torch.ops.trace_hf.*``, with fake implementations) so
 that `torch.compile` can trace code that calls them.
@@ -20,7 +21,6 @@ that `torch.compile` can trace code that calls them.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -317,7 +317,8 @@ class FastDecoder:
             experts input into `hint_bits` / `hint_scale` / `hint_g` ([n_hinted, batch, ...]), and at layers hinted at
             "experts_hidden" of the down projection's input per slot into `hidden_bits` / `hidden_scale` /
             `hidden_g` ([n_hidden, batch, top_k, ...], slots in the router's order).
-        use_ops: call the kernels through the ``torch.ops.trace_hf`` custom ops (else directly).
+        use_ops: call the kernels through the ``torch.ops.trace_hf`` custom ops (else directly). The FP4 path's
+            norm + input quantization, which writes the hint buffers, is always a direct call.
         record_routing: write every layer's routed expert ids into `routing` ([num_layers, batch, top_k] int16).
         sample: called at the end of each step with the decoder, instead of the greedy argmax: it reads `logits` and
             writes the next `tokens` (the rollout engine's sampler and stop bookkeeping; must be graph-safe).
@@ -367,7 +368,6 @@ class FastDecoder:
         self.hidden_bits = torch.zeros(n_hh, batch, k, width // 8, dtype=torch.uint8, device=self.device)
         self.hidden_scale = torch.zeros(n_hh, batch, k, width // 16, dtype=torch.uint8, device=self.device)
         self.hidden_g = torch.zeros(n_hh, batch, k, dtype=torch.float32, device=self.device)
-        self._direct_hints = self.record_hints and _direct_hints_ok(self.device, H)
         self.record_routing = record_routing
         self.routing = torch.zeros(d.num_layers if record_routing else 0, batch, d.top_k, dtype=torch.int16,
                                    device=self.device)  # fmt: skip
@@ -386,19 +386,14 @@ class FastDecoder:
             return torch.ops.trace_hf.add_rmsnorm(res, add, w, self.dims.eps)
         return _kernels()[0].add_rmsnorm(res, add, w, self.dims.eps)
 
-    def _quantize_input(self, x: torch.Tensor, layer: int) -> FP4Tensor:
-        fq = _kernels()[3]
-        if not (self.record_hints and self.w.layers[layer].hinted):
-            return fq.quantize(x, "nvfp4", "row")
-        j = self.hinted.index(layer)
-        bits, scale, g = self.hint_bits[j], self.hint_scale[j], self.hint_g[j]
-        if self._direct_hints:
-            return _quantize_into(x, bits, scale, g)
-        q, h = fq.quantize(x, "nvfp4", "row", return_hints=True)
-        bits.copy_(h.mantissa_bits)
-        scale.copy_(h.block_scale)
-        g.copy_(h.global_scale.reshape(-1))
-        return q
+    def _add_rmsnorm_fp4(self, res, add, w, layer: int) -> tuple[torch.Tensor, FP4Tensor]:
+        """The post-attention norm and the experts' input quantized per token in one launch; at hinted layers the
+        hints go straight into the static buffers. Called directly, not as a custom op (it writes the buffers)."""
+        hints = None
+        if self.record_hints and self.w.layers[layer].hinted:
+            j = self.hinted.index(layer)
+            hints = fp4.FP4Hints(self.hint_bits[j], self.hint_scale[j], self.hint_g[j].view(-1, 1), "nvfp4")
+        return _kernels()[0].add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints)
 
     def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
         """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they
@@ -434,7 +429,10 @@ class FastDecoder:
                                self.sin, d.eps)  # fmt: skip
                 attn = A.decode_attention(q, c, lengths, splits=self.splits)
             o = F.linear(attn.view(B, -1), lw.w_o)
-            xn = self._add_rmsnorm(res, o.unsqueeze(1), lw.ln_post)
+            if self.fp4_experts:
+                xn, xq = self._add_rmsnorm_fp4(res, o.unsqueeze(1), lw.ln_post, i)
+            else:
+                xn = xq = self._add_rmsnorm(res, o.unsqueeze(1), lw.ln_post)
             rl = F.linear(xn, lw.w_router)
             if self.use_ops:
                 ids, tw = ops.router_topk(rl, d.top_k, d.norm_topk_prob)
@@ -442,7 +440,6 @@ class FastDecoder:
                 ids, tw = dec.router_topk(rl, d.top_k, d.norm_topk_prob)
             if self.record_routing:
                 self.routing[i].copy_(ids)
-            xq = self._quantize_input(xn, i) if self.fp4_experts else xn
             if self.record_hints and i in self.hidden_hinted:
                 pending = self._experts_recording_hidden(xq, ids, tw, i)
             elif self.use_ops:
@@ -490,43 +487,6 @@ class FastDecoder:
     def hints(self) -> fp4.FP4Hints:
         """This step's hints, [n_hinted, B, ...] (copies)."""
         return fp4.FP4Hints(self.hint_bits.clone(), self.hint_scale.clone(), self.hint_g.clone().unsqueeze(-1))
-
-
-def _quantize_into(x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, g: torch.Tensor) -> FP4Tensor:
-    """Quantize rows of ``x`` (NVFP4, row scale) writing scale bytes, row scales and hint bits straight into the
-    given (static) buffers, in one launch of `fp4_quant`'s kernel: no copies per hinted layer."""
-    fq = _kernels()[3]
-    x2, kind = fq._as_input(x)
-    packed = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8, device=x.device)
-    kw = {"path": "quantize"} if "path" in inspect.signature(fq._launch_fp4).parameters else {}
-    fq._launch_fp4(x2, kind, g, scale, bits, packed, None, 1, mode=fq._MODE_ROW, nvfp4=True, write_q=True,
-                   write_bits=True, **kw)  # fmt: skip
-    return FP4Tensor(packed, scale, g.view(-1, 1), "nvfp4")
-
-
-_DIRECT_OK: dict = {}
-
-
-def _direct_hints_ok(device, width: int) -> bool:
-    """Whether `_quantize_into` (built on fp4_quant internals) reproduces `fp4_quant.quantize(..., return_hints=True)`
-    here; otherwise the decoder copies the hints (three copies per hinted layer)."""
-    key = (str(device), width)
-    if key not in _DIRECT_OK:
-        try:
-            fq = _kernels()[3]
-            x = torch.randn(3, width, device=device)
-            q, h = fq.quantize(x, "nvfp4", "row", return_hints=True)
-            bits = torch.empty_like(h.mantissa_bits)
-            scale = torch.empty_like(h.block_scale)
-            g = torch.empty(3, dtype=torch.float32, device=device)
-            q2 = _quantize_into(x, bits, scale, g)
-            _DIRECT_OK[key] = bool(
-                torch.equal(q2.packed, q.packed) and torch.equal(bits, h.mantissa_bits)
-                and torch.equal(scale, h.block_scale) and torch.equal(g, h.global_scale.reshape(-1))
-            )  # fmt: skip
-        except Exception:  # the private launcher changed: fall back to copies
-            _DIRECT_OK[key] = False
-    return _DIRECT_OK[key]
 
 
 __all__ = [
