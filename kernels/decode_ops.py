@@ -102,7 +102,9 @@ def add_rmsnorm_fp4(
     _check(res)
     M, H = res.shape
     if H % 16:
-        raise ValueError(f"add_rmsnorm_fp4 quantizes rows in NVFP4 blocks of 16: hidden size {H} is not a multiple of 16.")
+        raise ValueError(
+            f"add_rmsnorm_fp4 quantizes rows in NVFP4 blocks of 16: hidden size {H} is not a multiple of 16."
+        )
     dev = res.device
     if hints is None:
         bits = None

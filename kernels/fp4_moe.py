@@ -730,7 +730,8 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
         return _quantize_hidden(part, sorted_ids, num_slots, return_hidden) if hidden_fp4 else (part, None)
     split, P, NI = part.shape[0], part.shape[1], part.shape[2] // 2
     dev = part.device
-    common = dict(A_FP4=a_fp4, W_FP4=w_fp4, SPLIT_K=split, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=False)
+    common = {"A_FP4": a_fp4, "W_FP4": w_fp4, "SPLIT_K": split, "BLOCK_M": block_m, "num_warps": 4}
+    common["enable_fp_fusion"] = False
     if not hidden_fp4 or NI % 16:  # (an FP4 width that is not a multiple of 16 gets `quantize`'s error below)
         h = torch.empty(P, NI, dtype=torch.float32, device=dev)
         _silu_mul_kernel[(P // block_m, triton.cdiv(NI, 128))](

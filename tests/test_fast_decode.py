@@ -118,7 +118,7 @@ def test_add_rmsnorm_fp4_is_quantize_of_add_rmsnorm(dtype, H):
     bufs = fp4.FP4Hints(torch.empty(6, H // 8, dtype=torch.uint8), torch.empty(6, H // 16, dtype=torch.uint8),
                         torch.empty(6, 1), "nvfp4")  # fmt: skip
     out2, q = decode_ops.add_rmsnorm_fp4(r2, add, w, 1e-6, hints=bufs)
-    same = dict(rtol=0, atol=0, equal_nan=True)  # row 1 is NaN
+    same = {"rtol": 0, "atol": 0, "equal_nan": True}  # row 1 is NaN
     torch.testing.assert_close(r2, r1, **same)
     torch.testing.assert_close(out2, out, **same)
     want, want_hints = fp4_quant.quantize(out, "nvfp4", "row", return_hints=True)

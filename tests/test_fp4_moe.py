@@ -216,7 +216,10 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden):
     used = (expert_ids >= 0).repeat_interleave(bm)
     want, want_hints = fp4_quant.quantize(h[used], "nvfp4", "row", return_hints=True)
     ref = fp4.quantize(h[used], "nvfp4", "row", backend="torch")
-    for got_t, want_t, ref_t in ((hq.packed, want.packed, ref.packed), (hq.block_scale, want.block_scale, ref.block_scale)):
+    for got_t, want_t, ref_t in (
+        (hq.packed, want.packed, ref.packed),
+        (hq.block_scale, want.block_scale, ref.block_scale),
+    ):
         assert torch.equal(got_t[used], want_t) and torch.equal(want_t, ref_t)
     torch.testing.assert_close(hq.global_scale[used], ref.global_scale, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(hq.global_scale[1]).all() and (hq.global_scale[0] == 0).all()
