@@ -285,24 +285,25 @@ def _gate_up_kernel(
 
 @triton.jit
 def _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row, valid, A_FP4: tl.constexpr, W_FP4: tl.constexpr):
-    """The gate/up epilogue's math: global scales, SiLU(gate) * up, padding rows zeroed."""
+    """The gate/up epilogue's math: global scales, SiLU(gate) * up, padding rows zeroed (``row`` and ``valid``
+    shaped to broadcast against the accumulators)."""
     if A_FP4:
         gx = tl.load(ag_ptr + row, mask=valid, other=0.0)
-        acc_g = acc_g * gx[:, None]
-        acc_u = acc_u * gx[:, None]
+        acc_g = acc_g * gx
+        acc_u = acc_u * gx
     if W_FP4:
         gw = tl.load(wg_ptr + e)
         acc_g = acc_g * gw
         acc_u = acc_u * gw
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    return tl.where(valid[:, None], h, 0.0)
+    return tl.where(valid, h, 0.0)
 
 
 @triton.jit
 def _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI,
                     A_FP4: tl.constexpr, W_FP4: tl.constexpr):  # fmt: skip
     """The gate/up epilogue, stored by sorted position."""
-    h = _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row, valid, A_FP4, W_FP4)
+    h = _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row[:, None], valid[:, None], A_FP4, W_FP4)
     tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * NI + offs_n[None, :], h, mask=n_ok[None, :])
 
 
@@ -328,30 +329,42 @@ def _silu_mul_kernel(
     WRITE_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ALIGN_M: tl.constexpr,  # rows of `moe_align`'s expert blocks (a multiple of BLOCK_M)
 ):
     """Split-K gate/up: sums the partials in split order (deterministic), then the same epilogue. With QUANT a
     program holds whole rows (BLOCK_N >= I) and writes them quantized as `_quantize_hidden` would: the hidden
     activation never goes to memory in fp32 (batch 1's path, where each launch costs more than its bytes)."""
     pid_m = tl.program_id(0)
-    e = tl.load(expert_ptr + pid_m)
+    e = tl.load(expert_ptr + pid_m // (ALIGN_M // BLOCK_M))
     if e < 0:
         return
     offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
     row = tl.where(valid, slot // top_k, 0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < NI
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(SPLIT_K):
-        part = part_ptr + (k * P + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
-        acc_g += tl.load(part, mask=n_ok[None, :], other=0.0)
-        acc_u += tl.load(part + NI, mask=n_ok[None, :], other=0.0)
     if QUANT:
-        h = tl.where(n_ok[None, :], _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row, valid, A_FP4, W_FP4), 0.0)
+        # Whole rows as [BLOCK_M, NBT, 16]: a thread holds NVFP4 blocks, the layout `quantize_rows_nvfp4` takes.
         NBT: tl.constexpr = BLOCK_N // 16
-        fp4_quant.quantize_rows_nvfp4(tl.reshape(h, [BLOCK_M, NBT, 16]), offs_p.to(tl.int64), offs_p < P,
-                                      tl.arange(0, NBT), NI, h_ptr, sb_ptr, hg_ptr, hb_ptr, WRITE_BITS, BLOCK_M, NBT)  # fmt: skip
+        blks = tl.arange(0, NBT)
+        cols = (blks[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
+        c_ok = cols < NI
+        rows = offs_p.to(tl.int64)[:, None, None]
+        acc_g = tl.zeros([BLOCK_M, NBT, 16], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, NBT, 16], dtype=tl.float32)
+        for k in tl.static_range(SPLIT_K):
+            part = part_ptr + (k * P + rows) * (2 * NI) + cols
+            acc_g += tl.load(part, mask=c_ok, other=0.0)
+            acc_u += tl.load(part + NI, mask=c_ok, other=0.0)
+        h = _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row[:, None, None], valid[:, None, None], A_FP4, W_FP4)
+        fp4_quant.quantize_rows_nvfp4(tl.where(c_ok, h, 0.0), offs_p.to(tl.int64), offs_p < P, blks, NI, h_ptr,
+                                      sb_ptr, hg_ptr, hb_ptr, WRITE_BITS, BLOCK_M, NBT)  # fmt: skip
     else:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < NI
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(SPLIT_K):
+            part = part_ptr + (k * P + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
+            acc_g += tl.load(part, mask=n_ok[None, :], other=0.0)
+            acc_u += tl.load(part + NI, mask=n_ok[None, :], other=0.0)
         _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI, A_FP4, W_FP4)
 
 
@@ -730,22 +743,26 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
         return _quantize_hidden(part, sorted_ids, num_slots, return_hidden) if hidden_fp4 else (part, None)
     split, P, NI = part.shape[0], part.shape[1], part.shape[2] // 2
     dev = part.device
-    common = {"A_FP4": a_fp4, "W_FP4": w_fp4, "SPLIT_K": split, "BLOCK_M": block_m, "num_warps": 4}
-    common["enable_fp_fusion"] = False
+    common = {"A_FP4": a_fp4, "W_FP4": w_fp4, "SPLIT_K": split, "ALIGN_M": block_m, "enable_fp_fusion": False}
     if not hidden_fp4 or NI % 16:  # (an FP4 width that is not a multiple of 16 gets `quantize`'s error below)
         h = torch.empty(P, NI, dtype=torch.float32, device=dev)
         _silu_mul_kernel[(P // block_m, triton.cdiv(NI, 128))](
             part, xg, wgug, h, h, h, h, sorted_ids, expert_ids, num_slots, top_k, NI, P,
-            QUANT=False, WRITE_BITS=False, BLOCK_N=128, **common,
+            QUANT=False, WRITE_BITS=False, BLOCK_M=block_m, BLOCK_N=128, num_warps=4, **common,
         )  # fmt: skip
         return _quantize_hidden(h, sorted_ids, num_slots, return_hidden) if hidden_fp4 else (h, None)
     packed = torch.empty(P, NI // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(P, NI // 16, dtype=torch.uint8, device=dev)
     g = torch.empty(P, 1, dtype=torch.float32, device=dev)
     bits = torch.empty(P, NI // 8, dtype=torch.uint8, device=dev) if return_hidden else packed
-    _silu_mul_kernel[(P // block_m, 1)](
+    # 4 whole rows per program and 16 values per thread at I <= 1024 (sm_90: 80 registers, no spills; 8 or 16 rows
+    # spill and made batch 1's step 20% slower on the H200, docs/benchmarks.md).
+    rows = 4 if block_m % 4 == 0 else block_m
+    width = triton.next_power_of_2(NI)
+    _silu_mul_kernel[(P // rows,)](
         part, xg, wgug, packed, scale, g, bits, sorted_ids, expert_ids, num_slots, top_k, NI, P,
-        QUANT=True, WRITE_BITS=return_hidden, BLOCK_N=triton.next_power_of_2(NI), **common,
+        QUANT=True, WRITE_BITS=return_hidden, BLOCK_M=rows, BLOCK_N=width, num_warps=min(32, max(4, rows * width // 512)),
+        **common,
     )  # fmt: skip
     hq = FP4Tensor(packed, scale, g, "nvfp4")
     if not return_hidden:
