@@ -27,7 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this long")
     p.add_argument("--block-t", default="64,128")
     p.add_argument("--warps", default="4,8")
-    p.add_argument("--stages", default="2,3,4")
+    p.add_argument("--stages", default="2,3,4",
+                   help="num_stages of the Triton kernel; with --hopper the cp.async ring depth (0: loads to registers)")  # fmt: skip
     p.add_argument("--programs", default="264,528,1056", help="target_programs settings (split-K)")
     p.add_argument("--prefetch", default="0,1", help="--hopper: software pipelining off/on")
     p.add_argument("--maxnreg", default="0,128", help="--hopper: register caps (0: none)")
@@ -64,10 +65,12 @@ def main(argv=None) -> int:
             print("--hopper needs an sm_90+ GPU and a Triton with Gluon.", file=sys.stderr)
             return 2
         default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
-        grid = [{"kernel": "hopper", "block_t": bt, "prefetch": bool(pf), "maxnreg": mr or None, "target_programs": tp,
-                 "min_chunk": mc, "max_splits": A.CONFIG["hopper"]["max_splits"]}
-                for bt, pf, mr, tp, mc in itertools.product(*(_csv(a) for a in (
-                    args.block_t, args.prefetch, args.maxnreg, args.programs, args.min_chunk)))]  # fmt: skip
+        # prefetch (into registers) applies to stages 0 only
+        grid = [{"kernel": "hopper", "block_t": bt, "stages": st, "prefetch": bool(pf), "maxnreg": mr or None,
+                 "target_programs": tp, "min_chunk": mc, "max_splits": A.CONFIG["hopper"]["max_splits"]}
+                for bt, st, pf, mr, tp, mc in itertools.product(*(_csv(a) for a in (
+                    args.block_t, args.stages, args.prefetch, args.maxnreg, args.programs, args.min_chunk)))
+                if not (st and pf)]  # fmt: skip
     else:
         A.CONFIG["hopper"] = {}  # the Triton kernel's configs
         default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}

@@ -69,7 +69,9 @@ def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stage
 CONFIG_NOTE = "Qwen3-30B-A3B heads (32 q / 4 KV of 128), fp4_attention.CONFIG['hopper']"
 
 
-def attention_counts(block_t: int | None = None, prefetch: bool | None = None) -> tuple[int, int, dict]:
+def attention_counts(
+    block_t: int | None = None, prefetch: bool | None = None, stages: int | None = None
+) -> tuple[int, int, dict]:
     """(loop instructions, K and V elements per thread per iteration, opcodes) of the Gluon FP4-KV decode attention
     at Qwen3-30B-A3B's head shapes (one warp per program)."""
     from trace_hf.kernels import fp4_attention as A
@@ -77,10 +79,21 @@ def attention_counts(block_t: int | None = None, prefetch: bool | None = None) -
 
     bt = block_t or A.CONFIG["hopper"]["block_t"]
     prefetch = A.CONFIG["hopper"]["prefetch"] if prefetch is None else prefetch
+    stages = A.CONFIG["hopper"]["stages"] if stages is None else stages
     sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*u8", "kg_ptr": "*fp32", "v_ptr": "*u8", "vs_ptr": "*u8",
            "vg_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32", "T": "i32",
            "chunk": "i32"}  # fmt: skip
-    consts = {"HQ": 32, "HKV": 4, "S": 8, "D": 128, "GROUP": 8, "G_PAD": 8, "BLOCK_T": bt, "PREFETCH": prefetch}
+    consts = {
+        "HQ": 32,
+        "HKV": 4,
+        "S": 8,
+        "D": 128,
+        "GROUP": 8,
+        "G_PAD": 8,
+        "BLOCK_T": bt,
+        "PREFETCH": prefetch,
+        "STAGES": stages,
+    }
     n, ops = loop_counts(hop.attn_split_kernel, sig, consts, 1)
     return n, bt * 2 * 128 // 32, ops
 

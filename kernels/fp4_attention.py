@@ -381,14 +381,16 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 #: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
 #: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only). ``hopper``: the Gluon kernel
 #: of `fp4_attention_hopper` for an FP4 cache on sm_90+, with its own split rule (one warp per program, so it wants
-#: more programs, but at most ``max_splits`` splits: the combine's cost grows with them); ``prefetch``: the next
-#: tile's loads before this tile's math; ``maxnreg``: a register cap (more warps per SM). From
+#: more programs, but at most ``max_splits`` splits: the combine's cost grows with them); ``stages``: tiles in flight
+#: in a cp.async ring in shared memory (0: none, loads straight to registers); ``prefetch`` (``stages`` 0 only): the
+#: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM). From
 #: `fp4_attention_tune.py --hopper` on the H200 (docs/benchmarks.md 2d). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
     "hopper": {
         "block_t": 32,
+        "stages": 3,
         "prefetch": True,
         "maxnreg": None,
         "target_programs": 1056,
@@ -487,7 +489,7 @@ def decode_attention(
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
-            BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], num_warps=1, maxnreg=cfg["maxnreg"],
+            BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], STAGES=cfg["stages"], num_warps=1, maxnreg=cfg["maxnreg"],
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]

@@ -33,9 +33,17 @@ if __name__.split(".")[0] == "kernels":
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
 from trace_hf.kernels.fp4_moe_hopper import decode8, pair_scales  # noqa: E402
+
+
+#: cp.async's global-to-shared copy: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before (3.6 is
+#: what the H200 image has).
+async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+#: A barrier of the CTA's threads: ``gl.barrier`` from Triton 3.7 on, ``gl.thread_barrier`` before.
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -54,6 +62,42 @@ def _load_tile(k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr, row, n, k_off, 
     vs = gl.convert_layout(gl.reshape(gl.permute(gl.join(vs, vs), [0, 3, 1, 2]), [DW, BLOCK_T]), la)
     kg = gl.load(kg_ptr + row + t_s.to(gl.int64), mask=t_s < n, other=0.0)
     vg = gl.load(vg_ptr + row + t_s.to(gl.int64), mask=t_s < n, other=0.0)
+    return kw, ks, vw, vs, kg, vg
+
+
+@gluon.jit
+def _copy_tile(bufs, slot, k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr, row, n, c_off, t_c, cs_off, t_cs, cg_off,
+               D: gl.constexpr):  # fmt: skip
+    """cp.async of cache rows ``row ..`` (``n`` valid, the rest zero-filled) into ring slot ``slot``: K and V codes,
+    scale bytes and row scales, each a contiguous run of the cache, copied in pieces of 16 (codes), 8 (scale bytes)
+    and 4 bytes."""
+    kwb, ksb, kgb, vwb, vsb, vgb = bufs
+    ok = (t_c < n)[:, None]
+    async_load(kwb.index(slot), k_words + (row * (D // 8) + c_off), mask=ok)
+    async_load(vwb.index(slot), v_words + (row * (D // 8) + c_off), mask=ok)
+    ok_s = (t_cs < n)[:, None]
+    async_load(ksb.index(slot), ks_ptr + (row * (D // 16) + cs_off), mask=ok_s)
+    async_load(vsb.index(slot), vs_ptr + (row * (D // 16) + cs_off), mask=ok_s)
+    async_load(kgb.index(slot), kg_ptr + (row + cg_off), mask=cg_off < n)
+    async_load(vgb.index(slot), vg_ptr + (row + cg_off), mask=cg_off < n)
+    cp.commit_group()
+
+
+@gluon.jit
+def _read_tile(bufs, slot, la: gl.constexpr, l1: gl.constexpr, lv: gl.constexpr, ls: gl.constexpr,
+               D: gl.constexpr, BLOCK_T: gl.constexpr):  # fmt: skip
+    """The tile in ring slot ``slot``, in `_load_tile`'s register layouts (V through a [DW/16, 8, BLOCK_T, 2] view
+    of its [BLOCK_T, DW] buffer, as `_load_tile` reads it from global memory)."""
+    DW: gl.constexpr = D // 8
+    kwb, ksb, kgb, vwb, vsb, vgb = bufs
+    kw = kwb.index(slot).load(la)
+    ks = pair_scales(ksb.index(slot).load(l1), la)
+    vw = vwb.index(slot).reshape([BLOCK_T, DW // 16, 8, 2]).permute([1, 2, 0, 3]).load(lv)
+    vw = gl.convert_layout(gl.reshape(gl.permute(vw, [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+    vs = vsb.index(slot).reshape([BLOCK_T, DW // 16, 8]).permute([1, 2, 0]).load(gl.SliceLayout(3, lv))
+    vs = gl.convert_layout(gl.reshape(gl.permute(gl.join(vs, vs), [0, 3, 1, 2]), [DW, BLOCK_T]), la)
+    kg = kgb.index(slot).load(ls)
+    vg = vgb.index(slot).load(ls)
     return kw, ks, vw, vs, kg, vg
 
 
@@ -80,6 +124,7 @@ def attn_split_kernel(
     G_PAD: gl.constexpr,
     BLOCK_T: gl.constexpr,
     PREFETCH: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -157,11 +202,46 @@ def attn_split_kernel(
     # tile's math; it costs the registers of a second tile (fewer warps per SM).
     args = (k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr)
     offs = (k_off, t_k, ks_off, t_ks, v_off, vs_off, t_v, t_s)
-    if PREFETCH:
+    if STAGES > 0:
+        # The cp.async ring: STAGES tiles in shared memory, STAGES - 1 of them in flight while one is computed.
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        bufs = (
+            gl.allocate_shared_memory(gl.uint32, [STAGES, BLOCK_T, DW], flat),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_T, D // 16], flat),
+            gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_T], flat1),
+            gl.allocate_shared_memory(gl.uint32, [STAGES, BLOCK_T, DW], flat),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_T, D // 16], flat),
+            gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_T], flat1),
+        )
+        lc: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])  # 16-byte pieces of the code rows
+        t_c = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, lc))
+        c_off = t_c.to(gl.int64)[:, None] * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, lc)).to(gl.int64)[None, :]
+        SB: gl.constexpr = D // 16  # scale bytes per row, copied 8 at a time
+        lcs: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (SB // 8), SB // 8], [1, 1], [1, 0])
+        t_cs = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, lcs))
+        cs_off = (
+            t_cs.to(gl.int64)[:, None] * SB + gl.arange(0, SB, layout=gl.SliceLayout(0, lcs)).to(gl.int64)[None, :]
+        )
+        lcg: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        cg_off = gl.arange(0, BLOCK_T, layout=lcg)
+        cargs = (k_words, ks_ptr, kg_ptr, v_words, vs_ptr, vg_ptr)
+        coffs = (c_off, t_c, cs_off, t_cs, cg_off)
+        for st in gl.static_range(STAGES - 1):
+            _copy_tile(bufs, st, *cargs, base + start + st * BLOCK_T, end - start - st * BLOCK_T, *coffs, D)
+    elif PREFETCH:
         tile = _load_tile(*args, base + start, end - start, *offs, la, D, BLOCK_T)
     for t0 in range(start, end, BLOCK_T):
         n = end - t0  # valid tokens from t0 on
-        if PREFETCH:
+        if STAGES > 0:
+            it = (t0 - start) // BLOCK_T
+            cta_barrier()  # every lane is done reading the slot the next copy overwrites
+            ahead = (STAGES - 1) * BLOCK_T
+            _copy_tile(bufs, (it + STAGES - 1) % STAGES, *cargs, base + t0 + ahead, n - ahead, *coffs, D)
+            cp.wait_group(STAGES - 1)
+            cta_barrier()  # the copies of tile `it`, by every lane, have landed
+            kw, ks, vw, vs, kg, vg = _read_tile(bufs, it % STAGES, la, l1, lv, gl.SliceLayout(1, mma), D, BLOCK_T)
+        elif PREFETCH:
             nxt = _load_tile(*args, base + t0 + BLOCK_T, n - BLOCK_T, *offs, la, D, BLOCK_T)
             kw, ks, vw, vs, kg, vg = tile
         else:
@@ -195,7 +275,7 @@ def attn_split_kernel(
             acc[7] * alpha[None, :] + mma_v2(v[7], ph, zero) * c,
         )
         m_i = m_new
-        if PREFETCH:
+        if STAGES == 0 and PREFETCH:
             tile = nxt
 
     empty = l_i == 0.0
