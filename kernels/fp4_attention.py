@@ -383,14 +383,16 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexp
 #: of `fp4_attention_hopper` for an FP4 cache on sm_90+, with its own split rule (one warp per program, so it wants
 #: more programs, but at most ``max_splits`` splits: the combine's cost grows with them); ``stages``: tiles in flight
 #: in a cp.async ring in shared memory (0: none, loads straight to registers); ``prefetch`` (``stages`` 0 only): the
-#: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM). From
+#: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM);
+#: ``small_batch``: the tile and ring depth up to ``max_batch`` sequences (`hopper_config`). From
 #: `fp4_attention_tune.py --hopper` on the H200 (docs/benchmarks.md 2d). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
     "hopper": {
-        "block_t": 32,
-        "stages": 3,
+        "block_t": 64,
+        "stages": 2,
+        "small_batch": {"max_batch": 4, "block_t": 32, "stages": 3},
         "prefetch": True,
         "maxnreg": None,
         "target_programs": 1056,
@@ -452,12 +454,23 @@ def qkv_post(
     return q_out
 
 
+def hopper_config(batch: int) -> dict:
+    """``CONFIG["hopper"]`` for a batch of ``batch`` sequences: its ``small_batch`` tile and ring depth up to that
+    entry's ``max_batch`` (a few sequences have few programs, which shorter tiles and a deeper ring serve better:
+    7.0 against 8.3 us at batch 1 and 1K in `h200_18`), else its own."""
+    cfg = CONFIG["hopper"]
+    small = cfg.get("small_batch")
+    if small and batch <= small["max_batch"]:
+        return {**cfg, **{k: v for k, v in small.items() if k != "max_batch"}}
+    return cfg
+
+
 def num_splits(batch: int, num_kv_heads: int, max_len: int, hopper: bool = False) -> tuple[int, int]:
     """(splits, chunk) for a cache of ``max_len`` tokens: enough programs to fill the GPU, chunks of at least
     ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it. ``hopper``:
     for the Gluon kernel (`uses_hopper_kernel`), which runs more, smaller programs."""
-    cfg = CONFIG["hopper"] if hopper else CONFIG
-    bt = CONFIG["hopper"]["block_t"] if hopper else max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
+    cfg = hopper_config(batch) if hopper else CONFIG
+    bt = cfg["block_t"] if hopper else max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
     want = max(1, cfg["target_programs"] // max(1, batch * num_kv_heads))
     chunk = max(cfg["min_chunk"], triton.cdiv(max_len, want), triton.cdiv(max_len, cfg.get("max_splits", max_len)))
     chunk = triton.cdiv(chunk, bt) * bt
@@ -485,7 +498,7 @@ def decode_attention(
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     if hopper:
-        cfg = CONFIG["hopper"]
+        cfg = hopper_config(B)
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),

@@ -27,11 +27,14 @@ def _rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.fixture(params=[0, 3])
+@pytest.fixture(params=[(32, 0), (32, 3), (64, 2)], ids=["registers", "cp.async-3", "cp.async-2-bt64"])
 def pipeline(request, monkeypatch):
     """Both ways tiles reach the registers: loads straight to registers (``stages`` 0, with the register prefetch)
-    and the cp.async ring in shared memory (whose masked copies must zero-fill past a sequence's end)."""
-    monkeypatch.setitem(A.CONFIG, "hopper", dict(A.CONFIG["hopper"], stages=request.param))
+    and the cp.async ring in shared memory (whose masked copies must zero-fill past a sequence's end), at both
+    tiles the configs use."""
+    block_t, stages = request.param
+    cfg = dict(A.CONFIG["hopper"], block_t=block_t, stages=stages, small_batch=None)
+    monkeypatch.setitem(A.CONFIG, "hopper", cfg)
     return request.param
 
 
@@ -105,6 +108,16 @@ def test_stale_rows_past_the_length_do_not_leak_and_nan_reaches_its_head_group(p
 def test_engine_splits_follow_the_kernel():
     _hopper()
     assert A.num_splits(64, 4, 32768, True)[0] > A.num_splits(64, 4, 32768, False)[0]
+
+
+def test_small_batches_get_their_own_tile_and_splits_follow_it(monkeypatch):
+    cfg = dict(A.CONFIG["hopper"], block_t=64, stages=2, small_batch={"max_batch": 4, "block_t": 32, "stages": 3})
+    monkeypatch.setitem(A.CONFIG, "hopper", cfg)
+    assert (A.hopper_config(4)["block_t"], A.hopper_config(4)["stages"]) == (32, 3)
+    assert (A.hopper_config(5)["block_t"], A.hopper_config(5)["stages"]) == (64, 2)
+    assert A.num_splits(1, 4, 1000, True)[1] % 32 == 0 and A.num_splits(64, 4, 1000, True)[1] % 64 == 0
+    monkeypatch.setitem(A.CONFIG, "hopper", dict(cfg, small_batch=None))  # what the tune script sets: one tile
+    assert A.hopper_config(1)["block_t"] == 64
 
 
 def test_kernel_selection_without_gluon_or_gpu(monkeypatch):
