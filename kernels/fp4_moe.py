@@ -11,12 +11,14 @@ for bit: the dot products sum in another order than torch's matmul, so the hidde
 last fp32 bits and, rarely, round to a neighbouring FP4 code):
 
 1. the input ``x`` is quantized per token (NVFP4 row scale) by `trace_hf.kernels.fp4_quant.quantize`, which
-   also gives the hints of the token in the same pass;
+   also gives the hints of the token in the same pass (the decode step does it in its RMSNorm kernel,
+   `decode_ops.add_rmsnorm_fp4`, and calls `experts_from_quantized`);
 2. `moe_align`: (token, slot) pairs sorted by expert, each expert's segment padded to ``BLOCK_M`` rows (as
    vLLM's ``moe_align_block_size``), so every row block of the GEMMs belongs to one expert;
 3. `_gate_up_kernel`: gate and up projections of a row block in one pass over the input, then SiLU(gate) * up
    (with ``split_k`` > 1, each program covers a slice of K and `_silu_mul_kernel` sums the slices in order);
-4. the hidden activation is quantized per (token, expert) row, exactly as ``fp4.quantize(h, "nvfp4", "row")``;
+4. the hidden activation is quantized per (token, expert) row, exactly as ``fp4.quantize(h, "nvfp4", "row")`` (with
+   split-K in the same launch as the partial sums, `_hidden`);
 5. `_down_kernel`: down projection, times the routing weight, written per slot; the caller sums the top-k
    slots of a token (the decode step fuses that sum into its next RMSNorm).
 
