@@ -34,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
     p.add_argument("--split-k", default="1", help="gate/up split-K settings")
+    p.add_argument("--block-m", default="16", help="Triton kernels: token rows per expert block (prefill wants more)")
     p.add_argument("--hopper", action="store_true", help="sweep the Gluon kernels (`HOPPER`, sm_90+) instead")
     p.add_argument("--block-t", default="8,16", help="--hopper: token rows per expert block")
     return p.parse_args(argv)
@@ -87,11 +88,12 @@ def main(argv=None) -> int:
         if bn >= 16 * w and bk % 128 == 0  # the Gluon kernels' K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [
-        {"block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w, "num_stages": st,
-         "halves": hv[0], "ptx": hv[1], "split_k": sk}
-        for hv, bn, bk, w, st, sk in itertools.product(
-            [VARIANTS[v] for v in args.variants.split(",")], *(_ints(a) for a in (args.block_n, args.block_k,
-                                                                                   args.warps, args.stages, args.split_k))
+        {"block_m": bm, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w,
+         "num_stages": st, "halves": hv[0], "ptx": hv[1], "split_k": sk}
+        for hv, bm, bn, bk, w, st, sk in itertools.product(
+            [VARIANTS[v] for v in args.variants.split(",")], *(_ints(a) for a in (args.block_m, args.block_n,
+                                                                                   args.block_k, args.warps,
+                                                                                   args.stages, args.split_k))
         )
     ]  # fmt: skip
     by_slots, dense, hopper = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"], list(moe.HOPPER)

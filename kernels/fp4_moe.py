@@ -482,7 +482,9 @@ def _align_kernel(
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
 #: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `_fp4_halves_f16` into fp16 operands (W4A4 on
 #: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
-#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`. The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
+#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`; ``block_m``
+#: (optional, default ``CONFIG["block_m"]``): token rows per expert block, which a prefill of thousands of tokens
+#: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
 #: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
 #: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
@@ -688,13 +690,13 @@ def experts_from_quantized(
     if hopper is not None and (H % hopper["block_k"] or NI % hopper["block_k"] or NI % hopper["block_n_gate_up"]
                                or H % hopper["block_n_down"]):  # fmt: skip
         hopper = None  # shapes the Gluon tiles do not divide: the Triton kernels
-    bm = hopper["block_t"] if hopper else CONFIG["block_m"]
+    cfg = launch_config(n, w_fp4)
+    bm = hopper["block_t"] if hopper else cfg.get("block_m", CONFIG["block_m"])
     sorted_ids, expert_ids = moe_align(topk_ids, E, bm, align_backend)
     P = sorted_ids.numel()
     if hopper is not None:
         return _experts_hopper(hopper, x_arg, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids,
                                expert_ids, M, K, H, NI, return_hidden)  # fmt: skip
-    cfg = launch_config(n, w_fp4)
     if not hardware_fp8(dev):
         cfg = dict(cfg, halves=False, ptx=False)
     bk_h, bk_i = _pick(H, cfg["block_k"]), _pick(NI, cfg["block_k"])

@@ -147,6 +147,25 @@ def test_fp4_experts_match_module_eval_path(M, E, H, NI, K, operand_layout):
     assert _rel(moe.moe_experts_reference(x, ids, w, gu, d), ref) < 1e-5
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
+    """A launch config's ``block_m`` (prefill: fewer re-reads of each expert's weights) changes the padded layout, not
+    the result; the hidden activation's hints follow the layout."""
+    cfg = dict(moe.CONFIG["by_slots"][-1][1], halves=True, ptx=False, block_k=64, block_m=block_m)
+    monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
+    mod = _experts(4, 64, 32, seed=8)
+    ids, w = _routing(37, 4, 2, seed=9)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(10))
+    xq = fp4.quantize(x, "nvfp4", "row")
+    y, hidden = moe.experts_from_quantized(xq, ids, w, *mod.packed_weights(), return_hidden=True)
+    assert hidden.slots.numel() % block_m == 0
+    assert _rel(y.sum(1), mod(x, ids, w)) < 1e-5
+    monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, dict(cfg, block_m=16))])
+    _, h16 = moe.experts_from_quantized(xq, ids, w, *mod.packed_weights(), return_hidden=True)
+    pos, pos16 = hidden.positions(), h16.positions()
+    assert torch.equal(hidden.hints.mantissa_bits[pos], h16.hints.mantissa_bits[pos16])
+
+
 def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     class Stub:  # stands in for HintRecorder, which the module calls back
         def record_input(self, module, q):
