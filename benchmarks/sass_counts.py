@@ -143,14 +143,16 @@ def main(argv=None) -> int:
     for r in records:
         n, e = r["instructions"], r["elements"]
         print(f"{r['kernel']}, {r['tile']}: {n} / {e} = {n / e:.2f}  {_top(r['ops'])}")
-    cfg = moe.CONFIG["by_slots"][-1][1]
+    cfg = moe.launch_config(1024)  # the Triton kernels' decode config
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"]}  # fmt: skip
     bn = cfg["block_n_down"]
     n, ops = loop_counts(moe._down_kernel, _signature("y_ptr", False), common | {"BLOCK_N": bn}, cfg["num_warps"],
                          cfg["num_stages"])  # fmt: skip
     per_thread = bn * cfg["block_k"] // (32 * cfg["num_warps"])
-    print(f"triton down (CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}")
+    print(
+        f"triton down (decode CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}"
+    )
     return 0
 
 

@@ -70,22 +70,26 @@ def test_align_backends_agree():
     assert torch.equal(s1[valid], s2[valid])
 
 
-#: Operand layouts of the GEMM kernels: name -> (halves, ptx, split_k of gate/up). The interpreter runs no PTX, so
-#: the ``ptx`` layouts run only in the GPU tests.
+#: Operand layouts of the GEMM kernels: name -> (halves, ptx, split_k of gate/up, block_m). The interpreter runs no
+#: PTX, so the ``ptx`` layouts run only in the GPU tests.
 LAYOUTS = {
-    "interleaved": (False, False, 1),
-    "halves": (True, False, 1),
-    "halves-split-k": (True, False, 2),
-    "halves-ptx": (True, True, 1),
-    "halves-ptx-split-k": (True, True, 4),
+    "interleaved": (False, False, 1, 16),
+    "halves": (True, False, 1, 16),
+    "halves-split-k": (True, False, 2, 16),
+    "halves-ptx": (True, True, 1, 16),
+    "halves-ptx-split-k": (True, True, 4, 16),
+    "halves-ptx-block-m-128": (True, True, 1, 128),  # the prefill config
 }
 
 
 def _use_layout(monkeypatch, name):
-    halves, ptx, split_k = LAYOUTS[name]
-    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, split_k=split_k, block_k=64)
+    """The Triton kernels in one layout, for every size: also off the Gluon kernels, which would otherwise take
+    decode sizes on an sm_90+ GPU."""
+    halves, ptx, split_k, block_m = LAYOUTS[name]
+    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, split_k=split_k, block_k=64, block_m=block_m)
     monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
     monkeypatch.setitem(moe.CONFIG, "dense", cfg)
+    monkeypatch.setattr(moe, "HOPPER", [])
 
 
 @pytest.fixture(params=["interleaved", "halves", "halves-split-k"])
