@@ -39,13 +39,13 @@ def _rel_max(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("fp4", [True, False])
-def test_fast_decode_matches_transformers(fp4):
+@pytest.mark.parametrize("fp4,B", [(True, 2), (False, 2), (True, 1)])  # batch 1: the projections run `gemv`
+def test_fast_decode_matches_transformers(fp4, B):
     from trace_hf.hints import HintRecorder
 
     torch.manual_seed(0)
     model = _model(fp4)
-    B, T = 2, 5
+    T = 5
     toks = torch.randint(4, model.config.vocab_size, (B, T))
     with torch.no_grad():
         if fp4:
@@ -142,6 +142,21 @@ def test_add_rmsnorm_fp4_rejects_what_it_cannot_quantize():
                        "nvfp4")  # fmt: skip
     with pytest.raises(ValueError, match=r"hints.global_scale must be .* shape \[2, 1\]"):
         decode_ops.add_rmsnorm_fp4(torch.randn(2, 64), None, torch.ones(64), 1e-6, hints=bad)
+
+
+def test_gemv_is_f_linear_for_one_row():
+    from trace_hf.kernels import decode_ops
+
+    g = torch.Generator().manual_seed(12)
+    for N, K in [(128, 2048), (100, 300)]:  # the router's shape, and widths the tiles do not divide
+        x, w = torch.randn(1, K, generator=g), torch.randn(N, K, generator=g)
+        ref = torch.nn.functional.linear(x, w)
+        assert ((decode_ops.gemv(x, w) - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    x = torch.randn(3, 64, generator=g)
+    w = torch.randn(8, 64, generator=g)
+    assert torch.equal(decode_ops.linear(x, w), torch.nn.functional.linear(x, w))  # more rows: F.linear
+    with pytest.raises(ValueError, match=r"gemv takes x \[1, K\]"):
+        decode_ops.gemv(x, w)
 
 
 def test_random_weights_share_and_count_bytes():

@@ -7,7 +7,7 @@ that in Python and kernel launches. This module computes the same function as th
 path (with `TraceFP4Config`: W4A4 FP4 experts, FP4 KV cache, hints) with a fixed set of kernels per layer
 (~14) over static buffers, so that the whole step replays from one CUDA graph.
 
-Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM), q/k RMSNorm + RoPE + KV-cache write
+Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM; at batch 1 `decode_ops.gemv`), q/k RMSNorm + RoPE + KV-cache write
 (`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm fused with the experts' input
 quantization per token (`add_rmsnorm_fp4`: the hints of hinted layers go straight into static buffers), router
 GEMM, softmax + top-k, routed experts (`fp4_moe`; at layers hinted at "experts_hidden" also the hints of the
@@ -197,6 +197,16 @@ def add_rmsnorm_op(res: torch.Tensor, add: torch.Tensor | None, weight: torch.Te
 @add_rmsnorm_op.register_fake
 def _(res, add, weight, eps):
     return torch.empty_like(res)
+
+
+@torch.library.custom_op("trace_hf::linear", mutates_args=())
+def linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _kernels()[0].linear(x, w)
+
+
+@linear_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 @torch.library.custom_op("trace_hf::router_topk", mutates_args=())
@@ -414,11 +424,12 @@ class FastDecoder:
         ops = torch.ops.trace_hf
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
+        linear = ops.linear if self.use_ops else dec.linear  # one row: `decode_ops.gemv`, else cuBLAS
         pending = None
         for i, lw in enumerate(self.w.layers):
             c = self.caches[i]
             xn = self._add_rmsnorm(res, pending, lw.ln_in)
-            qkv = F.linear(xn, lw.w_qkv)
+            qkv = linear(xn, lw.w_qkv)
             cargs = (c.k, c.v, c.k_scale, c.v_scale, c.k_g, c.v_g)
             if self.use_ops:
                 q = ops.qkv_post(qkv, *cargs, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm,
@@ -428,12 +439,12 @@ class FastDecoder:
                 q = A.qkv_post(qkv, c, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm, self.cos,
                                self.sin, d.eps)  # fmt: skip
                 attn = A.decode_attention(q, c, lengths, splits=self.splits)
-            o = F.linear(attn.view(B, -1), lw.w_o)
+            o = linear(attn.view(B, -1), lw.w_o)
             if self.fp4_experts:
                 xn, xq = self._add_rmsnorm_fp4(res, o.unsqueeze(1), lw.ln_post, i)
             else:
                 xn = xq = self._add_rmsnorm(res, o.unsqueeze(1), lw.ln_post)
-            rl = F.linear(xn, lw.w_router)
+            rl = linear(xn, lw.w_router)
             if self.use_ops:
                 ids, tw = ops.router_topk(rl, d.top_k, d.norm_topk_prob)
             else:
