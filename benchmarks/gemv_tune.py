@@ -1,0 +1,70 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Sweep the launch config of `trace_hf.kernels.decode_ops.gemv` (batch 1's projections) on the GPU.
+
+    python benchmarks/gemv_tune.py --out outputs/gemv_tune.json
+    python benchmarks/gemv_tune.py --out g.json --then benchmarks/rollout_decode.py --out d.json --batches 1
+
+Times one decode layer's three one-row products of Qwen3-30B-A3B (QKV 2048 -> 5120, o_proj 4096 -> 2048, router
+2048 -> 128, bf16) for each config, from CUDA graphs, against ``F.linear`` (cuBLAS), and reports the best by their
+sum. With ``--then`` it sets that config and runs the given script in this process (so a benchmark measures it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import runpy
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--block-n", default="4,8,16")
+    p.add_argument("--block-k", default="512,1024")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="3,4")
+    p.add_argument("--then", nargs=argparse.REMAINDER, help="a script and its arguments to run with the best config")
+    args = p.parse_args(argv)
+    import torch
+    import triton.testing
+
+    if not torch.cuda.is_available():
+        print("gemv_tune.py needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    from trace_hf.kernels import decode_ops
+
+    dev = torch.device("cuda")
+    shapes = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048)}
+    mats = {k: (torch.randn(1, K, device=dev, dtype=torch.bfloat16), torch.randn(N, K, device=dev, dtype=torch.bfloat16))
+            for k, (N, K) in shapes.items()}  # fmt: skip
+
+    def times(fn) -> dict:
+        return {
+            k: triton.testing.do_bench_cudagraph(lambda x=x, w=w: fn(x, w), rep=30) * 1e3 for k, (x, w) in mats.items()
+        }
+
+    cublas = times(torch.nn.functional.linear)
+    rows = []
+    ints = [[int(v) for v in a.split(",")] for a in (args.block_n, args.block_k, args.warps, args.stages)]
+    for bn, bk, w, st in itertools.product(*ints):
+        decode_ops.GEMV = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
+        t = times(decode_ops.gemv)
+        rows.append({**decode_ops.GEMV, "us": t, "sum_us": sum(t.values())})
+    best = min(rows, key=lambda r: r["sum_us"])
+    summary = {"cublas_us": cublas, "cublas_sum_us": sum(cublas.values()), "best": best, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"cuBLAS {summary['cublas_sum_us']:.1f} us per layer { ({k: round(v, 1) for k, v in cublas.items()}) }")
+    print(f"best gemv {best['sum_us']:.1f} us {({k: round(v, 1) for k, v in best['us'].items()})}: "
+          f"{ {k: best[k] for k in ('block_n', 'block_k', 'num_warps', 'num_stages')} }")  # fmt: skip
+    decode_ops.GEMV = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
+    if args.then:
+        sys.argv = args.then
+        runpy.run_path(args.then[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
