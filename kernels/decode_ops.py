@@ -152,9 +152,9 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits) -> N
     )  # fmt: skip
 
 
-#: `gemv` launch: weight rows per program, K tile, warps, pipeline stages (sm_90: 80 registers, ~4 instructions per
-#: weight, 16-byte loads).
-GEMV = {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}
+#: `gemv` launch: weight rows per program, K tile, warps, pipeline stages. The best of `benchmarks/gemv_tune.py` on
+#: the H200 (`h200_24`): a layer's QKV, o_proj and router products in 11.4 us against cuBLAS's 19.4.
+GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -189,6 +189,6 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tup
     w = torch.empty(M, top_k, dtype=torch.float32, device=logits.device)
     _router_topk_kernel[(M,)](
         logits.contiguous(), ids, w, E, K=top_k, E_PAD=triton.next_power_of_2(E),
-        K_PAD=triton.next_power_of_2(max(top_k, 2)), NORM=normalize, num_warps=4,
+        K_PAD=triton.next_power_of_2(max(top_k, 2)), NORM=normalize, num_warps=1 if E <= 256 else 4,
     )  # fmt: skip
     return ids, w
