@@ -7,13 +7,14 @@ that in Python and kernel launches. This module computes the same function as th
 path (with `TraceFP4Config`: W4A4 FP4 experts, FP4 KV cache, hints) with a fixed set of kernels per layer
 (~14) over static buffers, so that the whole step replays from one CUDA graph.
 
-Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM; at batch 1 `decode_ops.gemv`), q/k RMSNorm + RoPE + KV-cache write
+Per layer: add + RMSNorm (`decode_ops`), fused QKV projection (BF16 GEMM), q/k RMSNorm + RoPE + KV-cache write
 (`fp4_attention.qkv_post`), split-K decode attention, o_proj, add + RMSNorm fused with the experts' input
 quantization per token (`add_rmsnorm_fp4`: the hints of hinted layers go straight into static buffers), router
 GEMM, softmax + top-k, routed experts (`fp4_moe`; at layers hinted at "experts_hidden" also the hints of the
 hidden they quantized, in slot order), whose per-slot outputs the next norm sums. Then the final norm, lm_head and
 the greedy next token (or the rollout engine's sampler, `trace_hf.rollout.engine`), which becomes the next step's
-input.
+input. At batch 1 the QKV, o_proj and router products run `decode_ops.gemv` (cuBLAS leaves most of the GPU idle
+on one row).
 
 The kernels are also registered as torch custom ops (``torch.ops.trace_hf.*``, with fake implementations) so
 that `torch.compile` can trace code that calls them.
