@@ -160,8 +160,8 @@ GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4}
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` for one row (decode at batch 1): x [1, K], w [N, K] -> [1, N] in ``x.dtype``, fp32
     accumulation. Why: cuBLAS runs such products on few thread blocks (5 us for the 0.5 MB router of Qwen3-30B-A3B on
-    an H200, 0.36 ms per step for the 48 o_proj); here every few weight rows (`GEMV["block_n"]`) are a program, so the whole GPU streams
-    the matrix."""
+    an H200, 0.36 ms per step for the 48 o_proj); here every few weight rows (``GEMV["block_n"]``) are a program,
+    so the whole GPU streams the matrix."""
     _check(x)
     if x.ndim != 2 or x.shape[0] != 1 or w.ndim != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"gemv takes x [1, K] and w [N, K] (as F.linear), got {list(x.shape)} and {list(w.shape)}.")
