@@ -37,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--block-m", default="16", help="Triton kernels: token rows per expert block (prefill wants more)")
     p.add_argument("--hopper", action="store_true", help="sweep the Gluon kernels (`HOPPER`, sm_90+) instead")
     p.add_argument("--block-t", default="8,16", help="--hopper: token rows per expert block")
+    p.add_argument(
+        "--x-shared", default="0,1", help="--hopper: activations decoded once into shared memory (1) or not"
+    )
     return p.parse_args(argv)
 
 
@@ -82,9 +85,10 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(dev)
 
     hopper_grid = [
-        {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk}
-        for bt, bn, dn, bk, w, sk in itertools.product(*(_ints(a) for a in (args.block_t, args.block_n, "1,2",
-                                                                             args.block_k, args.warps, args.split_k)))
+        {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk,
+         "x_shared": bool(xs)}
+        for bt, bn, dn, bk, w, sk, xs in itertools.product(*(_ints(a) for a in (
+            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared)))
         if bn >= 16 * w and bk % 128 == 0  # the Gluon kernels' K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [

@@ -31,19 +31,21 @@ def _signature(out_ptr: str, gate_up: bool) -> dict:
         sig |= {out_ptr: "*fp32", "sorted_ptr": "*i32", "expert_ptr": "*i32", "num_slots": "i32", "top_k": "i32"}
     else:
         sig |= {"tw_ptr": "*fp32", out_ptr: "*fp32", "sorted_ptr": "*i32", "expert_ptr": "*i32", "num_slots": "i32"}
-    return sig | {"H": "i32", "NI": "i32"}
+    return sig
 
 
 def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> tuple[int, dict]:
-    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90; pointers and the dimensions
-    H and NI marked 16-divisible, as Triton specializes them at launch."""
+    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90; pointers (and integer
+    dimensions H and NI) marked 16-divisible, as Triton specializes them at launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = dict(signature) | dict.fromkeys(constexprs, "constexpr")
+    sig = {a: sig[a] for a in fn.arg_names}  # in the kernel's argument order
     names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("ptr") or a in ("H", "NI")}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+             if sig[a] != "constexpr" and (a.endswith("ptr") or a in ("H", "NI"))}  # fmt: skip
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as Source
     else:
@@ -112,10 +114,12 @@ def gluon_counts() -> list[dict]:
              {"SPLIT_K": c.get("split_k", 1)}),
             ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False), {}),
         ):  # fmt: skip
-            n, ops = loop_counts(fn, sig, extra | {"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw}, nw)
+            consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
+                      "X_SHARED": c.get("x_shared", False)}  # fmt: skip
+            n, ops = loop_counts(fn, sig, extra | consts, nw)
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
-            out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}", "instructions": n,
-                        "elements": per_thread, "ops": ops})  # fmt: skip
+            out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else ""),
+                        "instructions": n, "elements": per_thread, "ops": ops, "x_shared": consts["X_SHARED"]})  # fmt: skip
     n, per_thread, ops = attention_counts()
     out.append(
         {"kernel": "gluon attention", "tile": CONFIG_NOTE, "instructions": n, "elements": per_thread, "ops": ops}
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"]}  # fmt: skip
     bn = cfg["block_n_down"]
-    n, ops = loop_counts(moe._down_kernel, _signature("y_ptr", False), common | {"BLOCK_N": bn}, cfg["num_warps"],
+    n, ops = loop_counts(moe._down_kernel, _signature("y_ptr", False) | {"H": "i32", "NI": "i32"}, common | {"BLOCK_N": bn}, cfg["num_warps"],
                          cfg["num_stages"])  # fmt: skip
     per_thread = bn * cfg["block_k"] // (32 * cfg["num_warps"])
     print(

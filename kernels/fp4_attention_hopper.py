@@ -42,14 +42,12 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
-from trace_hf.kernels.fp4_moe_hopper import decode8, pair_scales  # noqa: E402
+from trace_hf.kernels.fp4_moe_hopper import cta_barrier, decode8, pair_scales  # noqa: E402
 
 
 #: cp.async's global-to-shared copy: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before (3.6 is
 #: what the H200 image has).
 async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-#: A barrier of the CTA's threads: ``gl.barrier`` from Triton 3.7 on, ``gl.thread_barrier`` before.
-cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit

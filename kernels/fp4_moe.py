@@ -523,11 +523,16 @@ CONFIG = {
 #: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
 #: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``block_k``: a multiple of 128
 #: (16 code words, one MMA's K); ``split_k``: gate/up programs
-#: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU). From
+#: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
+#: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
+#: loop's instructions with 4 warps; one warp gains nothing). From
 #: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 HOPPER = [
     (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
-    (1024, {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 256, "num_warps": 4}),
+    (
+        1024,
+        {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 256, "num_warps": 4, "x_shared": True},
+    ),
 ]
 #: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
 #: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
@@ -807,14 +812,16 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     part = _gate_up_out(split, P, NI, x.device)
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
-        SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
+        SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
+        X_SHARED=cfg.get("x_shared", False), num_warps=nw,
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
+        num_warps=nw,
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 

@@ -71,6 +71,11 @@ def _decode8_ptx() -> str:
 
 
 _DECODE8_PTX = gl.constexpr(_decode8_ptx())
+#: `_stage_x`'s buffer: K-contiguous rows of 16-bit values, swizzled in 16-byte pieces so that the B-operand reads
+#: (8 rows of 16 bytes at a time) hit distinct banks.
+_X_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [0, 1]))
+#: A barrier of the program's warps: ``gl.thread_barrier`` up to Triton 3.6 (the H200 image), ``gl.barrier`` later.
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -118,6 +123,31 @@ def _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl
 
 
 @gluon.jit
+def _stage_x(xsm, words_ptr, scale_ptr, rows, k_off, ROW_W: gl.constexpr, KW: gl.constexpr, K_TILES: gl.constexpr,
+             NUM_WARPS: gl.constexpr):  # fmt: skip
+    """Decode a program's activation rows ``rows`` ([T] int64, uint32 words from ``k_off // 8``, ``ROW_W`` words
+    per row) once, all warps together, into ``xsm`` [K_TILES * 8, KW, T] fp16: entry ``8 * kt + j`` is slice ``j`` of
+    K tile ``kt``, the B operand that `decode8` would give each warp."""
+    ld: gl.constexpr = gl.BlockedLayout([2, 1], [4, 8], [NUM_WARPS, 1], [0, 1])  # a word pair (one block) per thread
+    w = gl.arange(0, KW, layout=gl.SliceLayout(1, ld)).to(gl.int64)[:, None]
+    rows = gl.convert_layout(rows, gl.SliceLayout(0, ld))[None, :]
+    for kt in gl.static_range(K_TILES):
+        kw = k_off // 8 + kt * KW + w
+        xd = decode8(gl.load(words_ptr + (rows * ROW_W + kw)), gl.load(scale_ptr + (rows * (ROW_W // 2) + kw // 2)))
+        for j in gl.static_range(8):
+            xsm.index(kt * 8 + j).store(xd[j])
+
+
+@gluon.jit
+def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc):
+    """`_mma8` with the activation slices of K tile ``kt`` read from `_stage_x`'s buffer."""
+    wd = decode8(w, ws)
+    for j in gl.static_range(8):
+        acc = mma_v2(wd[j], xsm.index(kt * 8 + j).load(lb), acc)
+    return acc
+
+
+@gluon.jit
 def gate_up_kernel(
     a_ptr,  # x codes: uint8 [M, H/2]
     as_ptr,  # x block scales: uint8 [M, H/16]
@@ -131,13 +161,14 @@ def gate_up_kernel(
     expert_ptr,  # [P / BLOCK_T] int32 expert of each token block, -1 past the end
     num_slots,
     top_k,
-    H,
-    NI,
+    H: gl.constexpr,
+    NI: gl.constexpr,
     SPLIT_K: gl.constexpr,
     BLOCK_T: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
+    X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -169,38 +200,56 @@ def gate_up_kernel(
     )
     u_off = NI * (H // 8)
     us_off = NI * (H // 16)
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
-    tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
-    offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
-    tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
-    x_ptrs = (
-        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-        + k_off // 8
-        + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-    )
-    xs_ptrs = (
-        as_ptr
-        + k_off // 16
-        + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
-    )
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this one's
     # decode and MMAs.
     g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
     u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
-    x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
-    for k0 in range(BLOCK_K, k_len, BLOCK_K):
-        g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
-        u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
-        x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+    if X_SHARED:
+        K_TILES: gl.constexpr = H // SPLIT_K // BLOCK_K
+        xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
+        _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+        rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
+        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
+                 NUM_WARPS)  # fmt: skip
+        cta_barrier()
+        for kt in range(1, K_TILES):
+            k0 = kt * BLOCK_K
+            g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
+            u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
+            acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt - 1, lb, acc_g)
+            acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt - 1, lb, acc_u)
+            g, gs, u, us = g_n, gs_n, u_n, us_n
+        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
+        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
+    else:
+        offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+        tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
+        offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
+        tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
+        x_ptrs = (
+            a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+            + k_off // 8
+            + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+        )
+        xs_ptrs = (
+            as_ptr
+            + k_off // 16
+            + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+        )
+        x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
+        for k0 in range(BLOCK_K, k_len, BLOCK_K):
+            g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
+            u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
+            x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+            xs2 = pair_scales_t(xs, lb)
+            acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+            acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+            g, gs, u, us, x, xs = g_n, gs_n, u_n, us_n, x_n, xs_n
         xs2 = pair_scales_t(xs, lb)
         acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
         acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
-        g, gs, u, us, x, xs = g_n, gs_n, u_n, us_n, x_n, xs_n
-    xs2 = pair_scales_t(xs, lb)
-    acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
-    acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -234,12 +283,13 @@ def down_kernel(
     sorted_ptr,
     expert_ptr,
     num_slots,
-    H,
-    NI,
+    H: gl.constexpr,
+    NI: gl.constexpr,
     BLOCK_T: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
+    X_SHARED: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -266,27 +316,40 @@ def down_kernel(
         + (n1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
     )
     p0 = pid_m.to(gl.int64) * BLOCK_T
-    p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
-    p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
-    x_ptrs = (
-        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-        + p0 * (NI // 8)
-        + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-    )
-    xs_ptrs = (
-        as_ptr
-        + p0 * (NI // 16)
-        + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
-    )
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
-    x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
-    for k0 in range(BLOCK_K, NI, BLOCK_K):
-        w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
-        x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+    if X_SHARED:
+        K_TILES: gl.constexpr = NI // BLOCK_K
+        xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
+        rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
+        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
+                 NUM_WARPS)  # fmt: skip
+        cta_barrier()
+        for kt in range(1, K_TILES):
+            w_n, ws_n = gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))
+            acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt - 1, lb, acc)
+            w, ws = w_n, ws_n
+        acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
+    else:
+        p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
+        p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
+        x_ptrs = (
+            a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+            + p0 * (NI // 8)
+            + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+        )
+        xs_ptrs = (
+            as_ptr
+            + p0 * (NI // 16)
+            + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+        )
+        x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
+        for k0 in range(BLOCK_K, NI, BLOCK_K):
+            w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
+            x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+            w, ws, x, xs = w_n, ws_n, x_n, xs_n
         acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
-        w, ws, x, xs = w_n, ws_n, x_n, xs_n
-    acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

@@ -61,13 +61,19 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
         bt = cfg["block_t"]
         sorted_ids, expert_ids = moe.moe_align(ids, E, bt)
         P = sorted_ids.numel()
-        h = torch.full((P, NI), float("inf"), device="cuda")
         nw = cfg["num_warps"]
-        hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], 1)](
-            xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
-            wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1,
-            BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=nw, num_warps=nw,
-        )  # fmt: skip
+        outs = []
+        for x_shared in (False, True):  # activations decoded by every warp, or once into shared memory
+            h = torch.full((P, NI), float("inf"), device="cuda")
+            hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], 1)](
+                xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+                wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1,
+                BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=nw,
+                X_SHARED=x_shared, num_warps=nw,
+            )  # fmt: skip
+            outs.append(h)
+        # Same operand values, same MMAs in the same order: the two paths agree bit for bit (NaN where NaN).
+        assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), cfg
         xd = xq.dequantize().double()
         wd = wgu.dequantize().double()
         real = sorted_ids < M * K
@@ -100,8 +106,13 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         x = torch.randn(M, H, device="cuda")
         xq = fp4_quant.quantize(x, "nvfp4", "row")
         ids, tw = _routing(M, E, K, seed=10 + M)
-        assert moe.hopper_config(M * K, x.device) is not None
+        cfg = moe.hopper_config(M * K, x.device)
+        assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
+        # The other activation path (decoded per warp, or once into shared memory) gives the same bits.
+        monkeypatch.setattr(moe, "HOPPER", [(1 << 62, cfg | {"x_shared": not cfg.get("x_shared", False)})])
+        y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+        assert torch.equal(y, y_other), f"M={M}: x_shared changed the result"
         monkeypatch.setattr(moe, "HOPPER", [])
         y_ref, hid_ref = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         monkeypatch.undo()
@@ -163,7 +174,7 @@ def test_table_lookup_and_fallbacks(monkeypatch):
 
 def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
     """Every `HOPPER` config of both kernels builds for sm_90 with a loop under 6 instructions per weight element
-    and no register spills (the Triton kernels' loop: ~7)."""
+    and no register spills (the Triton kernels' loop: ~7); with ``x_shared`` the loop decodes no activations."""
     records = [r for r in gluon_sass_counts if r["kernel"] in ("gluon gate/up", "gluon down")]
     assert len(records) == 2 * len(moe.HOPPER)
     for r in records:
@@ -171,3 +182,5 @@ def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
         assert "LDL" not in ops and "STL" not in ops, f"{r['kernel']} {r['tile']}: spills {ops}"
         assert ops.get("HMMA", 0) > 0, f"{r['kernel']} {r['tile']}: no tensor-core MMA in the loop"
         assert per_element < 6.0, f"{r['kernel']} {r['tile']}: {per_element:.2f} instructions per element"
+        if r["x_shared"]:  # the loop decodes weights only (one HMUL2 per fp16 pair) and reads x from shared memory
+            assert ops.get("HMUL2") == r["elements"] // 2 and ops.get("LDSM", 0) > 0, f"{r['tile']}: {ops}"
