@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-max-context", type=int, default=8192, help="skip setup 1 above this context (time)")
     p.add_argument("--budget-s", type=float, default=330.0, help="stop starting cells after this many seconds")
     p.add_argument("--profile", action="store_true", help="also record the GPU time of each kernel of a fast step")
+    p.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch (to compare)")
     return p.parse_args(argv)
 
 
@@ -60,7 +61,10 @@ def main(argv=None) -> int:
     import triton
     from decode_setup import bytes_per_step, fill_random_context, kv_bytes_read, random_weights
 
+    from trace_hf.kernels import pdl
     from trace_hf.rollout.decode import Dims, FastDecoder, weights_from_hf
+
+    pdl.ENABLED = not args.no_pdl
 
     t_start = time.perf_counter()
     dev = torch.device("cuda" if cuda else "cpu")

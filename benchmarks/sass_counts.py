@@ -95,6 +95,7 @@ def attention_counts(
         "BLOCK_T": bt,
         "PREFETCH": prefetch,
         "STAGES": stages,
+        "PDL": False,
     }
     n, ops = loop_counts(hop.attn_split_kernel, sig, consts, 1)
     return n, bt * 2 * 128 // 32, ops
@@ -115,7 +116,7 @@ def gluon_counts() -> list[dict]:
             ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False), {}),
         ):  # fmt: skip
             consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
-                      "X_SHARED": c.get("x_shared", False)}  # fmt: skip
+                      "X_SHARED": c.get("x_shared", False), "PDL": False}  # fmt: skip
             n, ops = loop_counts(fn, sig, extra | consts, nw)
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
             out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else ""),
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         print(f"{r['kernel']}, {r['tile']}: {n} / {e} = {n / e:.2f}  {_top(r['ops'])}")
     cfg = moe.launch_config(1024)  # the Triton kernels' decode config
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
-              "BLOCK_K": cfg["block_k"]}  # fmt: skip
+              "BLOCK_K": cfg["block_k"], "PDL": False}  # fmt: skip
     bn = cfg["block_n_down"]
     n, ops = loop_counts(moe._down_kernel, _signature("y_ptr", False) | {"H": "i32", "NI": "i32"}, common | {"BLOCK_N": bn}, cfg["num_warps"],
                          cfg["num_stages"])  # fmt: skip

@@ -20,11 +20,13 @@ import triton.language as tl  # noqa: E402
 from trace_hf.fp4 import FP4Hints, FP4Tensor  # noqa: E402
 from trace_hf.kernels.fp4_moe import INTERPRETED  # noqa: E402
 from trace_hf.kernels.fp4_quant import quantize_rows_nvfp4  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, H, eps, NADD: tl.constexpr,
-                        QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr):  # fmt: skip
+                        QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_for_producer(PDL)
     # A row as [1, NBT, 16]: NVFP4 blocks of 16 along the last axis, the layout `quantize_rows_nvfp4` takes.
     r = tl.program_id(0).to(tl.int64)
     blks = tl.arange(0, NBT)
@@ -50,8 +52,17 @@ def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, 
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr
+    logits_ptr,
+    ids_ptr,
+    w_ptr,
+    E,
+    K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     r = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     m = e < E
@@ -75,7 +86,8 @@ def _router_topk_kernel(
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K loop and are reduced once
     # at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,6 +161,7 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits) -> N
         scale if quant else dummy, g if quant else dummy, bits if bits is not None else dummy, H, eps,
         NADD=0 if add is None else add.shape[1], QUANT=quant, WRITE_BITS=bits is not None,
         NBT=triton.next_power_of_2(triton.cdiv(H, 16)), num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False,
+        **launch_options(res.device),
     )  # fmt: skip
 
 
@@ -169,7 +182,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, GEMV["block_n"]),)](
         x.contiguous(), w.contiguous(), out, N, K, BLOCK_N=GEMV["block_n"], BLOCK_K=GEMV["block_k"],
-        num_warps=GEMV["num_warps"], num_stages=GEMV["num_stages"],
+        num_warps=GEMV["num_warps"], num_stages=GEMV["num_stages"], **launch_options(x.device),
     )  # fmt: skip
     return out
 
@@ -190,5 +203,6 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tup
     _router_topk_kernel[(M,)](
         logits.contiguous(), ids, w, E, K=top_k, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(max(top_k, 2)), NORM=normalize, num_warps=1 if E <= 256 else 4,
+        **launch_options(logits.device),
     )  # fmt: skip
     return ids, w

@@ -38,6 +38,7 @@ from trace_hf.kernels.fp4_moe import (  # noqa: E402
     load_fp4_rows,
 )
 from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale, check_device  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -203,7 +204,9 @@ def _qkv_post_kernel(
     NORM: tl.constexpr,
     ROPE: tl.constexpr,
     KV_FP4: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -250,7 +253,9 @@ def _attn_split_kernel(
     KV_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -359,8 +364,9 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """Merge the splits of one (sequence, query head) by their log-sum-exp."""
+    wait_for_producer(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, S_PAD)
     d = tl.arange(0, D)
@@ -449,7 +455,7 @@ def qkv_post(
         qkv, q_norm if norm else dummy, k_norm if norm else dummy, cos if rope else dummy, sin if rope else dummy,
         positions, q_out, *_cache_args(cache), cache.max_len, eps,
         HQ=num_heads, HKV=num_kv_heads, D=D, NORM=norm, ROPE=rope, KV_FP4=cache.fp4,
-        num_warps=1, enable_fp_fusion=False,
+        num_warps=1, enable_fp_fusion=False, **launch_options(qkv.device),
     )  # fmt: skip
     return q_out
 
@@ -503,6 +509,7 @@ def decode_attention(
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], STAGES=cfg["stages"], num_warps=1, maxnreg=cfg["maxnreg"],
+            **launch_options(q.device),
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]
@@ -511,10 +518,12 @@ def decode_attention(
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
             PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
         )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
-    _combine_kernel[(B * HQ,)](o, lse, out, S=S, S_PAD=max(2, triton.next_power_of_2(S)), D=D, num_warps=4)
+    _combine_kernel[(B * HQ,)](
+        o, lse, out, S=S, S_PAD=max(2, triton.next_power_of_2(S)), D=D, num_warps=4, **launch_options(q.device)
+    )
     return out
 
 

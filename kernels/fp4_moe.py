@@ -51,6 +51,7 @@ import triton.language as tl  # noqa: E402
 from trace_hf import fp4  # noqa: E402
 from trace_hf.fp4 import FP4Tensor  # noqa: E402
 from trace_hf.kernels import fp4_quant  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -243,7 +244,9 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -332,10 +335,12 @@ def _silu_mul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN_M: tl.constexpr,  # rows of `moe_align`'s expert blocks (a multiple of BLOCK_M)
+    PDL: tl.constexpr,
 ):
     """Split-K gate/up: sums the partials in split order (deterministic), then the same epilogue. With QUANT a
     program holds whole rows (BLOCK_N >= I) and writes them quantized as `_quantize_hidden` would: the hidden
     activation never goes to memory in fp32 (batch 1's path, where each launch costs more than its bytes)."""
+    wait_for_producer(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(expert_ptr + pid_m // (ALIGN_M // BLOCK_M))
     if e < 0:
@@ -393,7 +398,9 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -436,10 +443,12 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     N_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``e < E`` places expert e's slots (in slot order) and its padding; program ``E`` marks the row
     blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts
     all experts (one histogram of N ids: N is a decode batch, a few thousand slots at most)."""
+    wait_for_producer(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, N_PAD)
     ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # padding lands in bin E (E_PAD > E), dropped below
@@ -531,7 +540,7 @@ HOPPER = [
     (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
     (
         1024,
-        {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 128, "block_k": 256, "num_warps": 4, "x_shared": True},
+        {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True},
     ),
 ]
 #: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
@@ -599,7 +608,7 @@ def moe_align(
         _align_kernel[(num_experts + 1,)](
             flat.to(torch.int32), sorted_ids, expert_ids, n, num_experts, P // block_m,
             BLOCK_M=block_m, N_PAD=triton.next_power_of_2(max(n, 16)),
-            E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4,
+            E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4, **launch_options(dev),
         )  # fmt: skip
         return sorted_ids, expert_ids
     flat = flat.to(torch.int64)
@@ -722,6 +731,7 @@ def experts_from_quantized(
         "BLOCK_M": bm,
         "num_warps": cfg["num_warps"],
         "num_stages": cfg["num_stages"],
+        **launch_options(dev),
     }
     split = cfg.get("split_k", 1)
     while split > 1 and H % (split * bk_h):  # a launch knob: fewer splits where the K tiles do not divide evenly
@@ -763,7 +773,8 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
         return _quantize_hidden(part, sorted_ids, num_slots, return_hidden) if hidden_fp4 else (part, None)
     split, P, NI = part.shape[0], part.shape[1], part.shape[2] // 2
     dev = part.device
-    common = {"A_FP4": a_fp4, "W_FP4": w_fp4, "SPLIT_K": split, "ALIGN_M": block_m, "enable_fp_fusion": False}
+    common = {"A_FP4": a_fp4, "W_FP4": w_fp4, "SPLIT_K": split, "ALIGN_M": block_m, "enable_fp_fusion": False,
+              **launch_options(dev)}  # fmt: skip
     if not hidden_fp4 or NI % 16:  # (an FP4 width that is not a multiple of 16 gets `quantize`'s error below)
         h = torch.empty(P, NI, dtype=torch.float32, device=dev)
         _silu_mul_kernel[(P // block_m, triton.cdiv(NI, 128))](
@@ -813,7 +824,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), num_warps=nw,
+        X_SHARED=cfg.get("x_shared", False), num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
@@ -821,7 +832,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
-        num_warps=nw,
+        num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 

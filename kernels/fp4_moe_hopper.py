@@ -37,6 +37,7 @@ if __name__.split(".")[0] == "kernels":
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 
 def scale_pair_ptx(lo: str, hi: str) -> list[str]:
@@ -74,6 +75,16 @@ _DECODE8_PTX = gl.constexpr(_decode8_ptx())
 #: `_stage_x`'s buffer: K-contiguous rows of 16-bit values, swizzled in 16-byte pieces so that the B-operand reads
 #: (8 rows of 16 bytes at a time) hit distinct banks.
 _X_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [0, 1]))
+
+
+@gluon.jit
+def gdc_wait_for_producer(PDL: gl.constexpr):
+    """`trace_hf.kernels.pdl.wait_for_producer` for Gluon kernels."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 #: A barrier of the program's warps: ``gl.thread_barrier`` up to Triton 3.6 (the H200 image), ``gl.barrier`` later.
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -169,7 +180,9 @@ def gate_up_kernel(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
+    PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
 ):
+    gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -290,7 +303,9 @@ def down_kernel(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     X_SHARED: gl.constexpr,
+    PDL: gl.constexpr,
 ):
+    gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)

@@ -188,3 +188,46 @@ def test_graph_replay_matches_eager_gpu():
         assert torch.equal(dec.tokens, eager_tokens)
         assert torch.allclose(dec.logits, eager_logits, rtol=1e-3, atol=1e-3)
         assert int(dec.positions[0]) == 201
+
+
+def test_pdl_launch_options(monkeypatch):
+    """Programmatic dependent launch only where it exists: CUDA sm_90+, not the interpreter, not switched off."""
+    from trace_hf.kernels import pdl
+
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "INTERPRETED", False)
+    pdl._supported.cache_clear()
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: cap["value"])
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    cap["value"] = (8, 9)
+    pdl._supported.cache_clear()
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
+    pdl._supported.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 4])
+def test_pdl_changes_no_bits_gpu(B, monkeypatch):
+    """Dependent launches only start kernels earlier; each waits for its producer before it reads or writes. Graph
+    replays with and without them give the same bits (a missing wait would read half-written buffers)."""
+    from trace_hf.kernels import pdl
+
+    dims = fd.Dims(256, 8, 2, 64, 16, 4, 128, 512, 3)
+    w = decode_setup.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=True)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        dec = fd.FastDecoder(w, B, 300, kv_fp4=True, record_hints=True)
+        decode_setup.fill_random_context(dec, 200)
+        dec.capture()
+        steps = []
+        for _ in range(4):
+            dec.run()
+            steps.append(torch.cat([dec.logits.float().flatten(), dec.tokens.float().flatten()]))
+        torch.cuda.synchronize()
+        runs.append(torch.stack(steps))
+    assert torch.equal(runs[0], runs[1])

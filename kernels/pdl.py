@@ -1,0 +1,49 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Programmatic dependent launch (PDL) for the decode step's kernels on sm_90+.
+
+Why: at batch 1 a decode step is some 600 kernels of 2-10 us each, and the time between one kernel's end and the
+next one's first loads is a large share of each. Launched with PDL, a kernel's thread blocks are scheduled while its
+predecessor's last blocks still run; every such kernel starts with `wait_for_producer`, which blocks (in hardware,
+``griddepcontrol.wait``) until the predecessor has finished and its writes are visible, then lets its own successor
+be scheduled. So the launch and the block setup overlap the predecessor's tail, and nothing is read or written
+early. CUDA graphs keep these edges. Off in the interpreter and below sm_90, where the kernels take ``PDL=False``.
+"""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError("Import trace_hf.kernels.pdl (see kernels/README.md), not kernels.pdl.")
+
+import functools  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
+
+from trace_hf.kernels.fp4_quant import INTERPRETED  # noqa: E402
+
+
+#: Switch for measurements (`benchmarks/rollout_decode.py --no-pdl`); the kernels are correct either way.
+ENABLED = True
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a launch of a kernel with a ``PDL`` constexpr: ``PDL=True, launch_pdl=True`` on an
+    sm_90+ GPU (unless `ENABLED` is off), else ``PDL=False``."""
+    on = ENABLED and not INTERPRETED and device.type == "cuda" and _supported(device.index or 0)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def wait_for_producer(PDL: tl.constexpr):
+    """The first statement of a PDL kernel: wait for the previous kernel's completion, then release the next."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
