@@ -20,13 +20,14 @@ import triton.language as tl  # noqa: E402
 from trace_hf.fp4 import FP4Hints, FP4Tensor  # noqa: E402
 from trace_hf.kernels.fp4_moe import INTERPRETED  # noqa: E402
 from trace_hf.kernels.fp4_quant import quantize_rows_nvfp4  # noqa: E402
-from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, release_dependents, wait_for_producer  # noqa: E402
 
 
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, H, eps, NADD: tl.constexpr,
                         QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_producer(PDL)
+    release_dependents(PDL)
     # A row as [1, NBT, 16]: NVFP4 blocks of 16 along the last axis, the layout `quantize_rows_nvfp4` takes.
     r = tl.program_id(0).to(tl.int64)
     blks = tl.arange(0, NBT)
@@ -63,6 +64,7 @@ def _router_topk_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
+    release_dependents(PDL)
     r = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     m = e < E
@@ -99,6 +101,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
         k_ok = (k0 + kk) < K
         w = tl.load(w_rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    release_dependents(PDL)
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 

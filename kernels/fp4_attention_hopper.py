@@ -42,7 +42,13 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
-from trace_hf.kernels.fp4_moe_hopper import cta_barrier, decode8, gdc_wait_for_producer, pair_scales  # noqa: E402
+from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
+    cta_barrier,
+    decode8,
+    gdc_release_dependents,
+    gdc_wait_for_producer,
+    pair_scales,
+)
 
 
 #: cp.async's global-to-shared copy: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before (3.6 is
@@ -132,6 +138,7 @@ def attn_split_kernel(
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
+    gdc_release_dependents(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)

@@ -51,7 +51,7 @@ import triton.language as tl  # noqa: E402
 from trace_hf import fp4  # noqa: E402
 from trace_hf.fp4 import FP4Tensor  # noqa: E402
 from trace_hf.kernels import fp4_quant  # noqa: E402
-from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, release_dependents, wait_for_producer  # noqa: E402
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -275,6 +275,7 @@ def _gate_up_kernel(
             wu = _load_rows(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
             acc_g = _dot_nt(a, wg, acc_g, DOT_BF16)
             acc_u = _dot_nt(a, wu, acc_u, DOT_BF16)
+    release_dependents(PDL)
     if PTX:  # both operands carried 2^-14
         acc_g = acc_g * 268435456.0
         acc_u = acc_u * 268435456.0
@@ -341,6 +342,7 @@ def _silu_mul_kernel(
     program holds whole rows (BLOCK_N >= I) and writes them quantized as `_quantize_hidden` would: the hidden
     activation never goes to memory in fp32 (batch 1's path, where each launch costs more than its bytes)."""
     wait_for_producer(PDL)
+    release_dependents(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(expert_ptr + pid_m // (ALIGN_M // BLOCK_M))
     if e < 0:
@@ -420,6 +422,7 @@ def _down_kernel(
             a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
             w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_N, BLOCK_K)
             acc = _dot_nt(a, w, acc, DOT_BF16)
+    release_dependents(PDL)
     if PTX:
         acc = acc * 268435456.0
     if A_FP4:
@@ -449,6 +452,7 @@ def _align_kernel(
     blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts
     all experts (one histogram of N ids: N is a decode batch, a few thousand slots at most)."""
     wait_for_producer(PDL)
+    release_dependents(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, N_PAD)
     ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # padding lands in bin E (E_PAD > E), dropped below

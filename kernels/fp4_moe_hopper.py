@@ -82,6 +82,12 @@ def gdc_wait_for_producer(PDL: gl.constexpr):
     """`trace_hf.kernels.pdl.wait_for_producer` for Gluon kernels."""
     if PDL:
         gdc_wait()
+
+
+@gluon.jit
+def gdc_release_dependents(PDL: gl.constexpr):
+    """`trace_hf.kernels.pdl.release_dependents` for Gluon kernels."""
+    if PDL:
         gdc_launch_dependents()
 
 
@@ -263,6 +269,7 @@ def gate_up_kernel(
         xs2 = pair_scales_t(xs, lb)
         acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
         acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+    gdc_release_dependents(PDL)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -365,6 +372,7 @@ def down_kernel(
             acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
             w, ws, x, xs = w_n, ws_n, x_n, xs_n
         acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+    gdc_release_dependents(PDL)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

@@ -1,12 +1,15 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Programmatic dependent launch (PDL) for the decode step's kernels on sm_90+.
 
-Why: at batch 1 a decode step is some 600 kernels of 2-10 us each, and the time between one kernel's end and the
-next one's first loads is a large share of each. Launched with PDL, a kernel's thread blocks are scheduled while its
-predecessor's last blocks still run; every such kernel starts with `wait_for_producer`, which blocks (in hardware,
-``griddepcontrol.wait``) until the predecessor has finished and its writes are visible, then lets its own successor
-be scheduled. So the launch and the block setup overlap the predecessor's tail, and nothing is read or written
-early. CUDA graphs keep these edges. Off in the interpreter and below sm_90, where the kernels take ``PDL=False``.
+Why: at batch 1 a decode step is some 600 kernels of 2-10 us each, and the gap between one kernel's end and the
+next one's first loads is a large share of each. Launched with PDL, a kernel may be scheduled before its predecessor
+has finished. Every such kernel begins with `wait_for_producer` (``griddepcontrol.wait``: blocks until the
+predecessor has finished and its writes are visible), so nothing is read or written early, and calls
+`release_dependents` (``griddepcontrol.launch_dependents``) to let its own successor be scheduled: light kernels
+right away, the weight-streaming GEMMs after their main loop. Why not always right away: a successor scheduled
+while a GEMM still fills the GPU gets its blocks placed on whatever SMs have room, and at batch 1 the BF16 experts'
+GEMMs then ran 10% slower (docs/benchmarks.md). CUDA graphs keep these edges. Off in the interpreter and below
+sm_90, where the kernels take ``PDL=False``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_producer(PDL: tl.constexpr):
-    """The first statement of a PDL kernel: wait for the previous kernel's completion, then release the next."""
+    """The first statement of a PDL kernel: wait until the previous kernel has finished and its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Let the next kernel be scheduled (once every program of this one has called this or exited)."""
+    if PDL:
         gdc_launch_dependents()

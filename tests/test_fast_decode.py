@@ -210,18 +210,18 @@ def test_pdl_launch_options(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 4])
-def test_pdl_changes_no_bits_gpu(B, monkeypatch):
+@pytest.mark.parametrize("B,fp4", [(1, True), (4, True), (1, False), (4, False)])
+def test_pdl_changes_no_bits_gpu(B, fp4, monkeypatch):
     """Dependent launches only start kernels earlier; each waits for its producer before it reads or writes. Graph
     replays with and without them give the same bits (a missing wait would read half-written buffers)."""
     from trace_hf.kernels import pdl
 
     dims = fd.Dims(256, 8, 2, 64, 16, 4, 128, 512, 3)
-    w = decode_setup.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=True)
+    w = decode_setup.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=fp4)
     runs = []
     for on in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", on)
-        dec = fd.FastDecoder(w, B, 300, kv_fp4=True, record_hints=True)
+        dec = fd.FastDecoder(w, B, 300, kv_fp4=fp4, record_hints=fp4)
         decode_setup.fill_random_context(dec, 200)
         dec.capture()
         steps = []
