@@ -90,6 +90,7 @@ def _router_topk_kernel(
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
+    release_dependents(PDL)
     # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K loop and are reduced once
     # at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,7 +102,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
         k_ok = (k0 + kk) < K
         w = tl.load(w_rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    release_dependents(PDL)
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 

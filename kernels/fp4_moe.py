@@ -247,6 +247,7 @@ def _gate_up_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
+    release_dependents(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -275,7 +276,6 @@ def _gate_up_kernel(
             wu = _load_rows(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_N, BLOCK_K)
             acc_g = _dot_nt(a, wg, acc_g, DOT_BF16)
             acc_u = _dot_nt(a, wu, acc_u, DOT_BF16)
-    release_dependents(PDL)
     if PTX:  # both operands carried 2^-14
         acc_g = acc_g * 268435456.0
         acc_u = acc_u * 268435456.0
@@ -403,6 +403,7 @@ def _down_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
+    release_dependents(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -422,7 +423,6 @@ def _down_kernel(
             a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
             w = _load_rows(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_N, BLOCK_K)
             acc = _dot_nt(a, w, acc, DOT_BF16)
-    release_dependents(PDL)
     if PTX:
         acc = acc * 268435456.0
     if A_FP4:
@@ -735,7 +735,8 @@ def experts_from_quantized(
         "BLOCK_M": bm,
         "num_warps": cfg["num_warps"],
         "num_stages": cfg["num_stages"],
-        **launch_options(dev),
+        # BF16 weights: no PDL (decode at batch 1 ran 9% slower with it, docs/benchmarks.md).
+        **(launch_options(dev) if w_fp4 else {"PDL": False}),
     }
     split = cfg.get("split_k", 1)
     while split > 1 and H % (split * bk_h):  # a launch knob: fewer splits where the K tiles do not divide evenly

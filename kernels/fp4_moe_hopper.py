@@ -189,6 +189,7 @@ def gate_up_kernel(
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
 ):
     gdc_wait_for_producer(PDL)
+    gdc_release_dependents(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -269,7 +270,6 @@ def gate_up_kernel(
         xs2 = pair_scales_t(xs, lb)
         acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
         acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
-    gdc_release_dependents(PDL)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -313,6 +313,7 @@ def down_kernel(
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
+    gdc_release_dependents(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -372,7 +373,6 @@ def down_kernel(
             acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
             w, ws, x, xs = w_n, ws_n, x_n, xs_n
         acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
-    gdc_release_dependents(PDL)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

@@ -4,11 +4,11 @@
 Why: at batch 1 a decode step is some 600 kernels of 2-10 us each, and the gap between one kernel's end and the
 next one's first loads is a large share of each. Launched with PDL, a kernel may be scheduled before its predecessor
 has finished. Every such kernel begins with `wait_for_producer` (``griddepcontrol.wait``: blocks until the
-predecessor has finished and its writes are visible), so nothing is read or written early, and calls
-`release_dependents` (``griddepcontrol.launch_dependents``) to let its own successor be scheduled: light kernels
-right away, the weight-streaming GEMMs after their main loop. Why not always right away: a successor scheduled
-while a GEMM still fills the GPU gets its blocks placed on whatever SMs have room, and at batch 1 the BF16 experts'
-GEMMs then ran 10% slower (docs/benchmarks.md). CUDA graphs keep these edges. Off in the interpreter and below
+predecessor has finished and its writes are visible), so nothing is read or written early, then calls
+`release_dependents` (``griddepcontrol.launch_dependents``) so that its own successor can be scheduled as soon as
+all of its programs run. Releasing only after the GEMMs' main loops was slower for both paths (`h200_29`). The
+experts' Triton kernels with BF16 weights take no PDL: with it, BF16 decode at batch 1 was 9% slower
+(docs/benchmarks.md). CUDA graphs keep these edges. Off in the interpreter and below
 sm_90, where the kernels take ``PDL=False``.
 """
 
