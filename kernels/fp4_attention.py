@@ -506,13 +506,15 @@ def decode_attention(
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
+    # The split kernels take no PDL: scheduled early, their few long programs land unevenly on the SMs, and at 32K
+    # tokens and batch 20-24 the step was 15% slower with it (docs/benchmarks.md, `h200_31`).
     if hopper:
         cfg = hopper_config(B)
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], STAGES=cfg["stages"], num_warps=1, maxnreg=cfg["maxnreg"],
-            **launch_options(q.device),
+            PDL=False,
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]
@@ -521,7 +523,7 @@ def decode_attention(
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
             PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=False,
         )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
     _combine_kernel[(B * HQ,)](
