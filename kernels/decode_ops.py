@@ -20,14 +20,13 @@ import triton.language as tl  # noqa: E402
 from trace_hf.fp4 import FP4Hints, FP4Tensor  # noqa: E402
 from trace_hf.kernels.fp4_moe import INTERPRETED  # noqa: E402
 from trace_hf.kernels.fp4_quant import quantize_rows_nvfp4  # noqa: E402
-from trace_hf.kernels.pdl import launch_options, release_dependents, wait_for_producer  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, H, eps, NADD: tl.constexpr,
                         QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_producer(PDL)
-    release_dependents(PDL)
     # A row as [1, NBT, 16]: NVFP4 blocks of 16 along the last axis, the layout `quantize_rows_nvfp4` takes.
     r = tl.program_id(0).to(tl.int64)
     blks = tl.arange(0, NBT)
@@ -64,7 +63,6 @@ def _router_topk_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    release_dependents(PDL)
     r = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     m = e < E
@@ -90,7 +88,6 @@ def _router_topk_kernel(
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_producer(PDL)
-    release_dependents(PDL)
     # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K loop and are reduced once
     # at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

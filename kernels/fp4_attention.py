@@ -38,7 +38,7 @@ from trace_hf.kernels.fp4_moe import (  # noqa: E402
     load_fp4_rows,
 )
 from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale, check_device  # noqa: E402
-from trace_hf.kernels.pdl import launch_options, release_dependents, wait_for_producer  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,7 +207,6 @@ def _qkv_post_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    release_dependents(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -257,7 +256,6 @@ def _attn_split_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    release_dependents(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -369,7 +367,6 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
 def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """Merge the splits of one (sequence, query head) by their log-sum-exp."""
     wait_for_producer(PDL)
-    release_dependents(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, S_PAD)
     d = tl.arange(0, D)

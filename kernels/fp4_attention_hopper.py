@@ -45,7 +45,6 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E40
 from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
     cta_barrier,
     decode8,
-    gdc_release_dependents,
     gdc_wait_for_producer,
     pair_scales,
 )
@@ -138,7 +137,6 @@ def attn_split_kernel(
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
-    gdc_release_dependents(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)

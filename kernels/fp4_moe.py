@@ -51,7 +51,7 @@ import triton.language as tl  # noqa: E402
 from trace_hf import fp4  # noqa: E402
 from trace_hf.fp4 import FP4Tensor  # noqa: E402
 from trace_hf.kernels import fp4_quant  # noqa: E402
-from trace_hf.kernels.pdl import launch_options, release_dependents, wait_for_producer  # noqa: E402
+from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -247,7 +247,6 @@ def _gate_up_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    release_dependents(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -342,7 +341,6 @@ def _silu_mul_kernel(
     program holds whole rows (BLOCK_N >= I) and writes them quantized as `_quantize_hidden` would: the hidden
     activation never goes to memory in fp32 (batch 1's path, where each launch costs more than its bytes)."""
     wait_for_producer(PDL)
-    release_dependents(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(expert_ptr + pid_m // (ALIGN_M // BLOCK_M))
     if e < 0:
@@ -403,7 +401,6 @@ def _down_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
-    release_dependents(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -452,7 +449,6 @@ def _align_kernel(
     blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts
     all experts (one histogram of N ids: N is a decode batch, a few thousand slots at most)."""
     wait_for_producer(PDL)
-    release_dependents(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, N_PAD)
     ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # padding lands in bin E (E_PAD > E), dropped below

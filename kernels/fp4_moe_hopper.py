@@ -82,12 +82,6 @@ def gdc_wait_for_producer(PDL: gl.constexpr):
     """`trace_hf.kernels.pdl.wait_for_producer` for Gluon kernels."""
     if PDL:
         gdc_wait()
-
-
-@gluon.jit
-def gdc_release_dependents(PDL: gl.constexpr):
-    """`trace_hf.kernels.pdl.release_dependents` for Gluon kernels."""
-    if PDL:
         gdc_launch_dependents()
 
 
@@ -189,7 +183,6 @@ def gate_up_kernel(
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
 ):
     gdc_wait_for_producer(PDL)
-    gdc_release_dependents(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -313,7 +306,6 @@ def down_kernel(
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
-    gdc_release_dependents(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)

@@ -3,13 +3,12 @@
 
 Why: at batch 1 a decode step is some 600 kernels of 2-10 us each, and the gap between one kernel's end and the
 next one's first loads is a large share of each. Launched with PDL, a kernel may be scheduled before its predecessor
-has finished. Every such kernel begins with `wait_for_producer` (``griddepcontrol.wait``: blocks until the
-predecessor has finished and its writes are visible), so nothing is read or written early, then calls
-`release_dependents` (``griddepcontrol.launch_dependents``) so that its own successor can be scheduled as soon as
-all of its programs run. Releasing only after the GEMMs' main loops was slower for both paths (`h200_29`). The
-experts' Triton kernels with BF16 weights take no PDL: with it, BF16 decode at batch 1 was 9% slower
-(docs/benchmarks.md). CUDA graphs keep these edges. Off in the interpreter and below
-sm_90, where the kernels take ``PDL=False``.
+has finished. Every such kernel begins with `wait_for_producer`: ``griddepcontrol.wait`` blocks until the
+predecessor has finished and its writes are visible, so nothing is read or written early, and then
+``griddepcontrol.launch_dependents`` lets its own successor be scheduled as soon as all of its programs run
+(releasing only after the GEMMs' main loops was slower for both paths, `h200_29`). The experts' Triton kernels with
+BF16 weights and the attention's split kernels take no PDL: each was slower with it (docs/benchmarks.md 2f). CUDA
+graphs keep these edges. Off in the interpreter and below sm_90, where the kernels take ``PDL=False``.
 """
 
 from __future__ import annotations
@@ -46,13 +45,8 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def wait_for_producer(PDL: tl.constexpr):
-    """The first statement of a PDL kernel: wait until the previous kernel has finished and its writes are visible."""
+    """The first statement of a PDL kernel: wait until the previous kernel has finished and its writes are visible,
+    then let the next kernel be scheduled (once every program of this one has got here or exited)."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def release_dependents(PDL: tl.constexpr):
-    """Let the next kernel be scheduled (once every program of this one has called this or exited)."""
-    if PDL:
         gdc_launch_dependents()
