@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--x-shared", default="0,1", help="--hopper: activations decoded once into shared memory (1) or not"
     )
+    p.add_argument("--prefetch", default="1", help="--hopper: K tiles loaded ahead of the MMAs")
+    p.add_argument("--prefetch-l2", default="0,1", help="--hopper: the program's weights prefetched into L2 (1) or not")
     return p.parse_args(argv)
 
 
@@ -86,9 +88,10 @@ def main(argv=None) -> int:
 
     hopper_grid = [
         {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk,
-         "x_shared": bool(xs)}
-        for bt, bn, dn, bk, w, sk, xs in itertools.product(*(_ints(a) for a in (
-            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared)))
+         "x_shared": bool(xs), "prefetch": pf, "prefetch_l2": bool(l2)}
+        for bt, bn, dn, bk, w, sk, xs, pf, l2 in itertools.product(*(_ints(a) for a in (
+            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.prefetch,
+            args.prefetch_l2)))
         if bn >= 16 * w and bk % 128 == 0  # the Gluon kernels' K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [

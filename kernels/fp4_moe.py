@@ -284,8 +284,9 @@ def _gate_up_kernel(
         part = (
             h_ptr + (pid_k * tl.num_programs(0) * BLOCK_M + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
         )
-        tl.store(part, acc_g, mask=n_ok[None, :])
-        tl.store(part + NI, acc_u, mask=n_ok[None, :])
+        keep = valid[:, None] & n_ok[None, :]  # padding rows are not stored: `_silu_mul_kernel` does not read them
+        tl.store(part, acc_g, mask=keep)
+        tl.store(part + NI, acc_u, mask=keep)
 
 
 @triton.jit
@@ -314,7 +315,7 @@ def _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, 
 
 @triton.jit
 def _silu_mul_kernel(
-    part_ptr,  # fp32 [SPLIT_K, P, 2I] partial gate / up sums of `_gate_up_kernel`
+    part_ptr,  # fp32 [SPLIT_K, P, 2I] partial gate / up sums of `_gate_up_kernel` (padding rows unwritten)
     ag_ptr,
     wg_ptr,
     h_ptr,  # out: fp32 [P, I]; with QUANT the packed codes [P, I / 2]
@@ -354,12 +355,13 @@ def _silu_mul_kernel(
         cols = (blks[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :]
         c_ok = cols < NI
         rows = offs_p.to(tl.int64)[:, None, None]
+        ld_ok = c_ok & valid[:, None, None]  # the gate/up kernels store no padding rows
         acc_g = tl.zeros([BLOCK_M, NBT, 16], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, NBT, 16], dtype=tl.float32)
         for k in tl.static_range(SPLIT_K):
             part = part_ptr + (k * P + rows) * (2 * NI) + cols
-            acc_g += tl.load(part, mask=c_ok, other=0.0)
-            acc_u += tl.load(part + NI, mask=c_ok, other=0.0)
+            acc_g += tl.load(part, mask=ld_ok, other=0.0)
+            acc_u += tl.load(part + NI, mask=ld_ok, other=0.0)
         h = _silu_mul(acc_g, acc_u, ag_ptr, wg_ptr, e, row[:, None, None], valid[:, None, None], A_FP4, W_FP4)
         fp4_quant.quantize_rows_nvfp4(tl.where(c_ok, h, 0.0), offs_p.to(tl.int64), offs_p < P, blks, NI, h_ptr,
                                       sb_ptr, hg_ptr, hb_ptr, WRITE_BITS, BLOCK_M, NBT)  # fmt: skip
@@ -368,10 +370,11 @@ def _silu_mul_kernel(
         n_ok = offs_n < NI
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        ld_ok = valid[:, None] & n_ok[None, :]
         for k in tl.static_range(SPLIT_K):
             part = part_ptr + (k * P + offs_p).to(tl.int64)[:, None] * (2 * NI) + offs_n[None, :]
-            acc_g += tl.load(part, mask=n_ok[None, :], other=0.0)
-            acc_u += tl.load(part + NI, mask=n_ok[None, :], other=0.0)
+            acc_g += tl.load(part, mask=ld_ok, other=0.0)
+            acc_u += tl.load(part + NI, mask=ld_ok, other=0.0)
         _silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, offs_n, n_ok, NI, A_FP4, W_FP4)
 
 
@@ -760,7 +763,7 @@ def experts_from_quantized(
 
 def _gate_up_out(split: int, P: int, NI: int, device) -> torch.Tensor:
     """What the gate/up kernels write: the hidden activation fp32 [P, I], or with split-K the partial gate and up
-    sums fp32 [split, P, 2I]."""
+    sums fp32 [split, P, 2I] (padding rows left unwritten)."""
     shape = (P, NI) if split == 1 else (split, P, 2 * NI)
     return torch.empty(shape, dtype=torch.float32, device=device)
 
@@ -822,10 +825,13 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     while split > 1 and H % (split * bk):
         split //= 2
     part = _gate_up_out(split, P, NI, x.device)
+    prefetch = cfg.get("prefetch", 1)
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), num_warps=nw, **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), PREFETCH=min(prefetch, H // split // bk),
+        PREFETCH_L2=cfg.get("prefetch_l2", False), num_warps=nw,
+        **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
@@ -833,7 +839,8 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
-        num_warps=nw, **launch_options(x.device),
+        PREFETCH=min(prefetch, NI // bk), PREFETCH_L2=cfg.get("prefetch_l2", False), num_warps=nw,
+        **launch_options(x.device),
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 
