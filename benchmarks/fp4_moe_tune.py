@@ -41,7 +41,9 @@ def parse_args(argv=None):
         "--x-shared", default="0,1", help="--hopper: activations decoded once into shared memory (1) or not"
     )
     p.add_argument("--prefetch", default="1", help="--hopper: K tiles loaded ahead of the MMAs")
-    p.add_argument("--prefetch-l2", default="0,1", help="--hopper: the program's weights prefetched into L2 (1) or not")
+    p.add_argument(
+        "--prefetch-l2", default="0,1", help="--hopper: the program's weights prefetched into L2 (1) or not"
+    )
     return p.parse_args(argv)
 
 

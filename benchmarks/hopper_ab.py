@@ -45,7 +45,9 @@ def main() -> int:
             rollout_decode.main(["--out", path, "--steps", "20"] + os.environ["AB_ARGS"].split())
             with open(path) as f:
                 cells = json.load(f)["cells"]
-            res[f"{name} {rnd}"] = {f"{c['setup']} b{c['batch']} t{c['context']}": c.get("tokens_per_s") for c in cells}
+            res[f"{name} {rnd}"] = {
+                f"{c['setup']} b{c['batch']} t{c['context']}": c.get("tokens_per_s") for c in cells
+            }
             print(name, rnd, fp4_moe.HOPPER, res[f"{name} {rnd}"], flush=True)
     fp4_moe.HOPPER[:] = base
     with open(f"{out}/hopper_ab.json", "w") as f:

@@ -167,7 +167,10 @@ def prefetch_l2(ptr, nbytes, NUM_WARPS: gl.constexpr):
     gl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;",
         "=r,l,r",
-        [ptr + gl.zeros([32 * NUM_WARPS], gl.int32, layout=thread), gl.full([32 * NUM_WARPS], nbytes, gl.int32, thread)],
+        [
+            ptr + gl.zeros([32 * NUM_WARPS], gl.int32, layout=thread),
+            gl.full([32 * NUM_WARPS], nbytes, gl.int32, thread),
+        ],
         dtype=gl.int32,
         is_pure=False,
         pack=1,
