@@ -9,8 +9,8 @@ decode batches {1, 16, 64} and a 256-token prefill chunk. Each config times the 
 call (align, gate/up, hidden quantization, down) replayed from a CUDA graph, on ``--copies`` copies of the weights in
 turn (so that batch 1's 21 MB of experts are read from HBM, not from L2, as in a decode step), and reports the fraction of the copy
 bandwidth (measured in the same run) that the bytes it must read represent: the packed weights and scales of the
-distinct experts hit, the input and the output. The dense BF16 weights through the same kernels are the baseline
-(the fast BF16 decode path). Prints the best config per batch, the table `CONFIG["by_slots"]` takes.
+distinct experts hit, the input and the output. The baseline is the fast BF16 decode path's call: BF16 input and
+weights through the same kernels. Prints the best config per batch, the table `CONFIG["by_slots"]` takes.
 Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
 """
 
@@ -46,10 +46,6 @@ def parse_args(argv=None):
         type=int,
         default=8,
         help="weight copies called in turn, so that no call finds its experts in L2 (8: 168 MB at batch 1)",
-    )
-    p.add_argument("--prefetch", default="1", help="--hopper: K tiles loaded ahead of the MMAs")
-    p.add_argument(
-        "--prefetch-l2", default="0,1", help="--hopper: the program's weights prefetched into L2 (1) or not"
     )
     return p.parse_args(argv)
 
@@ -102,10 +98,9 @@ def main(argv=None) -> int:
 
     hopper_grid = [
         {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk,
-         "x_shared": bool(xs), "prefetch": pf, "prefetch_l2": bool(l2)}
-        for bt, bn, dn, bk, w, sk, xs, pf, l2 in itertools.product(*(_ints(a) for a in (
-            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.prefetch,
-            args.prefetch_l2)))
+         "x_shared": bool(xs)}
+        for bt, bn, dn, bk, w, sk, xs in itertools.product(*(_ints(a) for a in (
+            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared)))
         if bn >= 16 * w and bk % 128 == 0  # the Gluon kernels' K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [
@@ -128,7 +123,7 @@ def main(argv=None) -> int:
         distinct = ids.unique().numel()
         io_bytes = xq.nbytes() + M * K * H * 4
 
-        def timed(cfg, weights):
+        def timed(cfg, weights, x_in):
             if "block_t" in cfg:
                 moe.HOPPER = [(1 << 62, cfg)]
             else:
@@ -136,11 +131,12 @@ def main(argv=None) -> int:
                 moe.CONFIG["by_slots"] = [(1 << 62, cfg)]
                 moe.CONFIG["dense"] = cfg
             return triton.testing.do_bench_cudagraph(
-                lambda: [moe.experts_from_quantized(xq, ids, tw, w_gu, w_dn) for w_gu, w_dn in weights], rep=50
+                lambda: [moe.experts_from_quantized(x_in, ids, tw, w_gu, w_dn) for w_gu, w_dn in weights], rep=50
             ) / len(weights)
 
-        t_bf16 = timed(dense, bf16_w) * 1e-3
-        bf16_frac = (distinct * bf16_expert_bytes + io_bytes) / t_bf16 / copy_bw
+        # The baseline is the BF16 decode step's own call: BF16 input, BF16 weights, a BF16 hidden activation.
+        t_bf16 = timed(dense, bf16_w, x) * 1e-3
+        bf16_frac = (distinct * bf16_expert_bytes + x.nbytes + M * K * H * 4) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
         moe.CONFIG["by_slots"], moe.HOPPER = by_slots, hopper
         current = dict(moe.hopper_config(M * K, dev) or moe.launch_config(M * K))
@@ -151,7 +147,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - t0 > args.budget_s:
                 break
             try:
-                t = timed(cfg, fp4_w) * 1e-3
+                t = timed(cfg, fp4_w, xq) * 1e-3
             except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
                 rows.append({"batch": M, **cfg, "error": type(e).__name__})
                 continue

@@ -159,61 +159,6 @@ def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc):
 
 
 @gluon.jit
-def prefetch_l2(ptr, nbytes, NUM_WARPS: gl.constexpr):
-    """Start copying ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned, the same in every thread) into
-    L2: one TMA bulk prefetch (sm_90), no registers held, nothing to wait for. Why: a short decode program
-    otherwise waits a whole HBM round trip per K tile; prefetched, only for the first."""
-    thread: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    gl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.b32 $0, 0;",
-        "=r,l,r",
-        [
-            ptr + gl.zeros([32 * NUM_WARPS], gl.int32, layout=thread),
-            gl.full([32 * NUM_WARPS], nbytes, gl.int32, thread),
-        ],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _load_tile(operands, kt, KW: gl.constexpr):
-    """The loads of K tile ``kt``: ``operands`` is a tuple of (code-word pointers, scale pointers) of the program's
-    first K tile; returns the matching tuple of (words, scale bytes)."""
-    out = ()
-    for i in gl.static_range(len(operands)):
-        words, scales = operands[i]
-        out = out + ((gl.load(words + kt * KW), gl.load(scales + kt * (KW // 2))),)
-    return out
-
-
-@gluon.jit
-def _first_tiles(operands, PREFETCH: gl.constexpr, KW: gl.constexpr):
-    """The ring of `_load_tile` results for K tiles ``0 .. PREFETCH - 1``, issued back to back."""
-    ring = ()
-    for kt in gl.static_range(PREFETCH):
-        ring = ring + (_load_tile(operands, kt, KW),)
-    return ring
-
-
-@gluon.jit
-def _gate_up_tile(tile, xsm, kt, la: gl.constexpr, lb: gl.constexpr, acc_g, acc_u, X_SHARED: gl.constexpr):
-    """The MMAs of one K tile of gate/up (`_load_tile`'s gate, up and, without X_SHARED, activation loads)."""
-    g, gs = tile[0]
-    u, us = tile[1]
-    if not X_SHARED:
-        x, xs = tile[2]
-        xs2 = pair_scales_t(xs, lb)
-        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
-        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
-    else:
-        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt, lb, acc_g)
-        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt, lb, acc_u)
-    return acc_g, acc_u
-
-
-@gluon.jit
 def gate_up_kernel(
     a_ptr,  # x codes: uint8 [M, H/2]
     as_ptr,  # x block scales: uint8 [M, H/16]
@@ -235,8 +180,6 @@ def gate_up_kernel(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
-    PREFETCH: gl.constexpr,  # K tiles in flight ahead of the MMAs, 1 .. H / SPLIT_K / BLOCK_K
-    PREFETCH_L2: gl.constexpr,  # first start the program's whole weight slice on its way into L2
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
 ):
     gdc_wait_for_producer(PDL)
@@ -268,32 +211,32 @@ def gate_up_kernel(
         + (g_rows * (H // 16) + k_off // 16)
         + (n1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
     )
-    if PREFETCH_L2:
-        # The tile's gate rows (and its up rows, and their scales) are one contiguous block over the whole of K;
-        # the SPLIT_K programs of the tile each prefetch a share of it.
-        blk, sblk = BLOCK_N * (H // 2), BLOCK_N * (H // 16)
-        w_blk = w_ptr + g_rows * (H // 2) + pid_k * (blk // SPLIT_K)
-        ws_blk = ws_ptr + g_rows * (H // 16) + pid_k * (sblk // SPLIT_K)
-        for half in gl.static_range(2):
-            prefetch_l2(w_blk + half * (NI * (H // 2)), blk // SPLIT_K, NUM_WARPS)
-            prefetch_l2(ws_blk + half * (NI * (H // 16)), sblk // SPLIT_K, NUM_WARPS)
+    u_off = NI * (H // 8)
+    us_off = NI * (H // 16)
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    K_TILES: gl.constexpr = H // SPLIT_K // BLOCK_K
-    weights = ((g_ptrs, gs_ptrs), (g_ptrs + NI * (H // 8), gs_ptrs + NI * (H // 16)))  # gate rows, up rows
-    # Software pipelining by hand (Gluon does not pipeline): PREFETCH K tiles are in flight before the first
-    # decode, and each step issues the loads of the tile PREFETCH ahead before its own MMAs.
+    # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this one's
+    # decode and MMAs.
+    g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
+    u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
     if X_SHARED:
-        operands = weights
-        ring = _first_tiles(operands, PREFETCH, KW)
+        K_TILES: gl.constexpr = H // SPLIT_K // BLOCK_K
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
         cta_barrier()
+        for kt in range(1, K_TILES):
+            k0 = kt * BLOCK_K
+            g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
+            u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
+            acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt - 1, lb, acc_g)
+            acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt - 1, lb, acc_u)
+            g, gs, u, us = g_n, gs_n, u_n, us_n
+        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
+        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
     else:
-        xsm = None
         offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
         offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
@@ -308,14 +251,18 @@ def gate_up_kernel(
             + k_off // 16
             + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
         )
-        operands = weights + ((x_ptrs, xs_ptrs),)
-        ring = _first_tiles(operands, PREFETCH, KW)
-    for kt in range(K_TILES - PREFETCH):
-        ahead = _load_tile(operands, kt + PREFETCH, KW)
-        acc_g, acc_u = _gate_up_tile(ring[0], xsm, kt, la, lb, acc_g, acc_u, X_SHARED)
-        ring = ring[1:] + (ahead,)
-    for i in gl.static_range(PREFETCH):
-        acc_g, acc_u = _gate_up_tile(ring[i], xsm, K_TILES - PREFETCH + i, la, lb, acc_g, acc_u, X_SHARED)
+        x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
+        for k0 in range(BLOCK_K, k_len, BLOCK_K):
+            g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
+            u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
+            x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+            xs2 = pair_scales_t(xs, lb)
+            acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+            acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+            g, gs, u, us, x, xs = g_n, gs_n, u_n, us_n, x_n, xs_n
+        xs2 = pair_scales_t(xs, lb)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -338,18 +285,6 @@ def gate_up_kernel(
 
 
 @gluon.jit
-def _down_tile(tile, xsm, kt, la: gl.constexpr, lb: gl.constexpr, acc, X_SHARED: gl.constexpr):
-    """`_gate_up_tile` for the down projection's one weight operand."""
-    w, ws = tile[0]
-    if not X_SHARED:
-        x, xs = tile[1]
-        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
-    else:
-        acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt, lb, acc)
-    return acc
-
-
-@gluon.jit
 def down_kernel(
     a_ptr,  # h codes: uint8 [P, I/2] by sorted position
     as_ptr,  # uint8 [P, I/16]
@@ -369,8 +304,6 @@ def down_kernel(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     X_SHARED: gl.constexpr,
-    PREFETCH: gl.constexpr,  # K tiles in flight ahead of the MMAs, 1 .. NI / BLOCK_K
-    PREFETCH_L2: gl.constexpr,
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -399,21 +332,21 @@ def down_kernel(
         + (n1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
     )
     p0 = pid_m.to(gl.int64) * BLOCK_T
-    if PREFETCH_L2:  # the program's weight rows are one contiguous block, and so are their scales
-        prefetch_l2(w_ptr + w_rows * (NI // 2), BLOCK_N * (NI // 2), NUM_WARPS)
-        prefetch_l2(ws_ptr + w_rows * (NI // 16), BLOCK_N * (NI // 16), NUM_WARPS)
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    K_TILES: gl.constexpr = NI // BLOCK_K
+    w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
     if X_SHARED:
-        operands = ((w_ptrs, ws_ptrs),)
-        ring = _first_tiles(operands, PREFETCH, KW)
+        K_TILES: gl.constexpr = NI // BLOCK_K
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
         cta_barrier()
+        for kt in range(1, K_TILES):
+            w_n, ws_n = gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))
+            acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt - 1, lb, acc)
+            w, ws = w_n, ws_n
+        acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
     else:
-        xsm = None
         p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
         p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
         x_ptrs = (
@@ -426,14 +359,13 @@ def down_kernel(
             + p0 * (NI // 16)
             + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
         )
-        operands = ((w_ptrs, ws_ptrs), (x_ptrs, xs_ptrs))
-        ring = _first_tiles(operands, PREFETCH, KW)
-    for kt in range(K_TILES - PREFETCH):  # the ring of `gate_up_kernel`
-        ahead = _load_tile(operands, kt + PREFETCH, KW)
-        acc = _down_tile(ring[0], xsm, kt, la, lb, acc, X_SHARED)
-        ring = ring[1:] + (ahead,)
-    for i in gl.static_range(PREFETCH):
-        acc = _down_tile(ring[i], xsm, K_TILES - PREFETCH + i, la, lb, acc, X_SHARED)
+        x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
+        for k0 in range(BLOCK_K, NI, BLOCK_K):
+            w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
+            x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+            w, ws, x, xs = w_n, ws_n, x_n, xs_n
+        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

@@ -69,7 +69,7 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
                 xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
                 wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1,
                 BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=nw,
-                X_SHARED=x_shared, PREFETCH=1, PREFETCH_L2=x_shared, PDL=False, num_warps=nw,
+                X_SHARED=x_shared, PDL=False, num_warps=nw,
             )  # fmt: skip
             outs.append(h)
         # Same operand values, same MMAs in the same order: the two paths agree bit for bit (NaN where NaN).
