@@ -3,7 +3,7 @@
 variant in turn, twice (the repeat shows the spread), each a `rollout_decode.py` run with the arguments in AB_ARGS.
 
     AB_ARGS="--setups fast_fp4 --batches 1,64 --contexts 1024" \\
-    VARIANTS='{"l2": {"*": {"prefetch_l2": true}}, "l2_b1": {"8": {"prefetch_l2": true}}}' \\
+    VARIANTS='{"xs": {"*": {"x_shared": true}}, "bk128": {"1024": {"block_k": 128}}}' \\
     OUT=outputs/ab python benchmarks/hopper_ab.py
 
 VARIANTS maps a name to a patch: ``{limit: {key: value}}`` updates the `HOPPER` entry of that slot limit, ``"*"``
