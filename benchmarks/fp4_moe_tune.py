@@ -42,6 +42,9 @@ def parse_args(argv=None):
         "--x-shared", default="0,1", help="--hopper: activations decoded once into shared memory (1) or not"
     )
     p.add_argument(
+        "--ring", default="0", help="--hopper: cp.async ring depth for the weights (0: registers; needs x_shared)"
+    )
+    p.add_argument(
         "--copies",
         type=int,
         default=8,
@@ -98,10 +101,10 @@ def main(argv=None) -> int:
 
     hopper_grid = [
         {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk,
-         "x_shared": bool(xs)}
-        for bt, bn, dn, bk, w, sk, xs in itertools.product(*(_ints(a) for a in (
-            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared)))
-        if bn >= 16 * w and bk % 128 == 0  # the Gluon kernels' K tile: 16 code words per MMA
+         "x_shared": bool(xs), "stages": st}
+        for bt, bn, dn, bk, w, sk, xs, st in itertools.product(*(_ints(a) for a in (
+            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.ring)))
+        if bn >= 16 * w and bk % 128 == 0 and (st == 0 or xs)  # the Gluon K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [
         {"block_m": bm, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w,

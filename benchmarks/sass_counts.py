@@ -116,10 +116,11 @@ def gluon_counts() -> list[dict]:
             ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False), {}),
         ):  # fmt: skip
             consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
-                      "X_SHARED": c.get("x_shared", False), "PDL": False}  # fmt: skip
+                      "X_SHARED": c.get("x_shared", False), "STAGES": c.get("stages", 0), "PDL": False}  # fmt: skip
             n, ops = loop_counts(fn, sig, extra | consts, nw)
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
-            out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else ""),
+            out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else "")
+                        + (f" ring {consts['STAGES']}" if consts["STAGES"] else ""),
                         "instructions": n, "elements": per_thread, "ops": ops, "x_shared": consts["X_SHARED"]})  # fmt: skip
     n, per_thread, ops = attention_counts()
     out.append(

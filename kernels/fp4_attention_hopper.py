@@ -43,16 +43,12 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  #
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
 from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
+    async_load,
     cta_barrier,
     decode8,
     gdc_wait_for_producer,
     pair_scales,
 )
-
-
-#: cp.async's global-to-shared copy: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before (3.6 is
-#: what the H200 image has).
-async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 
 @gluon.jit

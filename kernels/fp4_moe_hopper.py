@@ -36,6 +36,7 @@ if __name__.split(".")[0] == "kernels":
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
@@ -83,6 +84,11 @@ def gdc_wait_for_producer(PDL: gl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+#: cp.async's global-to-shared copy: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before (3.6 is
+#: what the H200 image has).
+async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
 
 #: A barrier of the program's warps: ``gl.thread_barrier`` up to Triton 3.6 (the H200 image), ``gl.barrier`` later.
@@ -159,6 +165,56 @@ def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc):
 
 
 @gluon.jit
+def _ring_alloc(N_OPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KW: gl.constexpr):
+    """The weight ring of `_ring_copy`: per operand, code words [STAGES, BLOCK_N, KW] (swizzled in 16- or 32-byte
+    pieces, so that the operand-layout reads, 8 rows of 32 bytes at a time, take the minimum of 2 wavefronts) and
+    scale bytes [STAGES, BLOCK_N, KW / 2]."""
+    words: gl.constexpr = (
+        gl.SwizzledSharedLayout(4, 1, 8, [1, 0]) if KW >= 32 else gl.SwizzledSharedLayout(8, 2, 2, [1, 0])
+    )
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    bufs = ()
+    for i in gl.static_range(N_OPS):
+        bufs = bufs + (
+            gl.allocate_shared_memory(gl.uint32, [STAGES, BLOCK_N, KW], words),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, KW // 2], flat),
+        )
+    return bufs
+
+
+@gluon.jit
+def _ring_offsets(row_w, BLOCK_N: gl.constexpr, KW: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Offsets of a K tile's rows for `_ring_copy` (``row_w`` code words per weight row): code words in 16-byte
+    pieces, scale bytes in pieces of KW / 4 bytes (two per row), and the row of each piece."""
+    lc: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (KW // 4), KW // 4], [NUM_WARPS, 1], [1, 0])
+    ls: gl.constexpr = gl.BlockedLayout([1, KW // 4], [16, 2], [NUM_WARPS, 1], [1, 0])
+    n_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lc))[:, None]
+    c_off = n_c.to(gl.int64) * row_w + gl.arange(0, KW, layout=gl.SliceLayout(0, lc)).to(gl.int64)[None, :]
+    n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ls))[:, None]
+    s_off = n_s.to(gl.int64) * (row_w // 2) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, ls)).to(gl.int64)[None, :]
+    return c_off, s_off, n_c + 0 * c_off.to(gl.int32), n_s + 0 * s_off.to(gl.int32)
+
+
+@gluon.jit
+def _ring_copy(bufs, slot, srcs, tile, offs, K_TILES: gl.constexpr, BLOCK_N: gl.constexpr, KW: gl.constexpr):
+    """cp.async of K tile ``tile`` of each weight operand (``srcs``: (code words, scale bytes) pointers of the
+    program's first tile) into ring slot ``slot``, one commit group; nothing is copied past the last tile."""
+    c_off, s_off, r_c, r_s = offs
+    rows = gl.where(tile < K_TILES, BLOCK_N, 0)
+    for i in gl.static_range(len(srcs)):
+        words, scales = srcs[i]
+        async_load(bufs[2 * i].index(slot), words + (c_off + tile * KW), mask=r_c < rows)
+        async_load(bufs[2 * i + 1].index(slot), scales + (s_off + tile * (KW // 2)), mask=r_s < rows)
+    cp.commit_group()
+
+
+@gluon.jit
+def _ring_read(bufs, i: gl.constexpr, slot, la: gl.constexpr, la1: gl.constexpr):
+    """Operand ``i``'s code words and paired scales of ring slot ``slot``, in the MMA operand layout."""
+    return bufs[2 * i].index(slot).load(la), pair_scales(bufs[2 * i + 1].index(slot).load(la1), la)
+
+
+@gluon.jit
 def gate_up_kernel(
     a_ptr,  # x codes: uint8 [M, H/2]
     as_ptr,  # x block scales: uint8 [M, H/16]
@@ -180,6 +236,7 @@ def gate_up_kernel(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
+    STAGES: gl.constexpr,  # > 0: weights through a cp.async ring of this many K tiles (needs X_SHARED); 0: registers
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
 ):
     gdc_wait_for_producer(PDL)
@@ -215,12 +272,34 @@ def gate_up_kernel(
     us_off = NI * (H // 16)
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this one's
-    # decode and MMAs.
-    g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
-    u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
-    if X_SHARED:
-        K_TILES: gl.constexpr = H // SPLIT_K // BLOCK_K
+    K_TILES: gl.constexpr = H // SPLIT_K // BLOCK_K
+    if STAGES > 0:  # the weights come through a cp.async ring (activations in shared memory: X_SHARED)
+        w0 = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (g_rows * (H // 8) + k_off // 8)
+        s0 = ws_ptr + (g_rows * (H // 16) + k_off // 16)
+        srcs = ((w0, s0), (w0 + u_off, s0 + us_off))  # gate rows, up rows
+        bufs = _ring_alloc(2, STAGES, BLOCK_N, KW)
+        offs = _ring_offsets(H // 8, BLOCK_N, KW, NUM_WARPS)
+        for st in gl.static_range(STAGES - 1):
+            _ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
+        xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
+        _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+        rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
+        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
+                 NUM_WARPS)  # fmt: skip
+        for kt in range(K_TILES):
+            cta_barrier()  # every warp is done with the slot the next copy overwrites (and x is staged)
+            _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
+            cp.wait_group(STAGES - 1)
+            cta_barrier()  # the copies of tile kt, by every thread, have landed
+            g, gs = _ring_read(bufs, 0, kt % STAGES, la, la1)
+            u, us = _ring_read(bufs, 1, kt % STAGES, la, la1)
+            acc_g = _mma8_shared(g, gs, xsm, kt, lb, acc_g)
+            acc_u = _mma8_shared(u, us, xsm, kt, lb, acc_u)
+    elif X_SHARED:
+        # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this
+        # one's decode and MMAs.
+        g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
+        u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
@@ -237,6 +316,8 @@ def gate_up_kernel(
         acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
         acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
     else:
+        g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
+        u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
         offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
         offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
@@ -304,6 +385,7 @@ def down_kernel(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     X_SHARED: gl.constexpr,
+    STAGES: gl.constexpr,
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -333,9 +415,28 @@ def down_kernel(
     )
     p0 = pid_m.to(gl.int64) * BLOCK_T
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
-    if X_SHARED:
-        K_TILES: gl.constexpr = NI // BLOCK_K
+    K_TILES: gl.constexpr = NI // BLOCK_K
+    if STAGES > 0:  # the ring of `gate_up_kernel`
+        srcs = (
+            (w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + w_rows * (NI // 8), ws_ptr + w_rows * (NI // 16)),
+        )
+        bufs = _ring_alloc(1, STAGES, BLOCK_N, KW)
+        offs = _ring_offsets(NI // 8, BLOCK_N, KW, NUM_WARPS)
+        for st in gl.static_range(STAGES - 1):
+            _ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
+        xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
+        rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
+        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
+                 NUM_WARPS)  # fmt: skip
+        for kt in range(K_TILES):
+            cta_barrier()
+            _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
+            cp.wait_group(STAGES - 1)
+            cta_barrier()
+            w, ws = _ring_read(bufs, 0, kt % STAGES, la, la1)
+            acc = _mma8_shared(w, ws, xsm, kt, lb, acc)
+    elif X_SHARED:
+        w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
@@ -347,6 +448,7 @@ def down_kernel(
             w, ws = w_n, ws_n
         acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
     else:
+        w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
         p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
         x_ptrs = (

@@ -63,17 +63,19 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
         P = sorted_ids.numel()
         nw = cfg["num_warps"]
         outs = []
-        for x_shared in (False, True):  # activations decoded by every warp, or once into shared memory
+        # Activations decoded by every warp, or once into shared memory; weights from registers or a cp.async ring.
+        for x_shared, stages in ((False, 0), (True, 0), (True, 2), (True, 3)):
             h = torch.full((P, NI), float("inf"), device="cuda")
             hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], 1)](
                 xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
                 wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1,
                 BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=nw,
-                X_SHARED=x_shared, PDL=False, num_warps=nw,
+                X_SHARED=x_shared, STAGES=stages, PDL=False, num_warps=nw,
             )  # fmt: skip
             outs.append(h)
-        # Same operand values, same MMAs in the same order: the two paths agree bit for bit (NaN where NaN).
-        assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), cfg
+        # Same operand values, same MMAs in the same order: the paths agree bit for bit (NaN where NaN).
+        for other in outs[1:]:
+            assert torch.equal(outs[0].nan_to_num(7.0), other.nan_to_num(7.0)), cfg
         xd = xq.dequantize().double()
         wd = wgu.dequantize().double()
         real = sorted_ids < M * K
@@ -109,10 +111,16 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         cfg = moe.hopper_config(M * K, x.device)
         assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
-        # The other activation path (decoded per warp, or once into shared memory) gives the same bits.
-        monkeypatch.setattr(moe, "HOPPER", [(1 << 62, cfg | {"x_shared": not cfg.get("x_shared", False)})])
-        y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
-        assert torch.equal(y, y_other), f"M={M}: x_shared changed the result"
+        # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
+        # or through a cp.async ring) give the same bits.
+        for other in (
+            {"x_shared": False, "stages": 0},
+            {"x_shared": True, "stages": 0},
+            {"x_shared": True, "stages": 3},
+        ):
+            monkeypatch.setattr(moe, "HOPPER", [(1 << 62, cfg | other)])
+            y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+            assert torch.equal(y, y_other), f"M={M}: {other} changed the result"
         monkeypatch.setattr(moe, "HOPPER", [])
         y_ref, hid_ref = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         monkeypatch.undo()
