@@ -44,7 +44,6 @@ def parse_args(argv=None):
     p.add_argument(
         "--ring", default="0", help="--hopper: cp.async ring depth for the weights (0: registers; needs x_shared)"
     )
-    p.add_argument("--maxnreg", default="0", help="--hopper: register cap per thread (0: none), for more warps per SM")
     p.add_argument(
         "--copies",
         type=int,
@@ -102,10 +101,9 @@ def main(argv=None) -> int:
 
     hopper_grid = [
         {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk,
-         "x_shared": bool(xs), "stages": st, **({"maxnreg": mr} if mr else {})}
-        for bt, bn, dn, bk, w, sk, xs, st, mr in itertools.product(*(_ints(a) for a in (
-            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.ring,
-            args.maxnreg)))
+         "x_shared": bool(xs), "stages": st}
+        for bt, bn, dn, bk, w, sk, xs, st in itertools.product(*(_ints(a) for a in (
+            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.ring)))
         if bn >= 16 * w and bk % 128 == 0 and (st == 0 or xs)  # the Gluon K tile: 16 code words per MMA
     ]  # fmt: skip
     grid = [

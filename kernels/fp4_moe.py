@@ -538,9 +538,8 @@ CONFIG = {
 #: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
 #: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
-#: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``: a
-#: register cap. From
-#: `benchmarks/fp4_moe_tune.py --variants hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
+#: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower). From
+#: `benchmarks/fp4_moe_tune.py --hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 HOPPER = [
     (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
@@ -832,8 +831,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, maxnreg=cfg.get("maxnreg"),
-        **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
@@ -841,7 +839,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
-        STAGES=stages, num_warps=nw, maxnreg=cfg.get("maxnreg"), **launch_options(x.device),
+        STAGES=stages, num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 
