@@ -814,6 +814,14 @@ def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
     return hq, QuantizedHidden(hq, hints, sorted_ids, num_slots)
 
 
+def check_hopper_entry(cfg: dict) -> int:
+    """The weight ring depth of a `HOPPER` entry (0: none), or a ValueError naming the fix."""
+    stages = cfg.get("stages", 0)
+    if stages and (stages < 2 or not cfg.get("x_shared")):
+        raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")
+    return stages
+
+
 def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,
                     return_hidden):  # fmt: skip
     """`experts_from_quantized` through the Gluon kernels (W4A4, sm_90+): same steps, same outputs."""
@@ -825,9 +833,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     while split > 1 and H % (split * bk):
         split //= 2
     part = _gate_up_out(split, P, NI, x.device)
-    stages = cfg.get("stages", 0)
-    if stages and (stages < 2 or not cfg.get("x_shared")):
-        raise ValueError(f"HOPPER entry {cfg}: 'stages' is 0 (no ring) or >= 2, and needs 'x_shared': True.")
+    stages = check_hopper_entry(cfg)
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,

@@ -231,6 +231,8 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden):
     part = torch.randn(split, P, 2 * NI, generator=g) * torch.logspace(-6, 3, 2 * NI)
     part[:, 0, :NI] = 0.0  # gate 0: an all-zero hidden row
     part[2, 1, 5] = float("nan")  # poisons row 1: NaN row scale
+    padding = sorted_ids == 10
+    part[:, padding] = float("nan")  # the gate/up kernels leave padding rows unwritten: garbage must not leak
     xg = torch.rand(5, generator=g) + 0.5
     wg = torch.rand(4, generator=g) + 0.5
     args = (part, xg, wg, sorted_ids, expert_ids, 10, top_k, bm, True, True)
@@ -246,6 +248,7 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden):
         assert torch.equal(got_t[used], want_t) and torch.equal(want_t, ref_t)
     torch.testing.assert_close(hq.global_scale[used], ref.global_scale, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(hq.global_scale[1]).all() and (hq.global_scale[0] == 0).all()
+    assert (hq.packed[used & padding] == 0).all() and (hq.global_scale[used & padding] == 0).all()
     if return_hidden:
         assert torch.equal(hidden.hints.mantissa_bits[used], want_hints.mantissa_bits)
         assert hidden.hints.block_scale is hq.block_scale and torch.equal(hidden.slots, sorted_ids)
@@ -370,3 +373,12 @@ def test_expert_parallel_sentinels_contribute_nothing(kernel):
     only_first = torch.stack([ids[:, 0], ids[:, 0]], 1)
     w_first = torch.stack([w[:, 0], torch.zeros_like(w[:, 0])], 1)
     assert _rel(mod(x, with_sentinel, w), mod(x, only_first, w_first)) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [{"stages": 1}, {"stages": 2, "x_shared": False}])
+def test_hopper_entry_with_a_bad_ring_is_an_error(bad):
+    """A weight ring of one stage, or one without the activations in shared memory, is refused with the fix."""
+    cfg = dict(moe.HOPPER[-1][1], **bad)
+    with pytest.raises(ValueError, match="stages"):
+        moe.check_hopper_entry(cfg)
+    moe.check_hopper_entry(dict(cfg, stages=0))  # no ring: fine
