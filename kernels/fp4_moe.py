@@ -597,13 +597,17 @@ def moe_align(
 
     Returns ``sorted_ids`` [P] int32 (padding holds ``num_slots``) and ``expert_ids`` [P / block_m] int32 (the
     expert of each row block, -1 for blocks past the last segment). Static shapes, no host sync.
-    ``backend``: ``"triton"`` (one launch; up to `ALIGN_KERNEL_MAX` slots), ``"torch"``, or ``"auto"``.
+    ``backend``: ``"triton"`` (one launch; up to `ALIGN_KERNEL_MAX` slots), ``"torch"``, or ``"auto"``, which
+    for one token launches nothing: its top-k experts are distinct, so slot k gets row block k as it is
+    (`_one_token_rows`; repeated ids would only repeat a block's weight reads).
     """
     block_m = block_m or CONFIG["block_m"]
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     P = max_padded_rows(n, num_experts, block_m)
     dev = flat.device
+    if backend == "auto" and topk_ids.shape[0] == 1 and n * block_m == P:
+        return _one_token_rows(n, block_m, dev), flat.to(torch.int32)
     use_kernel = backend == "triton" or (backend == "auto" and n <= ALIGN_KERNEL_MAX and (dev.type == "cuda"))
     if use_kernel:
         sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
@@ -628,6 +632,24 @@ def moe_align(
     expert_ids = torch.searchsorted(ends, blocks, right=True)
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
     return sorted_ids, expert_ids
+
+
+_ONE_TOKEN_ROWS: dict = {}
+
+
+def _one_token_rows(n: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """`moe_align`'s ``sorted_ids`` for one token: slot k at row ``k * block_m``, the rest padding. Kept per shape and
+    device, made outside graph capture (the decode step's eager warm-up), so that a captured step launches nothing
+    for it; under capture with nothing kept yet, built in the graph instead."""
+    key = (n, block_m, device)
+    rows = _ONE_TOKEN_ROWS.get(key)
+    if rows is None:
+        rows = torch.full((n, block_m), n, dtype=torch.int32, device=device)
+        rows[:, 0] = torch.arange(n, dtype=torch.int32, device=device)
+        rows = rows.reshape(-1)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ONE_TOKEN_ROWS[key] = rows
+    return rows
 
 
 def _pick(n: int, preferred: int) -> int:

@@ -61,6 +61,29 @@ def test_align_layout(backend, M, E, K):
     assert seen == sorted(seen, key=lambda s: (flat[s].item(), s))
 
 
+@pytest.mark.parametrize("bm", [8, 16])
+def test_align_one_token_launches_nothing_and_keeps_the_layout(bm):
+    """One token: slot k in row block k (its experts are distinct), the layout the sorting backends give up to the
+    order of the blocks, with the caller's ids as the blocks' experts; made once per shape and reused."""
+    E, K = 16, 4
+    ids, _ = _routing(1, E, K, seed=9)
+    sorted_ids, expert_ids = moe.moe_align(ids, E, bm)
+    s_ref, e_ref = moe.moe_align(ids, E, bm, backend="torch")
+    assert sorted_ids.shape == s_ref.shape and expert_ids.shape == e_ref.shape
+    assert torch.equal(expert_ids, ids.reshape(-1).to(torch.int32))
+    blocks = sorted_ids.view(K, bm)
+    assert torch.equal(blocks[:, 0], torch.arange(K, dtype=torch.int32)) and (blocks[:, 1:] == K).all()
+    assert sorted(expert_ids.tolist()) == e_ref.tolist()  # the same blocks, which the sort orders by expert
+    assert moe.moe_align(ids, E, bm)[0] is sorted_ids  # kept, no new tensor (no launch in a captured step)
+    # Every slot is computed on its own, so the order of the blocks changes no bit of the output.
+    mod = _experts(E, 64, 32)
+    xq = fp4.quantize(torch.randn(1, 64), "nvfp4", "row", backend="torch")
+    tw = torch.rand(1, K)
+    y = moe.experts_from_quantized(xq, ids, tw, *mod.packed_weights())
+    y_sorted = moe.experts_from_quantized(xq, ids, tw, *mod.packed_weights(), align_backend="torch")
+    assert torch.equal(y, y_sorted)
+
+
 def test_align_backends_agree():
     ids, _ = _routing(29, 8, 2, seed=5)
     s1, e1 = moe.moe_align(ids, 8, 16, backend="torch")
