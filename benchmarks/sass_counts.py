@@ -6,8 +6,9 @@ machine code, without a GPU.
 
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
 the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode.
-Why: the decode GEMMs are bound by instruction issue, so this count is what a layout or decoding change must
-lower; it takes seconds per kernel and no device time. The H200 image has Triton 3.6; install that version (for
+Why: it shows in seconds, without device time, what a layout or decoding change does to the work per element (the
+Triton kernels' ~7 instructions per element made them issue-bound; the Gluon ones, at 3.1-4, are bound by latency
+instead, docs/benchmarks.md 2f-2g), and that a config neither spills nor loses its tensor-core MMAs. The H200 image has Triton 3.6; install that version (for
 example with ``pip install --target``) to count exactly what runs there.
 """
 
