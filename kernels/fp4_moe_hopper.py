@@ -20,6 +20,11 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   ``cvt.rn.f16x2.e4m3x2`` gives the multiplier pair.
 * **Addresses in int64**, so that each register's address is the thread's base plus a constant and the loads use
   immediate offsets instead of per-element address arithmetic.
+* **Two ways in for the weights.** Straight into registers, the next K tile's loads issued before this tile's MMAs;
+  or (``STAGES`` >= 2, with the activations staged in shared memory) through a ``cp.async`` ring in shared memory,
+  read from there into the same operand layouts: ``STAGES - 1`` tiles in flight without holding registers. The
+  ring wins at batch 64 and loses at 16, where its shared memory leaves fewer programs per SM (docs/benchmarks.md
+  2g).
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
 smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
