@@ -364,18 +364,24 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    """Merge the splits of one (sequence, query head) by their log-sum-exp."""
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
+                    ROWS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Merge the splits of ``ROWS`` (sequence, query head) rows by their log-sum-exp. Several rows per program: a
+    program per row (4 KB of partials at a few splits) left the launch, not the bytes, as the cost."""
     wait_for_producer(PDL)
-    r = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    r_ok = r < R
     sp = tl.arange(0, S_PAD)
     d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + r * S + sp, mask=sp < S, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m))
-    o = tl.load(o_ptr + (r * S + sp)[:, None] * D + d[None, :], mask=(sp < S)[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
+    ok = r_ok[:, None] & (sp < S)[None, :]
+    lse = tl.load(lse_ptr + r[:, None] * S + sp[None, :], mask=ok, other=float("-inf"))
+    m = tl.max(lse, axis=1)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - m[:, None]))
+    o = tl.load(
+        o_ptr + (r[:, None] * S + sp[None, :])[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0
+    )
+    out = tl.sum(w[:, :, None] * o, axis=1) / tl.sum(w, axis=1)[:, None]
+    tl.store(out_ptr + r[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -523,8 +529,11 @@ def decode_attention(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=False,
         )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
-    _combine_kernel[(B * HQ,)](
-        o, lse, out, S=S, S_PAD=max(2, triton.next_power_of_2(S)), D=D, num_warps=4, **launch_options(q.device)
+    s_pad = max(2, triton.next_power_of_2(S))
+    # Up to 32 x 128 partial values per program, and at least 256 programs (batch 1's 32 rows keep one each).
+    rows = max(1, min(8, 32 // s_pad, B * HQ // 256))
+    _combine_kernel[(triton.cdiv(B * HQ, rows),)](
+        o, lse, out, B * HQ, S=S, S_PAD=s_pad, D=D, ROWS=rows, num_warps=4, **launch_options(q.device)
     )
     return out
 

@@ -790,6 +790,13 @@ def _gate_up_out(split: int, P: int, NI: int, device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+#: Batch 1's fused split-K sum, SiLU and hidden quantization (`_silu_mul_kernel` with QUANT): whole rows per program
+#: and values per thread (the warps follow). The kernel is one dependent chain per thread, so fewer values per thread
+#: is a shorter chain: one row and 4 values (8 warps, 32 registers, 712 sm_90 instructions against 1,824 for 4 rows
+#: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/benchmarks.md 2h).
+HIDDEN_LAUNCH = {"rows": 1, "values_per_thread": 4}
+
+
 def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a_fp4, w_fp4, hidden_fp4,
             return_hidden):  # fmt: skip
     """The down projection's input from the gate/up output ``part`` (`_gate_up_out`): the hidden activation,
@@ -812,14 +819,12 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
     scale = torch.empty(P, NI // 16, dtype=torch.uint8, device=dev)
     g = torch.empty(P, 1, dtype=torch.float32, device=dev)
     bits = torch.empty(P, NI // 8, dtype=torch.uint8, device=dev) if return_hidden else packed
-    # 4 whole rows per program and 16 values per thread at I <= 1024 (sm_90: 80 registers, no spills; 8 or 16 rows
-    # spill and made batch 1's step 20% slower on the H200, docs/benchmarks.md).
-    rows = 4 if block_m % 4 == 0 else block_m
+    rows = HIDDEN_LAUNCH["rows"] if block_m % HIDDEN_LAUNCH["rows"] == 0 else block_m
     width = triton.next_power_of_2(NI)
+    warps = min(32, max(1, rows * width // (32 * HIDDEN_LAUNCH["values_per_thread"])))
     _silu_mul_kernel[(P // rows,)](
         part, xg, wgug, packed, scale, g, bits, sorted_ids, expert_ids, num_slots, top_k, NI, P,
-        QUANT=True, WRITE_BITS=return_hidden, BLOCK_M=rows, BLOCK_N=width, num_warps=min(32, max(4, rows * width // 512)),
-        **common,
+        QUANT=True, WRITE_BITS=return_hidden, BLOCK_M=rows, BLOCK_N=width, num_warps=warps, **common,
     )  # fmt: skip
     hq = FP4Tensor(packed, scale, g, "nvfp4")
     if not return_hidden:

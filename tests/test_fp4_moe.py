@@ -239,11 +239,16 @@ def test_w4a16_and_dense_paths(operand_layout):
 
 
 @pytest.mark.parametrize("return_hidden", [False, True])
-def test_split_k_epilogue_quantizes_as_quantize(return_hidden):
+@pytest.mark.parametrize("launch", [None, {"rows": 4, "values_per_thread": 16}, {"rows": 2, "values_per_thread": 2}])
+def test_split_k_epilogue_quantizes_as_quantize(return_hidden, launch, monkeypatch):
     """Batch 1's split-K path sums the partials, applies SiLU * up and quantizes the hidden in one launch: the codes,
     scales and hints are those of `quantize` (and the torch reference) of the hidden the unfused path writes, with
-    a NaN partial, an all-zero row, saturating and tiny values, padding rows and an unused row block."""
+    a NaN partial, an all-zero row, saturating and tiny values, padding rows and an unused row block; for the
+    default launch (`HIDDEN_LAUNCH`) and others, a block of 16 values spread over threads."""
     from trace_hf.kernels import fp4_quant
+
+    if launch:
+        monkeypatch.setattr(moe, "HIDDEN_LAUNCH", launch)
 
     g = torch.Generator().manual_seed(21)
     split, bm, NI, top_k = 4, 8, 96, 2  # 96: a width that is not a power of two (the program pads to 128)
