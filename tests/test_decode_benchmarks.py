@@ -57,3 +57,31 @@ def test_block_t_runner_sets_the_table_and_runs_the_script(tmp_path):
     table = next(line for line in stdout.splitlines() if line.startswith("HOPPER:"))
     assert "'block_t': 16" in table and "'block_t': 8" in table  # batch 1's entry keeps its 8-token blocks
     assert res["qat_step_s"] > 0
+
+
+def test_ncu_summary_reads_units_and_stalls(tmp_path):
+    """`benchmarks/ncu_summary.py` on an ncu ``--page raw --csv`` export: durations and bytes are converted from the
+    units ncu chose (us, Mbyte), and the stall reasons come out largest first."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ncu_summary
+    finally:
+        sys.path.pop(0)
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    cols = {
+        "Kernel Name": ("", "gate_up_kernel(int, int)"),
+        "gpu__time_duration.sum": ("us", "96.384"),
+        "dram__bytes_read.sum": ("Mbyte", "225.05"),
+        "smsp__inst_executed.sum": ("inst", "45,944,256"),
+        stall.format("long_scoreboard"): ("", "0.93"),
+        stall.format("wait"): ("", "0.59"),
+        stall.format("selected"): ("", "1"),
+    }
+    path = tmp_path / "k.raw.csv"
+    path.write_text(
+        "\n".join(",".join(f'"{v}"' for v in row) for row in zip(*[(k, u, v) for k, (u, v) in cols.items()])) + "\n"
+    )
+    (rec,) = ncu_summary.summarize(str(path))
+    assert rec["kernel"] == "gate_up_kernel" and rec["us"] == pytest.approx(96.384)
+    assert rec["dram_mb"] == pytest.approx(225.05) and rec["warp_inst_m"] == pytest.approx(45.944, abs=1e-3)
+    assert list(rec["stalls"]) == ["selected", "long_scoreboard", "wait"]
