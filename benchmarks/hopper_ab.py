@@ -1,21 +1,23 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Decode throughput under variants of the Gluon kernels' launch settings (the experts' table `fp4_moe.HOPPER`, the
-attention's `fp4_attention.CONFIG["hopper"]`), in one process: each variant in turn, twice (the repeat shows the
-spread), each a `rollout_decode.py` run with the arguments in AB_ARGS.
+"""Decode throughput under variants of the decode kernels' launch settings (the Gluon experts' table
+`fp4_moe.HOPPER`, or any settings dict of a `trace_hf.kernels` module), in one process: each variant in turn, twice
+(the repeat shows the spread), each a `rollout_decode.py` run with the arguments in AB_ARGS.
 
     AB_ARGS="--setups fast_fp4 --batches 1,64 --contexts 1024" \\
-    VARIANTS='{"xs": {"*": {"x_shared": true}}, "bk128": {"1024": {"block_k": 128}}}' \\
+    VARIANTS='{"xs": {"*": {"x_shared": true}}, "bk128": {"1024": {"block_k": 128}},
+               "tp": {"fp4_attention.CONFIG": {"hopper": {"target_programs": 1584}}}}' \\
     OUT=outputs/ab python benchmarks/hopper_ab.py
 
 VARIANTS maps a name to a patch: ``{limit: {key: value}}`` updates the `HOPPER` entry of that slot limit, ``"*"``
-every entry, ``"attention"`` the attention's settings (e.g. ``{"attention": {"target_programs": 1584}}``),
-``"hidden"`` batch 1's hidden-activation launch (`fp4_moe.HIDDEN_LAUNCH`), ``"quant"`` the quantization kernels'
-launch settings (`fp4_quant.CONFIG`). A variant ``base`` (the settings as committed) always runs first. Writes
-$OUT/hopper_ab.json: tokens/s per variant, round and cell.
+every entry; ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
+key by key), e.g. ``fp4_moe.HIDDEN_LAUNCH``, ``fp4_quant.CONFIG``, ``decode_ops.GEMV``. A variant ``base``
+(the settings as committed) always runs first. Writes $OUT/hopper_ab.json: tokens/s per variant, round and cell.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
 import os
 import sys
@@ -24,30 +26,57 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rollout_decode  # noqa: E402
 
-from trace_hf.kernels import fp4_attention, fp4_moe, fp4_quant  # noqa: E402
+from trace_hf.kernels import fp4_moe  # noqa: E402
 
 
 def patched(table: list, patch: dict) -> list:
-    """`HOPPER` with ``patch`` applied (see the module docstring); an unknown limit is an error, not a no-op."""
+    """`HOPPER` with ``patch``'s slot-limit keys applied; an unknown limit is an error, not a no-op."""
     limits = {str(lim) for lim, _ in table}
-    unknown = set(patch) - limits - {"*", "attention", "hidden", "quant"}
+    unknown = {k for k in patch if "." not in k} - limits - {"*"}
     if unknown:
         raise SystemExit(f"VARIANTS names slot limits {sorted(unknown)}; HOPPER has {sorted(limits)} (or use '*').")
     return [(lim, {**cfg, **patch.get("*", {}), **patch.get(str(lim), {})}) for lim, cfg in table]
 
 
+def merged(settings: dict, patch: dict) -> dict:
+    """``settings`` with ``patch`` merged in (nested dicts key by key); an unknown key is an error."""
+    unknown = set(patch) - set(settings)
+    if unknown:
+        raise SystemExit(f"VARIANTS sets {sorted(unknown)}, which the settings {sorted(settings)} do not have.")
+    return {
+        k: merged(v, patch[k]) if isinstance(v, dict) and k in patch else patch.get(k, v) for k, v in settings.items()
+    }
+
+
+def settings_dicts(variants: dict) -> dict:
+    """(module, attribute name) -> a copy of each settings dict that some variant patches."""
+    out = {}
+    for patch in variants.values():
+        for key in (k for k in patch if "." in k):
+            mod_name, attr = key.rsplit(".", 1)
+            mod = importlib.import_module(f"trace_hf.kernels.{mod_name}")
+            if not isinstance(getattr(mod, attr, None), dict):
+                raise SystemExit(f"VARIANTS key {key!r}: trace_hf.kernels.{mod_name} has no settings dict {attr}.")
+            out[key] = (mod, attr, copy.deepcopy(getattr(mod, attr)))
+    return out
+
+
+def apply(dicts: dict, patch: dict) -> None:
+    for key, (mod, attr, base) in dicts.items():
+        current = getattr(mod, attr)
+        current.clear()
+        current.update(merged(base, patch.get(key, {})))  # in place: kernels hold the module's dict
+
+
 def main() -> int:
     out = os.environ["OUT"]
     variants = {"base": {}, **json.loads(os.environ.get("VARIANTS", "{}"))}
-    base, attn_base = list(fp4_moe.HOPPER), dict(fp4_attention.CONFIG["hopper"])
-    hidden_base, quant_base = dict(fp4_moe.HIDDEN_LAUNCH), dict(fp4_quant.CONFIG)
+    base, dicts = list(fp4_moe.HOPPER), settings_dicts(variants)
     res = {}
     for rnd in (1, 2):
         for name, patch in variants.items():
             fp4_moe.HOPPER[:] = patched(base, patch)
-            fp4_attention.CONFIG["hopper"] = {**attn_base, **patch.get("attention", {})}
-            fp4_moe.HIDDEN_LAUNCH = {**hidden_base, **patch.get("hidden", {})}
-            fp4_quant.CONFIG.update(quant_base, **patch.get("quant", {}))
+            apply(dicts, patch)
             path = f"{out}/ab_{name}_{rnd}.json"
             rollout_decode.main(["--out", path, "--steps", "20"] + os.environ["AB_ARGS"].split())
             with open(path) as f:
@@ -57,9 +86,7 @@ def main() -> int:
             }
             print(name, rnd, fp4_moe.HOPPER, res[f"{name} {rnd}"], flush=True)
     fp4_moe.HOPPER[:] = base
-    fp4_attention.CONFIG["hopper"] = attn_base
-    fp4_moe.HIDDEN_LAUNCH = hidden_base
-    fp4_quant.CONFIG.update(quant_base)
+    apply(dicts, {})
     with open(f"{out}/hopper_ab.json", "w") as f:
         json.dump({"variants": variants, "tokens_per_s": res}, f, indent=1)
     return 0

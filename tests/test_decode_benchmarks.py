@@ -85,3 +85,38 @@ def test_ncu_summary_reads_units_and_stalls(tmp_path):
     assert rec["kernel"] == "gate_up_kernel" and rec["us"] == pytest.approx(96.384)
     assert rec["dram_mb"] == pytest.approx(225.05) and rec["warp_inst_m"] == pytest.approx(45.944, abs=1e-3)
     assert list(rec["stalls"]) == ["selected", "long_scoreboard", "wait"]
+
+
+def test_hopper_ab_patches_name_what_they_change():
+    """`benchmarks/hopper_ab.py`'s patches: slot limits of `HOPPER`, and settings dicts of the kernel modules merged
+    key by key; a key that names nothing is an error, not a variant that silently measures the base."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import hopper_ab
+    finally:
+        sys.path.pop(0)
+    table = [(8, {"block_t": 8, "split_k": 4}), (256, {"block_t": 8})]
+    got = hopper_ab.patched(table, {"*": {"block_t": 16}, "8": {"split_k": 2}, "fp4_quant.CONFIG": {}})
+    assert got == [(8, {"block_t": 16, "split_k": 2}), (256, {"block_t": 16})]
+    with pytest.raises(SystemExit, match="slot limits"):
+        hopper_ab.patched(table, {"16": {"block_t": 16}})
+    base = {"fp4": {"block_t": 128}, "hopper": {"block_t": 64, "target_programs": 1056}, "ptx": True}
+    assert hopper_ab.merged(base, {"hopper": {"target_programs": 1584}, "ptx": False}) == {
+        "fp4": {"block_t": 128}, "hopper": {"block_t": 64, "target_programs": 1584}, "ptx": False,
+    }  # fmt: skip
+    with pytest.raises(SystemExit, match="do not have"):
+        hopper_ab.merged(base, {"hopper": {"target_program": 1584}})
+    with pytest.raises(SystemExit, match="no settings dict"):
+        hopper_ab.settings_dicts({"v": {"fp4_moe.NOT_A_SETTING": {}}})
+    (mod, attr, saved) = hopper_ab.settings_dicts({"v": {"fp4_moe.HIDDEN_LAUNCH": {"rows": 2}}})[
+        "fp4_moe.HIDDEN_LAUNCH"
+    ]
+    assert saved == mod.HIDDEN_LAUNCH and saved is not mod.HIDDEN_LAUNCH
+    dicts = hopper_ab.settings_dicts({"v": {"fp4_moe.HIDDEN_LAUNCH": {"rows": 2}}})
+    launch = mod.HIDDEN_LAUNCH
+    try:
+        hopper_ab.apply(dicts, {"fp4_moe.HIDDEN_LAUNCH": {"rows": 2}})
+        assert launch == {**saved, "rows": 2}  # in place: the kernels read the module's dict
+    finally:
+        hopper_ab.apply(dicts, {})
+    assert launch == saved
