@@ -1,15 +1,16 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Instructions per FP4 element in the main loops of the decode kernels (routed-expert GEMMs, FP4-KV attention) in sm_90
-machine code, without a GPU.
+"""Instructions per FP4 element in the main loops of the decode kernels (routed-expert GEMMs, FP4-KV attention), and
+per value in the quantization kernel, in sm_90 machine code, without a GPU.
 
     python benchmarks/sass_counts.py            # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
 
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
-the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode.
-Why: it shows in seconds, without device time, what a layout or decoding change does to the work per element (the
-Triton kernels' ~7 instructions per element made them issue-bound; the Gluon ones, at 3.1-4, are bound by latency
-instead, docs/benchmarks.md 2f-2g), and that a config neither spills nor loses its tensor-core MMAs. The H200 image has Triton 3.6; install that version (for
-example with ``pip install --target``) to count exactly what runs there.
+the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode
+(the quantization kernel has no loop: all of it). Why: it shows in seconds, without device time, what a layout or
+decoding change does to the work per element (the Triton expert kernels' ~7 instructions per element made them
+issue-bound; the Gluon ones at 3.1-4 still are from batch 16 on, by Nsight Compute, docs/benchmarks.md 2h), and
+that a config neither spills nor loses its tensor-core MMAs. The H200 image has Triton 3.6; install that version
+(for example with ``pip install --target``) to count exactly what runs there.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def _signature(out_ptr: str, gate_up: bool) -> dict:
     return sig
 
 
-def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> tuple[int, dict]:
-    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90; pointers (and integer
-    dimensions H and NI) marked 16-divisible, as Triton specializes them at launch."""
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options) -> list:
+    """[(address, instruction)] of ``fn`` compiled for sm_90; pointers (and integer dimensions H, NI and K) marked
+    16-divisible, as Triton specializes them at launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -46,27 +47,60 @@ def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stage
     sig = {a: sig[a] for a in fn.arg_names}  # in the kernel's argument order
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-             if sig[a] != "constexpr" and (a.endswith("ptr") or a in ("H", "NI"))}  # fmt: skip
+             if sig[a] != "constexpr" and (a.endswith("ptr") or a in ("H", "NI", "K"))}  # fmt: skip
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as Source
     else:
         Source = ASTSource
     k = triton.compile(Source(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+                       options={"num_warps": num_warps, "num_stages": num_stages, **options})  # fmt: skip
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = "/tmp/trace_hf_sass.cubin"
     with open(path, "wb") as f:
         f.write(k.asm["cubin"])
     sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
-    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _opcodes(body: list) -> dict:
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in body)
+    ops.pop("NOP", None)
+    return dict(ops.most_common())
+
+
+def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> tuple[int, dict]:
+    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90."""
+    lines = compile_sass(fn, signature, constexprs, num_warps, num_stages)
     best = (0, {})
     for addr, text in lines:
         br = re.search(r"BRA (0x[0-9a-f]+)", text)
         if br and int(br.group(1), 16) < addr:
             body = [t for a, t in lines if int(br.group(1), 16) <= a <= addr]
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in body)
-            best = max(best, (len(body), dict(ops.most_common())), key=lambda b: b[0])
+            best = max(best, (len(body), _opcodes(body)), key=lambda b: b[0])
     return best
+
+
+def quant_counts(K: int = 2048) -> list[dict]:
+    """Instructions per value of the quantization kernel (`fp4_quant._fp4_kernel`, one tile per program and no loop:
+    the whole kernel over the values one thread holds) for its three training paths on bf16 rows of ``K``, NVFP4
+    with per-row scales, with the launch `fp4_quant.CONFIG` gives a large call."""
+    from trace_hf.kernels import fp4_quant as Q
+
+    sig = {"x_ptr": "*i16", "g_ptr": "*fp32", "sb_ptr": "*u8", "hb_ptr": "*u8", "q_ptr": "*u8", "out_ptr": "*i16",
+           "M": "i32", "K": "i32", "rows_per_g": "i32"}  # fmt: skip
+    out = []
+    for name, path, mode, outs in (
+        ("quantize + hint recording", "quantize", 0, {"WRITE_Q": True, "WRITE_BITS": True, "WRITE_OUT": False}),
+        ("nearest fake-quant, bf16 out", "fake", 0, {"WRITE_Q": False, "WRITE_BITS": False, "WRITE_OUT": True}),
+        ("guided fake-quant, bf16 out", "guided_fake", 2, {"WRITE_Q": False, "WRITE_BITS": False, "WRITE_OUT": True}),
+    ):
+        block_m, block_k, _, warps = Q._tiles(1 << 16, K, 16, mode == 0, path)
+        consts = {"MODE": mode, "NVFP4": True, "IN_KIND": 1, "OUT_KIND": 1, "BLOCK_M": block_m, "BLOCK_K": block_k,
+                  "BS": 16, **outs}  # fmt: skip
+        ops = _opcodes([t for _, t in compile_sass(Q._fp4_kernel, sig, consts, warps, enable_fp_fusion=False)])
+        out.append({"kernel": name, "tile": f"{block_m} x {block_k}, {warps} warps", "instructions": sum(ops.values()),
+                    "elements": block_m * block_k // (32 * warps), "ops": ops})  # fmt: skip
+    return out
 
 
 CONFIG_NOTE = "Qwen3-30B-A3B heads (32 q / 4 KV of 128), fp4_attention.CONFIG['hopper']"
@@ -160,6 +194,10 @@ def main(argv=None) -> int:
     print(
         f"triton down (decode CONFIG), N {bn} K {cfg['block_k']}: {n} / {per_thread} = {n / per_thread:.2f}  {_top(ops)}"
     )
+    print("quantization kernel, tile: instructions in the kernel / values per thread = per value")
+    for r in quant_counts():
+        n, e = r["instructions"], r["elements"]
+        print(f"{r['kernel']}, {r['tile']}: {n} / {e} = {n / e:.1f}  {_top(r['ops'])}")
     return 0
 
 
