@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=int, default=8, help="weight copies called in turn (8: 300 MB, past the L2)")
     p.add_argument("--then", nargs=argparse.REMAINDER, help="a script and its arguments to run with the best config")
     args = p.parse_args(argv)
+    if args.copies < 1:
+        p.error(f"--copies {args.copies}: use 1 or more (8 puts a layer's weights past the L2).")
     import torch
     import triton.testing
 
