@@ -7,7 +7,8 @@
 Times one decode layer's three one-row products of Qwen3-30B-A3B (QKV 2048 -> 5120, o_proj 4096 -> 2048, router
 2048 -> 128, bf16) for each config, from CUDA graphs, against ``F.linear`` (cuBLAS), and reports the best by their
 sum. Each graph calls ``--copies`` copies of the weights in turn: one layer's 38 MB fit in the H200's 50 MB L2, and
-a graph replaying one call would time them from L2, not from HBM as in a decode step (48 layers in between). With ``--then`` it sets that config and runs the given script in this process (so a benchmark measures it).
+a graph replaying one call would time them from L2, not from HBM as in a decode step (48 layers in between). With
+``--then`` it sets that config and runs the given script in this process (so a benchmark measures it).
 """
 
 from __future__ import annotations

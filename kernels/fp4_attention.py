@@ -367,7 +367,8 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
 def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
                     ROWS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Merge the splits of ``ROWS`` (sequence, query head) rows by their log-sum-exp. Several rows per program: a
-    program per row (4 KB of partials at a few splits) left the launch, not the bytes, as the cost."""
+    4-warp program per row spent its time in the reductions of a few KB, not in moving them (docs/benchmarks.md
+    2h)."""
     wait_for_producer(PDL)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     r_ok = r < R
