@@ -3,14 +3,14 @@
 
     python benchmarks/fp4_attention_tune.py --out outputs/fp4_attention_tune.json     # H200, about 2 minutes
 
-One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding one token per sequence over a
-full cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed
-from a CUDA graph, over enough copies of the cache that they do not fit in L2 (a decode step reads each layer's
-cache from HBM; batch 1 at 32K is 19 MB), and reports the fraction of the copy bandwidth (measured in the same run)
-that the cache bytes represent. The BF16 cache through the same kernels (default config) is the baseline where it fits. Prints the
-best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``; with ``--hopper``, the ``hopper``
-entry of the Gluon kernel against the Triton kernel's current config). Run it as a script (not ``python -m``) so
-that the installed trace_hf is imported.
+One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding one token per sequence over a full
+cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed from a
+CUDA graph, over enough copies of the cache that they do not fit in L2 (a decode step reads each layer's cache from
+HBM; batch 1 at 32K is 19 MB), and reports the fraction of the copy bandwidth (measured in the same run) that the
+cache bytes represent. The BF16 cache through the same kernels (default config) is the baseline where it fits.
+Prints the best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``; with ``--hopper``, the
+``hopper`` entry of the Gluon kernel against the Triton kernel's current config). Run it as a script (not ``python
+-m``) so that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
