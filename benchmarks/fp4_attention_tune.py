@@ -9,8 +9,8 @@ CUDA graph, over enough copies of the cache that they do not fit in L2 (a decode
 HBM; batch 1 at 32K is 19 MB), and reports the fraction of the copy bandwidth (measured in the same run) that the
 cache bytes represent. The BF16 cache through the same kernels (default config) is the baseline where it fits.
 Prints the best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``; with ``--hopper``, the
-``hopper`` entry of the Gluon kernel against the Triton kernel's current config). Run it as a script (not ``python
--m``) so that the installed trace_hf is imported.
+``hopper`` entry of the Gluon kernel against the Triton kernel's current config). Run it as a script (not
+``python -m``) so that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
