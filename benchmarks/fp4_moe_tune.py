@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Sweep the launch configs of the FP4 routed-experts kernels (`trace_hf.kernels.fp4_moe.CONFIG`) on the GPU.
+"""Sweep the launch configs of the FP4 routed-experts kernels (`trace_hf.kernels.fp4_moe_configs.CONFIG`) on the GPU.
 
     python benchmarks/fp4_moe_tune.py --out outputs/fp4_moe_tune.json     # H200, about 3 minutes
     python benchmarks/fp4_moe_tune.py --hopper --out outputs/hopper.json  # the Gluon kernels (`HOPPER`)
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
         print("fp4_moe_tune.py needs a CUDA GPU.", file=sys.stderr)
         return 2
     from trace_hf.kernels import fp4_moe as moe
+    from trace_hf.kernels import fp4_moe_configs as configs
     from trace_hf.kernels import fp4_quant
     from trace_hf.rollout.decode import quantize_experts
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                                                                                    args.stages, args.split_k))
         )
     ]  # fmt: skip
-    by_slots, dense, hopper = list(moe.CONFIG["by_slots"]), moe.CONFIG["dense"], list(moe.HOPPER)
+    by_slots, dense, hopper = list(configs.CONFIG["by_slots"]), configs.CONFIG["dense"], list(configs.HOPPER)
     t0 = time.perf_counter()
     rows, best = [], {}
     for M in (int(b) for b in args.batches.split(",")):
@@ -128,11 +129,11 @@ def main(argv=None) -> int:
 
         def timed(cfg, weights, x_in):
             if "block_t" in cfg:
-                moe.HOPPER = [(1 << 62, cfg)]
+                configs.HOPPER = [(1 << 62, cfg)]
             else:
-                moe.HOPPER = []
-                moe.CONFIG["by_slots"] = [(1 << 62, cfg)]
-                moe.CONFIG["dense"] = cfg
+                configs.HOPPER = []
+                configs.CONFIG["by_slots"] = [(1 << 62, cfg)]
+                configs.CONFIG["dense"] = cfg
             return triton.testing.do_bench_cudagraph(
                 lambda: [moe.experts_from_quantized(x_in, ids, tw, w_gu, w_dn) for w_gu, w_dn in weights], rep=50
             ) / len(weights)
@@ -141,9 +142,9 @@ def main(argv=None) -> int:
         t_bf16 = timed(dense, bf16_w, x) * 1e-3
         bf16_frac = (distinct * bf16_expert_bytes + x.nbytes + M * K * H * 4) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
-        moe.CONFIG["by_slots"], moe.HOPPER = by_slots, hopper
-        current = dict(moe.hopper_config(M * K, dev) or moe.launch_config(M * K))
-        triton_cfg = dict(moe.launch_config(M * K))
+        configs.CONFIG["by_slots"], configs.HOPPER = by_slots, hopper
+        current = dict(configs.hopper_config(M * K, dev) or configs.launch_config(M * K))
+        triton_cfg = dict(configs.launch_config(M * K))
         for cfg in (
             [current] + ([triton_cfg] if current != triton_cfg else []) + (hopper_grid if args.hopper else grid)
         ):
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
             t_tr = next((r["us"] for r in rows if r["batch"] == M and "us" in r and "block_t" not in r), None)
             if t_tr:
                 print(f"           Triton kernels (current table) {t_tr:.1f} us: best / Triton {t_tr / b['us']:.2f}x")
-    moe.CONFIG["by_slots"], moe.CONFIG["dense"], moe.HOPPER = by_slots, dense, hopper
+    configs.CONFIG["by_slots"], configs.CONFIG["dense"], configs.HOPPER = by_slots, dense, hopper
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 

@@ -1,6 +1,6 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Decode throughput under variants of the decode kernels' launch settings (the Gluon experts' table
-`fp4_moe.HOPPER`, or any settings dict of a `trace_hf.kernels` module), in one process: each variant in turn, twice
+`fp4_moe_configs.HOPPER`, or any settings dict of a `trace_hf.kernels` module), in one process: each variant in turn, twice
 (the repeat shows the spread), each a `rollout_decode.py` run with the arguments in AB_ARGS.
 
     AB_ARGS="--setups fast_fp4 --batches 1,64 --contexts 1024" \\
@@ -10,7 +10,7 @@
 
 VARIANTS maps a name to a patch: ``{limit: {key: value}}`` updates the `HOPPER` entry of that slot limit, ``"*"``
 every entry; ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
-key by key), e.g. ``fp4_moe.HIDDEN_LAUNCH``, ``fp4_quant.CONFIG``, ``decode_ops.GEMV``. A variant ``base``
+key by key), e.g. ``fp4_moe_configs.HIDDEN_LAUNCH``, ``fp4_quant.CONFIG``, ``decode_ops.GEMV``. A variant ``base``
 (the settings as committed) always runs first. Writes $OUT/hopper_ab.json: tokens/s per variant, round and cell.
 """
 
@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rollout_decode  # noqa: E402
 
-from trace_hf.kernels import fp4_moe  # noqa: E402
+from trace_hf.kernels import fp4_moe_configs  # noqa: E402
 
 
 def patched(table: list, patch: dict) -> list:
@@ -71,11 +71,11 @@ def apply(dicts: dict, patch: dict) -> None:
 def main() -> int:
     out = os.environ["OUT"]
     variants = {"base": {}, **json.loads(os.environ.get("VARIANTS", "{}"))}
-    base, dicts = list(fp4_moe.HOPPER), settings_dicts(variants)
+    base, dicts = list(fp4_moe_configs.HOPPER), settings_dicts(variants)
     res = {}
     for rnd in (1, 2):
         for name, patch in variants.items():
-            fp4_moe.HOPPER[:] = patched(base, patch)
+            fp4_moe_configs.HOPPER[:] = patched(base, patch)
             apply(dicts, patch)
             path = f"{out}/ab_{name}_{rnd}.json"
             rollout_decode.main(["--out", path, "--steps", "20"] + os.environ["AB_ARGS"].split())
@@ -84,8 +84,8 @@ def main() -> int:
             res[f"{name} {rnd}"] = {
                 f"{c['setup']} b{c['batch']} t{c['context']}": c.get("tokens_per_s") for c in cells
             }
-            print(name, rnd, fp4_moe.HOPPER, res[f"{name} {rnd}"], flush=True)
-    fp4_moe.HOPPER[:] = base
+            print(name, rnd, fp4_moe_configs.HOPPER, res[f"{name} {rnd}"], flush=True)
+    fp4_moe_configs.HOPPER[:] = base
     apply(dicts, {})
     with open(f"{out}/hopper_ab.json", "w") as f:
         json.dump({"variants": variants, "tokens_per_s": res}, f, indent=1)

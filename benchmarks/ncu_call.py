@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     if args.op == "experts":
         from trace_hf.kernels import fp4_moe as moe
+        from trace_hf.kernels import fp4_moe_configs as configs
         from trace_hf.kernels import fp4_quant
         from trace_hf.rollout.decode import quantize_experts
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
         if args.path == "fp4":
             w_gu, w_dn = quantize_experts(w_gu, w_dn)
             x = fp4_quant.quantize(x, "nvfp4", "row")
-            print("HOPPER entry:", moe.hopper_config(args.batch * K, dev), flush=True)
+            print("HOPPER entry:", configs.hopper_config(args.batch * K, dev), flush=True)
 
         def call():
             moe.experts_from_quantized(x, ids, tw, w_gu, w_dn)

@@ -137,13 +137,13 @@ def attention_counts(
 
 
 def gluon_counts() -> list[dict]:
-    """Loop counts of every `fp4_moe.HOPPER` config of both expert kernels and of the attention: records with the
+    """Loop counts of every `fp4_moe_configs.HOPPER` config of both expert kernels and of the attention: records with the
     kernel, its tile, the instructions, the FP4 elements per thread per iteration and the opcodes."""
-    from trace_hf.kernels import fp4_moe as moe
+    from trace_hf.kernels import fp4_moe_configs as configs
     from trace_hf.kernels import fp4_moe_hopper as hop
 
     out = []
-    for _limit, c in moe.HOPPER:
+    for _limit, c in configs.HOPPER:
         bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
         for name, fn, bn, sig, extra in (
             ("gluon gate/up", hop.gate_up_kernel, c["block_n_gate_up"], _signature("h_ptr", True),
@@ -179,12 +179,13 @@ def main(argv=None) -> int:
         print(json.dumps(records))
         return 0
     from trace_hf.kernels import fp4_moe as moe
+    from trace_hf.kernels import fp4_moe_configs as configs
 
     print("kernel, tile: instructions in the loop / FP4 elements per thread per iteration = per element")
     for r in records:
         n, e = r["instructions"], r["elements"]
         print(f"{r['kernel']}, {r['tile']}: {n} / {e} = {n / e:.2f}  {_top(r['ops'])}")
-    cfg = moe.launch_config(1024)  # the Triton kernels' decode config
+    cfg = configs.launch_config(1024)  # the Triton kernels' decode config
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"], "PDL": False}  # fmt: skip
     bn = cfg["block_n_down"]

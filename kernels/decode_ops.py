@@ -18,7 +18,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf.fp4 import FP4Hints, FP4Tensor  # noqa: E402
-from trace_hf.kernels.fp4_moe import INTERPRETED  # noqa: E402
+from trace_hf.kernels.common import INTERPRETED  # noqa: E402
 from trace_hf.kernels.fp4_quant import quantize_rows_nvfp4  # noqa: E402
 from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 

@@ -29,15 +29,18 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf import fp4  # noqa: E402
-from trace_hf.kernels.fp4_moe import (  # noqa: E402
+from trace_hf.kernels.common import (  # noqa: E402
     DOT_BF16,
     INTERPRETED,
-    _load_halves,
+    check_device,
+    e2m1_nearest,
     gluon_module,
     hardware_fp8,
+    is_finite,
     load_fp4_rows,
+    load_halves,
+    nvfp4_block_scale,
 )
-from trace_hf.kernels.fp4_quant import _e2m1_nearest, _is_finite, _nvfp4_block_scale, check_device  # noqa: E402
 from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
@@ -143,18 +146,18 @@ def _quantize_row_store(x, q_ptr, s_ptr, g_ptr, D: tl.constexpr):
     NB: tl.constexpr = D // 16
     xb = tl.reshape(x, [NB, 16])
     sign = ((xb.to(tl.int32, bitcast=True) >> 28) & 8).to(tl.int32)
-    fin = _is_finite(xb)
+    fin = is_finite(xb)
     ax = tl.where(fin, tl.abs(xb), 0.0)
     amax_b = tl.max(ax, axis=1)  # [NB]
     bad_b = tl.max((~fin).to(tl.int32), axis=1) > 0
     amax_r = tl.max(amax_b, axis=0)
     bad_r = tl.max(bad_b.to(tl.int32), axis=0) > 0
     g = tl.div_rn(tl.where(bad_r, float("nan"), amax_r) + tl.zeros([NB], tl.float32), 2688.0)  # [NB], all equal
-    sbyte, s, sg, ok = _nvfp4_block_scale(amax_b, g)  # the one NVFP4 scale rule, shared with fp4_quant
+    sbyte, s, sg, ok = nvfp4_block_scale(amax_b, g)  # the one NVFP4 scale rule, shared with fp4_quant
     y = tl.div_rn(xb, tl.where(ok, sg, 1.0)[:, None])
     a = tl.minimum(tl.maximum(y, -6.0), 6.0)
     a = tl.where(ok[:, None] & fin, tl.abs(a), 0.0)
-    code = tl.where(ok[:, None], _e2m1_nearest(a), 0) | sign
+    code = tl.where(ok[:, None], e2m1_nearest(a), 0) | sign
     lo, hi = tl.split(tl.reshape(code, [D // 2, 2]))
     tl.store(q_ptr + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
     tl.store(s_ptr + tl.arange(0, NB), sbyte.to(tl.uint8))
@@ -325,7 +328,7 @@ def _attn_split(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, bas
 @triton.jit
 def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end, base, G_PAD: tl.constexpr,
                     D: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """`_attn_split` for an FP4 cache on the GPU: K and V decoded by `_fp4_halves_f16` (exact fp16, times
+    """`_attn_split` for an FP4 cache on the GPU: K and V decoded by `fp4_halves_f16` (exact fp16, times
     2^-14) as even/odd column halves. The fp16 operands of the dots are normalized per query row, Q by its largest
     magnitude and the probabilities times V's row scales by their largest value in the tile, so that the terms
     that matter keep fp16's 11 bits whatever the scales (bf16 keeps 8); the factors go back on in fp32."""
@@ -340,7 +343,7 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < end
         rows = base + t
-        k0, k1 = _load_halves(k_ptr, ks_ptr, rows, t_ok, 0, D, True, D, True)
+        k0, k1 = load_halves(k_ptr, ks_ptr, rows, t_ok, 0, D, True, D, True)
         s = tl.dot(q1, tl.trans(k1), tl.dot(q0, tl.trans(k0)))
         kg = tl.load(kg_ptr + rows, mask=t_ok, other=0.0) * 16384.0
         s = s * q_max[:, None] * kg[None, :]
@@ -353,7 +356,7 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
         w_max = tl.max(w, axis=1)
         w_max = tl.where(w_max > 0, w_max, 1.0)
         wh = (w / w_max[:, None]).to(tl.float16)
-        v0, v1 = _load_halves(v_ptr, vs_ptr, rows, t_ok, 0, D, True, D, True)
+        v0, v1 = load_halves(v_ptr, vs_ptr, rows, t_ok, 0, D, True, D, True)
         c = (w_max * 16384.0)[:, None]
         acc0 = acc0 * alpha[:, None] + tl.dot(wh, v0) * c
         acc1 = acc1 * alpha[:, None] + tl.dot(wh, v1) * c

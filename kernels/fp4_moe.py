@@ -27,7 +27,7 @@ instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA). T
 (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
 the same code and differs only in the bytes it reads.
 
-Dot operands: for W4A4 on the GPU, fp16 from the inline-PTX decoding `_fp4_halves_f16` (exact; both operands
+Dot operands: for W4A4 on the GPU, fp16 from the inline-PTX decoding `fp4_halves_f16` (exact; both operands
 carry 2^-14, taken off the accumulator); otherwise bf16 on the GPU, and fp32 under ``TRITON_INTERPRET=1``, where
 bf16 ``tl.dot`` is wrong (bf16 is raw uint16 there) and PTX does not run, with ``input_precision="ieee"``.
 """
@@ -38,10 +38,6 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe (see kernels/README.md), not kernels.fp4_moe.")
 
-import functools  # noqa: E402
-import importlib  # noqa: E402
-import os  # noqa: E402
-import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -51,52 +47,23 @@ import triton.language as tl  # noqa: E402
 from trace_hf import fp4  # noqa: E402
 from trace_hf.fp4 import FP4Tensor  # noqa: E402
 from trace_hf.kernels import fp4_quant  # noqa: E402
+from trace_hf.kernels.common import (  # noqa: E402
+    DOT_BF16,
+    INTERPRETED,
+    check_device,
+    hardware_fp8,
+    load_fp4_rows,
+    load_halves,
+)
+from trace_hf.kernels.fp4_moe_configs import (  # noqa: E402
+    CONFIG,
+    HIDDEN_LAUNCH,
+    check_hopper_entry,
+    hopper_config,
+    launch_config,
+)
+from trace_hf.kernels.moe_align import moe_align  # noqa: E402
 from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: bf16 dot operands on the GPU; fp32 in the interpreter (its bf16 arithmetic is wrong).
-DOT_BF16 = not INTERPRETED
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Decoding, shared with the attention kernels
-# ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def e2m1_value(code):
-    """fp32 value of E2M1 codes (int32, 0..15): indices 2..7 are 2^((i >> 1) - 1) * (1 + (i & 1) / 2)."""
-    i = code & 7
-    mag = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
-    mag = tl.where(i >= 2, mag, tl.where(i == 1, 0x3F000000, 0))
-    return (mag | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e4m3_value(b):
-    """fp32 value of E4M3 bytes (int32, 0..255), exact; 0x7F / 0xFF are NaN."""
-    e = (b >> 3) & 15
-    m = b & 7
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9, exact
-    mag = tl.where(e == 0, sub, ((e + 120) << 23) | (m << 20))
-    mag = tl.where((b & 0x7F) == 0x7F, 0x7FF00000, mag)
-    return (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def load_fp4_rows(q_ptr, s_ptr, rows, row_mask, k0, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``E2M1(code) * s`` (fp32, exact) of columns ``k0 .. k0 + BLOCK_K`` of rows ``rows`` of a packed NVFP4
-    matrix with ``K`` columns (codes [*, K / 2], E4M3 scale bytes [*, K / 16]); masked rows read as 0."""
-    r = rows.to(tl.int64)[:, None]
-    kk = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
-    p = tl.load(q_ptr + r * (K // 2) + kk, mask=row_mask[:, None], other=0).to(tl.int32) & 0xFF
-    # Element 2i sits in the low nibble, 2i + 1 in the high one: join on a new last axis and flatten it in.
-    code = tl.reshape(tl.join(p & 15, p >> 4), [ROWS, BLOCK_K])
-    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
-    sb = tl.load(s_ptr + r * (K // 16) + ks, mask=row_mask[:, None], other=0).to(tl.int32) & 0xFF
-    s = tl.reshape(tl.broadcast_to(e4m3_value(sb)[:, :, None], [ROWS, BLOCK_K // 16, 16]), [ROWS, BLOCK_K])
-    return e2m1_value(code) * s
 
 
 @triton.jit
@@ -109,95 +76,9 @@ def _load_rows(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _e2m1_times_2_pow_m14(code):
-    """E2M1 codes (int32, 0..15) as fp16 bit patterns: magnitude bits under the fp16 exponent's low bits, so the
-    value is ``E2M1 * 2^-14`` exactly (code 1 lands on an fp16 subnormal, which conversions keep). Five integer
-    operations and one conversion instead of `e2m1_value`'s dozen; the 2^14 goes into the block scale."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _e4m3_hw(b):
-    """fp32 value of E4M3 bytes (uint8) by the hardware fp8 conversion; 0x7F / 0xFF are NaN (the interpreter
-    would give 480)."""
-    v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-def _f16_halves_ptx() -> str:
-    """The PTX text, one block per pair of code bytes (bytes 0-1: prmt selector 0x1404, outputs $0 and $2, scales
-    s01; bytes 2-3: 0x3424, $1 and $3, s23)."""
-    pair = (
-        "prmt.b32 t, $4, 0, {sel};\n"
-        "shl.b32 u, t, 1;\nand.b32 u, u, 0x0E000E00;\nshl.b32 v, t, 4;\nand.b32 v, v, 0x80008000;\n"
-        "or.b32 u, u, v;\nmul.rn.f16x2 {lo}, u, {s};\n"
-        "shr.b32 u, t, 3;\nand.b32 u, u, 0x0E000E00;\nand.b32 v, t, 0x80008000;\n"
-        "or.b32 u, u, v;\nmul.rn.f16x2 {hi}, u, {s};\n"
-    )
-    return (
-        "{\n.reg .b32 t, u, v, s01, s23;\n.reg .b16 sl, sh;\nmov.b32 {sl, sh}, $5;\n"
-        "cvt.rn.f16x2.e4m3x2 s01, sl;\ncvt.rn.f16x2.e4m3x2 s23, sh;\n"
-        + pair.format(sel="0x1404", lo="$0", hi="$2", s="s01")
-        + pair.format(sel="0x3424", lo="$1", hi="$3", s="s23")
-        + "}\n"
-    )
-
-
-#: Inline PTX for `_fp4_halves_f16`: 4 code bytes ($4) and their 4 E4M3 scale bytes ($5) to the fp16 pairs
-#: ``E2M1 * s * 2^-14`` of the low nibbles ($0: bytes 0-1, $1: bytes 2-3) and the high nibbles ($2, $3). prmt puts
-#: byte j in the high byte of a 16-bit lane; a nibble's sign then needs one shift to bit 15 and its 3 magnitude bits
-#: one shift to bits 9-11, under the fp16 exponent's low bits (value ``E2M1 * 2^-14``, code 1 an fp16 subnormal,
-#: which f16 arithmetic without .ftz keeps); one f16x2 multiply by the scale, converted by the hardware (0x7F is
-#: NaN), is exact: the product has at most 6 significant bits, all at or above 2^-24, fp16's smallest subnormal.
-#: About 2.5 instructions per element against the dozen of the fp32 decoding.
-_F16_HALVES_PTX = tl.constexpr(_f16_halves_ptx())
-
-
-@triton.jit
-def _fp4_halves_f16(p, sb):
-    """Packed code bytes and their (repeated) E4M3 scale bytes, both uint8, to the fp16 tiles
-    ``(E2M1(low nibble) * s * 2^-14, E2M1(high nibble) * s * 2^-14)``, exactly (GPU only: inline PTX)."""
-    return tl.inline_asm_elementwise(
-        _F16_HALVES_PTX, "=r,=r,=r,=r,r,r", [p, sb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def _load_halves(
-    ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr = False
-):
-    """Even and odd columns of ``k0 .. k0 + BLOCK_K`` as two [rows, BLOCK_K / 2] fp32 tiles. A dot product may
-    sum its terms in any order, so ``a_even @ w_even + a_odd @ w_odd`` is the whole product; for packed FP4 the
-    halves are just the low and high nibbles (no interleaving shuffle), each element's block scale is read
-    directly at ``column // 8`` (repeated addresses, served by the cache), and the decoding is the cheap one of
-    `_e2m1_times_2_pow_m14` and `_e4m3_hw` (exact, like `load_fp4_rows`). With ``PTX`` the tiles are fp16 and
-    carry a factor 2^-14 (`_fp4_halves_f16`), which the caller takes out of the accumulator."""
-    r = rows.to(tl.int64)[:, None]
-    j = tl.arange(0, BLOCK_K // 2)[None, :]
-    m = row_mask[:, None]
-    if FP4 and PTX:
-        # [rows, blocks, 8 bytes]: one scale byte per 16-element block, broadcast in registers.
-        blk = tl.arange(0, BLOCK_K // 16)[None, :, None]
-        r3, m3 = r[:, :, None], m[:, :, None]
-        p = tl.load(ptr + r3 * (K // 2) + (k0 // 2 + blk * 8 + tl.arange(0, 8)[None, None, :]), mask=m3, other=0)
-        sb = tl.load(q_s_ptr + r3 * (K // 16) + (k0 // 16 + blk), mask=m3, other=0)
-        lo, hi = _fp4_halves_f16(p.to(tl.uint8, bitcast=True), tl.broadcast_to(sb.to(tl.uint8, bitcast=True), p.shape))
-        return tl.reshape(lo, [lo.shape[0], BLOCK_K // 2]), tl.reshape(hi, [hi.shape[0], BLOCK_K // 2])
-    elif FP4:
-        p = tl.load(ptr + r * (K // 2) + (k0 // 2 + j), mask=m, other=0).to(tl.int32) & 0xFF
-        sb = tl.load(q_s_ptr + r * (K // 16) + (k0 // 16 + j // 8), mask=m, other=0)
-        s = _e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
-        return _e2m1_times_2_pow_m14(p & 15) * s, _e2m1_times_2_pow_m14(p >> 4) * s
-    else:
-        base = ptr + r * K + k0 + 2 * j
-        return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _dot_nt(a, b, acc, DOT_BF16: tl.constexpr, PTX: tl.constexpr = False):
     """acc + a @ b.T with fp32 accumulation (bf16 operands on the GPU, exact fp32 in the interpreter; with ``PTX``
-    the fp16 tiles of `_fp4_halves_f16` as they are)."""
+    the fp16 tiles of `fp4_halves_f16` as they are)."""
     if PTX:
         return tl.dot(a, tl.trans(b), acc)
     elif DOT_BF16:
@@ -264,9 +145,9 @@ def _gate_up_kernel(
     k_len = H // SPLIT_K
     for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
         if HALVES:
-            a0, a1 = _load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_K, PTX)
-            g0, g1 = _load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
-            u0, u1 = _load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
+            a0, a1 = load_halves(a_ptr, as_ptr, row, valid, k0, H, A_FP4, BLOCK_K, PTX)
+            g0, g1 = load_halves(w_ptr, ws_ptr, gate_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
+            u0, u1 = load_halves(w_ptr, ws_ptr, up_rows, n_ok, k0, H, W_FP4, BLOCK_K, PTX)
             acc_g = _dot_nt(a1, g1, _dot_nt(a0, g0, acc_g, DOT_BF16, PTX), DOT_BF16, PTX)
             acc_u = _dot_nt(a1, u1, _dot_nt(a0, u0, acc_u, DOT_BF16, PTX), DOT_BF16, PTX)
         else:
@@ -416,8 +297,8 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, NI, BLOCK_K):
         if HALVES:
-            a0, a1 = _load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_K, PTX)
-            w0, w1 = _load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_K, PTX)
+            a0, a1 = load_halves(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_K, PTX)
+            w0, w1 = load_halves(w_ptr, ws_ptr, w_rows, n_ok, k0, NI, W_FP4, BLOCK_K, PTX)
             acc = _dot_nt(a1, w1, _dot_nt(a0, w0, acc, DOT_BF16, PTX), DOT_BF16, PTX)
         else:
             a = _load_rows(a_ptr, as_ptr, offs_p, valid, k0, NI, A_FP4, BLOCK_M, BLOCK_K)
@@ -435,221 +316,9 @@ def _down_kernel(
     tl.store(out, acc, mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _align_kernel(
-    ids_ptr,  # [N] int32 expert id of each slot
-    sorted_ptr,  # out [P] int32
-    expert_ptr,  # out [P / BLOCK_M] int32
-    N,
-    E,
-    num_blocks,
-    BLOCK_M: tl.constexpr,
-    N_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program ``e < E`` places expert e's slots (in slot order) and its padding; program ``E`` marks the row
-    blocks past the last segment with expert -1 and fills their rows with the sentinel N. Every program recounts
-    all experts (one histogram of N ids: N is a decode batch, a few thousand slots at most)."""
-    wait_for_producer(PDL)
-    e = tl.program_id(0)
-    offs = tl.arange(0, N_PAD)
-    ids = tl.load(ids_ptr + offs, mask=offs < N, other=E)  # padding lands in bin E (E_PAD > E), dropped below
-    ex = tl.arange(0, E_PAD)
-    counts = tl.where(ex < E, tl.histogram(ids, E_PAD), 0)  # [E_PAD]
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    if e < E:
-        end = tl.sum(tl.where(ex == e, ends, 0), axis=0)
-        pad_e = tl.sum(tl.where(ex == e, padded, 0), axis=0)
-        cnt = tl.sum(tl.where(ex == e, counts, 0), axis=0)
-        start = end - pad_e
-        mine = ids == e
-        rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-        tl.store(sorted_ptr + start + rank, offs, mask=mine)
-        j = tl.arange(0, BLOCK_M)
-        # Padding rows of the segment (cnt .. pad_e) get the sentinel N; row blocks of the segment get e.
-        for p0 in range(0, pad_e, BLOCK_M):
-            pos = p0 + j
-            tl.store(sorted_ptr + start + pos, tl.full([BLOCK_M], 0, tl.int32) + N, mask=pos >= cnt)
-            tl.store(expert_ptr + (start + p0) // BLOCK_M, e)
-    else:
-        for b0 in range(total // BLOCK_M, num_blocks, BLOCK_M):
-            b = b0 + tl.arange(0, BLOCK_M)
-            tl.store(expert_ptr + b, tl.full([BLOCK_M], -1, tl.int32), mask=b < num_blocks)
-        # Their rows hold the sentinel too: every entry is defined (`QuantizedHidden.positions` scatters them all).
-        j = tl.arange(0, BLOCK_M)
-        for r0 in range(total, num_blocks * BLOCK_M, BLOCK_M):
-            tl.store(sorted_ptr + r0 + j, tl.full([BLOCK_M], 0, tl.int32) + N)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
-
-#: Launch configs. ``by_slots``: for packed FP4 weights, by the number of (token, slot) pairs they serve up to (the
-#: last entry serves the rest); ``dense``: for dense weights (the BF16 baseline), which reach 81-91% of the copy
-#: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
-#: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`_load_halves`) instead of
-#: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `_fp4_halves_f16` into fp16 operands (W4A4 on
-#: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
-#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`; ``block_m``
-#: (optional, default ``CONFIG["block_m"]``): token rows per expert block, which a prefill of thousands of tokens
-#: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
-#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
-#: against 89, 510 and 762 us for the fp32 decoding.
-_DENSE = {
-    "block_n_gate_up": 32,
-    "block_n_down": 64,
-    "block_k": 128,
-    "num_warps": 4,
-    "num_stages": 3,
-    "halves": False,
-    "ptx": False,
-    "split_k": 1,
-}
-_FP4 = {
-    "block_n_gate_up": 128,
-    "block_n_down": 256,
-    "block_k": 64,
-    "num_warps": 4,
-    "num_stages": 2,
-    "halves": True,
-    "ptx": True,
-    "split_k": 1,
-}
-#: From 16,384 (token, slot) pairs on (prefill chunks of 2,048 tokens or more), 128-row expert blocks: each block
-#: re-reads its expert's weights, and 16-row ones took 10.8 ms for 8,192 tokens against 5.1 ms (`h200_21`).
-_PREFILL = dict(_FP4, block_m=128, block_n_gate_up=64, block_n_down=128, block_k=64, num_stages=3)
-CONFIG = {
-    "block_m": 16,
-    "dense": _DENSE,
-    "by_slots": [
-        (8, dict(_FP4, block_n_gate_up=64, block_n_down=128, num_stages=3, split_k=4)),
-        (16383, _FP4),
-        (1 << 62, _PREFILL),
-    ],
-}
-#: W4A4 on sm_90+: the Gluon kernels of `fp4_moe_hopper` (weights as the MMA's A operand, codes decoded in the
-#: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
-#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``block_k``: a multiple of 128
-#: (16 code words, one MMA's K); ``split_k``: gate/up programs
-#: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
-#: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
-#: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
-#: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower). From
-#: `benchmarks/fp4_moe_tune.py --hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
-_WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
-HOPPER = [
-    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
-    (256, _WIDE),
-    (1024, dict(_WIDE, block_n_down=128, stages=2)),
-]
-#: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
-#: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
-
-
-@functools.cache
-def gluon_module(name: str):
-    """The Gluon kernel module ``trace_hf.kernels.<name>``, or None, with one warning, where this Triton lacks the
-    Gluon pieces it uses (measured with Triton 3.6; older ones fall back to the Triton kernels)."""
-    try:
-        return importlib.import_module(f"trace_hf.kernels.{name}")
-    except (ImportError, AttributeError) as e:
-        warnings.warn(f"Triton {triton.__version__} lacks Gluon's MMA layouts ({e}); the Triton kernels run instead of "
-                      f"{name}. Triton >= 3.6 gives the faster Hopper kernels.", stacklevel=3)  # fmt: skip
-        return None
-
-
-def hopper_config(num_slots: int, device: torch.device) -> dict | None:
-    """The `HOPPER` entry for a W4A4 call on an sm_90+ GPU, or None (interpreter, older GPUs, empty table)."""
-    if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
-        return None
-    cfg = next((cfg for limit, cfg in HOPPER if num_slots <= limit), None)
-    return cfg if cfg is not None and gluon_module("fp4_moe_hopper") is not None else None
-
-
-def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
-    if not fp4_weights:
-        return CONFIG["dense"]
-    for limit, cfg in CONFIG["by_slots"]:
-        if num_slots <= limit:
-            return cfg
-    return CONFIG["by_slots"][-1][1]
-
-
-#: Largest number of (token, slot) pairs the one-launch alignment kernel handles; above it, torch ops.
-ALIGN_KERNEL_MAX = 4096
-
-
-def max_padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted, padded layout: every expert that is hit pads at most block_m - 1 rows; a static bound
-    (no host sync), so that a CUDA graph can capture the layout."""
-    rows = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    return triton.cdiv(rows, block_m) * block_m
-
-
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None, backend: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots (token * top_k + k) sorted by expert and padded per expert to ``block_m`` rows.
-
-    Returns ``sorted_ids`` [P] int32 (padding holds ``num_slots``) and ``expert_ids`` [P / block_m] int32 (the
-    expert of each row block, -1 for blocks past the last segment). Static shapes, no host sync.
-    ``backend``: ``"triton"`` (one launch; up to `ALIGN_KERNEL_MAX` slots), ``"torch"``, or ``"auto"``, which
-    for one token launches nothing: its top-k experts are distinct, so slot k gets row block k as it is
-    (`_one_token_rows`; repeated ids would only repeat a block's weight reads).
-    """
-    block_m = block_m or CONFIG["block_m"]
-    flat = topk_ids.reshape(-1)
-    n = flat.numel()
-    P = max_padded_rows(n, num_experts, block_m)
-    dev = flat.device
-    if backend == "auto" and topk_ids.shape[0] == 1 and n * block_m == P:
-        return _one_token_rows(n, block_m, dev), flat.to(torch.int32)
-    use_kernel = backend == "triton" or (backend == "auto" and n <= ALIGN_KERNEL_MAX and (dev.type == "cuda"))
-    if use_kernel:
-        sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
-        expert_ids = torch.empty(P // block_m, dtype=torch.int32, device=dev)
-        _align_kernel[(num_experts + 1,)](
-            flat.to(torch.int32), sorted_ids, expert_ids, n, num_experts, P // block_m,
-            BLOCK_M=block_m, N_PAD=triton.next_power_of_2(max(n, 16)),
-            E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4, **launch_options(dev),
-        )  # fmt: skip
-        return sorted_ids, expert_ids
-    flat = flat.to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
-    dest = (ends - padded)[sorted_e] + rank
-    sorted_ids = torch.full((P,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    blocks = torch.arange(0, P, block_m, device=dev)
-    expert_ids = torch.searchsorted(ends, blocks, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids
-
-
-_ONE_TOKEN_ROWS: dict = {}
-
-
-def _one_token_rows(n: int, block_m: int, device: torch.device) -> torch.Tensor:
-    """`moe_align`'s ``sorted_ids`` for one token: slot k at row ``k * block_m``, the rest padding. Kept per shape and
-    device, made outside graph capture (the decode step's eager warm-up), so that a captured step launches nothing
-    for it; under capture with nothing kept yet, built in the graph instead."""
-    key = (n, block_m, device)
-    rows = _ONE_TOKEN_ROWS.get(key)
-    if rows is None:
-        rows = torch.full((n, block_m), n, dtype=torch.int32, device=device)
-        rows[:, 0] = torch.arange(n, dtype=torch.int32, device=device)
-        rows = rows.reshape(-1)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _ONE_TOKEN_ROWS[key] = rows
-    return rows
 
 
 def _pick(n: int, preferred: int) -> int:
@@ -662,15 +331,8 @@ def _pick(n: int, preferred: int) -> int:
     return b
 
 
-def hardware_fp8(device: torch.device) -> bool:
-    """Whether the GPU converts E4M3 in hardware (sm_89 and up: Ada, Hopper, Blackwell), which the halves and PTX
-    decodings use; older GPUs (A100) run the interleaved tiles with integer decoding. True in the interpreter,
-    which emulates the conversion."""
-    return INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _ptx(cfg: dict, a_fp4: bool, w_fp4: bool) -> bool:
-    """Whether a GEMM decodes with `_fp4_halves_f16`: both operands packed FP4 (fp16 cannot hold bf16 activations
+    """Whether a GEMM decodes with `fp4_halves_f16`: both operands packed FP4 (fp16 cannot hold bf16 activations
     exactly), halves layout, on the GPU (the interpreter runs no PTX)."""
     return bool(cfg.get("ptx")) and cfg["halves"] and a_fp4 and w_fp4 and not INTERPRETED
 
@@ -730,7 +392,7 @@ def experts_from_quantized(
     hidden_fp4 = w_fp4 if hidden_fp4 is None else hidden_fp4
     if return_hidden and not hidden_fp4:
         raise ValueError("return_hidden needs the FP4 hidden activation (hidden_fp4=True): a dense one has no hints.")
-    fp4_quant.check_device(x_arg)
+    check_device(x_arg)
     E, two_i, H = w_gate_up.shape
     NI = two_i // 2
     M, K = topk_ids.shape
@@ -790,13 +452,6 @@ def _gate_up_out(split: int, P: int, NI: int, device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-#: Batch 1's fused split-K sum, SiLU and hidden quantization (`_silu_mul_kernel` with QUANT): whole rows per program
-#: and values per thread (the warps follow). The kernel is one dependent chain per thread, so fewer values per thread
-#: is a shorter chain: one row and 4 values (8 warps, 32 registers, 712 sm_90 instructions against 1,824 for 4 rows
-#: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/benchmarks.md 2h).
-HIDDEN_LAUNCH = {"rows": 1, "values_per_thread": 4}
-
-
 def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a_fp4, w_fp4, hidden_fp4,
             return_hidden):  # fmt: skip
     """The down projection's input from the gate/up output ``part`` (`_gate_up_out`): the hidden activation,
@@ -839,14 +494,6 @@ def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
         return fp4_quant.quantize(h, "nvfp4", "row"), None
     hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
     return hq, QuantizedHidden(hq, hints, sorted_ids, num_slots)
-
-
-def check_hopper_entry(cfg: dict) -> int:
-    """The weight ring depth of a `HOPPER` entry (0: none), or a ValueError naming the fix."""
-    stages = cfg.get("stages", 0)
-    if stages and (stages < 2 or not cfg.get("x_shared")):
-        raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")
-    return stages
 
 
 def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,

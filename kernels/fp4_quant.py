@@ -34,14 +34,23 @@ if __name__.split(".")[0] == "kernels":
         "which transformers probes for: run from an install (pip install -e .), and `pytest`, not `python -m pytest`."
     )
 
-import os  # noqa: E402
-
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf import fp4  # noqa: E402
 from trace_hf.fp4 import FP4Hints, FP4Tensor, check_hints, check_input, check_scale, get_format  # noqa: E402
+from trace_hf.kernels.common import (  # noqa: E402
+    INTERPRETED,
+    bits_of,
+    check_device,
+    e2m1_decode,
+    e2m1_nearest,
+    e4m3_decode,
+    float_of,
+    is_finite,
+    nvfp4_block_scale,
+)
 
 
 # Input and output element kinds (constexpr switches).
@@ -51,8 +60,6 @@ _MODE_ROW = 0  # nearest, NVFP4 global scale taken over each row in the kernel (
 _MODE_GIVEN_G = 1  # nearest, NVFP4 global scale given per group of rows (expert / tensor)
 _MODE_GUIDED = 2  # guided by hints: block scales, global scale and mantissa bits given
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Scalar formats, as bit logic
@@ -60,50 +67,20 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _bits(v):
-    return v.to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _float(b):
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _is_finite(v):
-    # Exponent all ones means Inf or NaN; comparisons against Inf would need NaN care on two backends.
-    return (_bits(v) & 0x7F800000) != 0x7F800000
-
-
-@triton.jit
 def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr):
     if IN_KIND == 1:
         # bf16 arrives as int16 bits: widening by a shift is exact, a float cast is not under the interpreter.
         b = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        return _float(b << 16)
+        return float_of(b << 16)
     else:
         return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
 
 
 @triton.jit
-def _e2m1_nearest(a):
-    """Round-to-nearest-even index 0..7 of 0 <= a <= 6 on 0, .5, 1, 1.5, 2, 3, 4, 6, from the fp32 bits.
-
-    Below 1 the grid steps by 0.5: adding 2^22 (whose ulp is 0.5) rounds 2a to an integer, ties to even, in the
-    low bits. From 1 up the grid keeps one mantissa bit: round the bits at bit 22 (ties to even, a carry bumps the
-    exponent), then ``exponent * 2 + mantissa bit`` is the index (1.0 is 127 << 1, index 2). ~9 instructions where
-    a chain of 7 comparisons takes 14."""
-    u = _bits(a)
-    small = _bits(a + 4194304.0) - 0x4A800000
-    big = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
-    return tl.where(a < 1.0, small, big)
-
-
-@triton.jit
 def _e2m1_guided(a, bit):
     """Of the two grid neighbours of 0 <= a <= 6, the one whose mantissa bit (index & 1) is ``bit``; a value on the
-    grid stays. Floor index and "on the grid" come from the bits as in `_e2m1_nearest`."""
-    u = _bits(a)
+    grid stays. Floor index and "on the grid" come from the bits as in `e2m1_nearest`."""
+    u = bits_of(a)
     small = a < 1.0
     lo = tl.where(small, (a >= 0.5).to(tl.int32), (u >> 22) - 252)
     on_grid = tl.where(small, (a == 0.0) | (a == 0.5), (u & 0x3FFFFF) == 0)
@@ -111,59 +88,10 @@ def _e2m1_guided(a, bit):
 
 
 @triton.jit
-def _e2m1_decode(code):
-    # Index 2..7 is 2^((i >> 1) - 1) * (1 + (i & 1) / 2): build the fp32 bits; 0 and 0.5 by hand; sign in bit 3.
-    i = code & 7
-    mag = (((i >> 1) + 126) << 23) | ((i & 1) << 22)
-    mag = tl.where(i >= 2, mag, tl.where(i == 1, 0x3F000000, 0))
-    return _float(mag | ((code & 8) << 28))
-
-
-@triton.jit
-def _e4m3_encode(v):
-    """RNE E4M3 byte of 0 <= v <= 448 (not NaN)."""
-    u = _bits(v) & 0x7FFFFFFF
-    # Normal: add half an E4M3 ulp minus one, plus the kept lsb (ties to even); a mantissa carry bumps the
-    # exponent by itself. Rebias 127 -> 7.
-    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - (120 << 3)
-    # Subnormal (v < 2^-6): code = v / 2^-9 rounded to an even integer; v * 512 is exact, so is its fraction.
-    t = v * 512.0
-    ti = t.to(tl.int32)
-    frac = t - ti.to(tl.float32)
-    sub = ti + ((frac > 0.5) | ((frac == 0.5) & ((ti & 1) == 1))).to(tl.int32)
-    return tl.where(u < 0x3C800000, sub, normal)
-
-
-@triton.jit
-def _e4m3_decode(b):
-    # fp32 of an E4M3 byte (exact); 0x7F / 0xFF are NaN.
-    e = (b >> 3) & 15
-    m = b & 7
-    sub = _bits(m.to(tl.float32) * 0.001953125)  # m * 2^-9, exact
-    mag = tl.where(e == 0, sub, ((e + 120) << 23) | (m << 20))
-    mag = tl.where((b & 0x7F) == 0x7F, 0x7FF00000, mag)
-    return _float(mag | ((b & 0x80) << 24))
-
-
-@triton.jit
 def _e8m0_decode(b):
     # 2^(b - 127) exactly (b = 0 is the subnormal 2^-127); 0xFF is NaN.
     v = tl.where(b == 0, 0x00400000, b << 23)
-    return _float(tl.where(b == 255, 0x7FC00000, v))
-
-
-@triton.jit
-def _nvfp4_block_scale(amax_b, g):
-    """NVFP4 block scale of the spec: byte = E4M3((amax_b / 6) / g), 0 for an all-zero group (g == 0), NaN byte
-    0x7F for a poisoned one; returns (byte, decoded s, the fp32 product s * g, whether s * g can divide)."""
-    v = tl.div_rn(tl.div_rn(amax_b, 6.0), g)
-    sbyte = _e4m3_encode(tl.where(v != v, 0.0, tl.minimum(v, 448.0)))
-    sbyte = tl.where(v != v, 0x7F, sbyte)
-    sbyte = tl.where(g == 0, 0, sbyte)
-    sbyte = tl.where(g != g, 0x7F, sbyte)
-    s = _e4m3_decode(sbyte)
-    sg = s * g
-    return sbyte, s, sg, _is_finite(sg) & (sg > 0)
+    return float_of(tl.where(b == 255, 0x7FC00000, v))
 
 
 @triton.jit
@@ -171,7 +99,7 @@ def _store_out(ptr, offs, v, mask, OUT_KIND: tl.constexpr):
     if OUT_KIND == 1:
         # fp32 -> bf16 round to nearest even on the bits (the interpreter's cast truncates); NaN stays a quiet NaN
         # (its payload is not part of the contract: torch's own NaN bits differ by device and vector width).
-        u = _bits(v)
+        u = bits_of(v)
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
         r = tl.where(v != v, 0x7FC0 | ((u >> 16) & 0x8000), r)
         tl.store(ptr + offs, r.to(tl.int16), mask=mask)
@@ -184,7 +112,7 @@ def _nvfp4_row_global(amax_i):
     """NVFP4 row scale g = amax / (6 * 448) from the blocks' |x| maxima as bits [rows, blocks]; NaN for a row
     holding a non-finite value (Inf / NaN bits order above every finite value)."""
     amax_r = tl.max(amax_i, axis=1)
-    return tl.div_rn(tl.where(amax_r < 0x7F800000, _float(amax_r), float("nan")), 2688.0)
+    return tl.div_rn(tl.where(amax_r < 0x7F800000, float_of(amax_r), float("nan")), 2688.0)
 
 
 @triton.jit
@@ -201,7 +129,7 @@ def _scaled_magnitude(x, sg, ok):
     saturated either way). Blocks that are not ok (zero, flushed, non-finite scale) divide by 1: their values can
     be anything here, NaN included, since the caller masks their index off."""
     d = tl.where(ok, sg, 1.0)
-    p = _float(tl.minimum(tl.maximum(254 - ((_bits(d) >> 23) & 0xFF), 1), 253) << 23)
+    p = float_of(tl.minimum(tl.maximum(254 - ((bits_of(d) >> 23) & 0xFF), 1), 253) << 23)
     m = d * p
     r = tl.div_rn(1.0, m)
     m3, r3 = m[:, :, None], r[:, :, None]
@@ -241,13 +169,13 @@ def quantize_rows_nvfp4(x, row64, row_ok, blks, K, q_ptr, sb_ptr, g_ptr, hb_ptr,
     BS: tl.constexpr = 16
     bmask = row_ok[:, None] & (blks < K // BS)[None, :]
     mask = bmask[:, :, None]
-    xb = _bits(x)
+    xb = bits_of(x)
     amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)
     g = _nvfp4_row_global(amax_i)
     tl.store(g_ptr + row64, g, mask=row_ok)
-    sbyte, _, sg, ok = _nvfp4_block_scale(_float(amax_i), g[:, None])
+    sbyte, _, sg, ok = nvfp4_block_scale(float_of(amax_i), g[:, None])
     a, _ = _scaled_magnitude(x, sg, ok)
-    code = tl.where(ok[:, :, None], _e2m1_nearest(a), 0) | ((xb >> 28) & 8)
+    code = tl.where(ok[:, :, None], e2m1_nearest(a), 0) | ((xb >> 28) & 8)
     _store_codes(q_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
     tl.store(sb_ptr + (row64 * (K // BS))[:, None] + blks[None, :], sbyte.to(tl.uint8), mask=bmask)
     if WRITE_BITS:
@@ -271,7 +199,7 @@ def _row_amax_kernel(x_ptr, amax_ptr, M, K, IN_KIND: tl.constexpr, ROWS: tl.cons
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = _load_f32(x_ptr, base + cols[None, :], mask, IN_KIND)
-        fin = _is_finite(x)
+        fin = is_finite(x)
         # Max over finite values only: NaN handling of max differs between backends, the flag decides.
         amax = tl.maximum(amax, tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1))
         bad = tl.maximum(bad, tl.max((~fin).to(tl.int32), axis=1))
@@ -315,11 +243,11 @@ def _fp4_kernel(
     e = tl.arange(0, BS)[None, None, :]
     base = (row64 * K)[:, None, None]
     x = _load_f32(x_ptr + base, blks[None, :, None] * BS + e, mask, IN_KIND)
-    xb = _bits(x)
+    xb = bits_of(x)
     # One integer max over |x|'s bits: non-negative floats order as their bits, and Inf / NaN above every finite
     # value, so it gives the block amax and, as a non-finite result, a poisoned block (NaN-proof on both backends).
     amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)  # [BLOCK_M, NBT]
-    amax_b = _float(amax_i)
+    amax_b = float_of(amax_i)
     bad_b = amax_i >= 0x7F800000
 
     # ---- per block: s (fp32 decoded block scale), g, and the byte written for s --------------------------------
@@ -328,11 +256,11 @@ def _fp4_kernel(
         g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
         # A non-finite training value poisons its block: NaN scale byte, so it dequantizes to NaN.
         if NVFP4:
-            s = _e4m3_decode(tl.where(bad_b, 0x7F, sbyte))
+            s = e4m3_decode(tl.where(bad_b, 0x7F, sbyte))
         else:
             s = _e8m0_decode(tl.where(bad_b, 0xFF, sbyte))
         sg = s * g
-        ok = _is_finite(sg) & (sg > 0)
+        ok = is_finite(sg) & (sg > 0)
     elif NVFP4:
         if MODE == 0:
             g = _nvfp4_row_global(amax_i)
@@ -341,10 +269,10 @@ def _fp4_kernel(
             g = g[:, None]
         else:
             g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
-        sbyte, s, sg, ok = _nvfp4_block_scale(amax_b, g)
+        sbyte, s, sg, ok = nvfp4_block_scale(amax_b, g)
     else:
         # MXFP4: E8M0 = floor(log2 amax) - 2 from the exponent bits, clamped to [-127, 127]; bad blocks 0xFF.
-        ex = ((_bits(amax_b) >> 23) & 0xFF) - 129
+        ex = ((bits_of(amax_b) >> 23) & 0xFF) - 129
         ex = tl.minimum(tl.maximum(ex, -127), 127)
         ex = tl.where(amax_b == 0, -127, ex)
         sbyte = tl.where(bad_b, 255, ex + 127)
@@ -361,11 +289,11 @@ def _fp4_kernel(
         hbytes = tl.load(hb_ptr + hb_offs, mask=mask, other=0).to(tl.int32)
         bits = (hbytes[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
         # IEEE |x| / d is 0 exactly when |x| <= RD(d * 2^-150): floor(d / 2) subnormal ulps, or d * 2^-150 itself.
-        tz = tl.where(d >= 16777216.0, (d * 2.0**-75) * 2.0**-75, _float((d * 0.5).to(tl.int32)))
+        tz = tl.where(d >= 16777216.0, (d * 2.0**-75) * 2.0**-75, float_of((d * 0.5).to(tl.int32)))
         a = tl.where(tl.abs(x) <= tz[:, :, None], 0.0, tl.maximum(a, 1e-30))
         idx = _e2m1_guided(a, tl.reshape(bits, [BLOCK_M, NBT, BS]))
     else:
-        idx = _e2m1_nearest(a)
+        idx = e2m1_nearest(a)
     idx = tl.where(ok[:, :, None], idx, 0)
     code = idx | ((xb >> 28) & 8)  # sign bit: -0, and anything rounding to zero, keep it
 
@@ -379,7 +307,7 @@ def _fp4_kernel(
     if WRITE_OUT:
         # value = (E2M1(code) * s) * g, in this order, as the reference (s and g of a hint may be negative).
         # A block's values are NaN exactly when 0 * s * g is: that is decided per block, not per element.
-        u = _bits((_e2m1_decode(code) * s[:, :, None]) * g[:, :, None])
+        u = bits_of((e2m1_decode(code) * s[:, :, None]) * g[:, :, None])
         zero = (0.0 * s) * g
         nan_b = (zero != zero)[:, :, None]
         offs = base + blks[None, :, None] * BS + e
@@ -388,7 +316,7 @@ def _fp4_kernel(
             r = tl.where(nan_b, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
             tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
         else:
-            tl.store(out_ptr + offs, _float(tl.where(nan_b, 0x7FC00000, u)), mask=mask)
+            tl.store(out_ptr + offs, float_of(tl.where(nan_b, 0x7FC00000, u)), mask=mask)
 
 
 @triton.jit
@@ -418,11 +346,11 @@ def _dequant_kernel(
     code = tl.reshape(tl.join(p & 15, p >> 4), [ROWS, NBT, BS])
     sbyte = tl.load(sb_ptr + r3 * NB + b3, mask=bmask, other=0).to(tl.int32) & 0xFF
     if NVFP4:
-        s = _e4m3_decode(sbyte)
+        s = e4m3_decode(sbyte)
     else:
         s = _e8m0_decode(sbyte)
     g = tl.load(g_ptr + r3 // rows_per_g, mask=bmask, other=1.0)
-    val = (_e2m1_decode(code) * s) * g
+    val = (e2m1_decode(code) * s) * g
     e3 = tl.arange(0, BS)[None, None, :]
     _store_out(out_ptr, r3 * K + b3 * BS + e3, val, bmask & (e3 < BS), OUT_KIND)
 
@@ -452,16 +380,6 @@ CONFIG = {
     "small_call": 1 << 21,
     "small_values_per_thread": 16,
 }
-
-
-def check_device(x: torch.Tensor) -> None:
-    """Every kernel of trace_hf.kernels takes CUDA tensors, or CPU ones under the interpreter."""
-    if x.is_cuda or INTERPRETED:
-        return
-    raise RuntimeError(
-        f"trace_hf.kernels runs Triton kernels and got a tensor on {x.device}: pass a CUDA tensor, or set "
-        "TRITON_INTERPRET=1 before triton is first imported to run the kernels on CPU (slow, for tests)."
-    )
 
 
 def _as_input(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -24,7 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
-from trace_hf.kernels.fp4_quant import INTERPRETED  # noqa: E402
+from trace_hf.kernels.common import INTERPRETED  # noqa: E402
 
 
 #: Switch for measurements (`benchmarks/rollout_decode.py --no-pdl`); the kernels are correct either way.

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trace_hf.kernels.fp4_quant import check_device  # noqa: E402
+from trace_hf.kernels.common import check_device  # noqa: E402
 
 
 @triton.jit

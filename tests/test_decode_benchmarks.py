@@ -107,15 +107,15 @@ def test_hopper_ab_patches_name_what_they_change():
     with pytest.raises(SystemExit, match="do not have"):
         hopper_ab.merged(base, {"hopper": {"target_program": 1584}})
     with pytest.raises(SystemExit, match="no settings dict"):
-        hopper_ab.settings_dicts({"v": {"fp4_moe.NOT_A_SETTING": {}}})
-    (mod, attr, saved) = hopper_ab.settings_dicts({"v": {"fp4_moe.HIDDEN_LAUNCH": {"rows": 2}}})[
-        "fp4_moe.HIDDEN_LAUNCH"
+        hopper_ab.settings_dicts({"v": {"fp4_moe_configs.NOT_A_SETTING": {}}})
+    (mod, attr, saved) = hopper_ab.settings_dicts({"v": {"fp4_moe_configs.HIDDEN_LAUNCH": {"rows": 2}}})[
+        "fp4_moe_configs.HIDDEN_LAUNCH"
     ]
     assert saved == mod.HIDDEN_LAUNCH and saved is not mod.HIDDEN_LAUNCH
-    dicts = hopper_ab.settings_dicts({"v": {"fp4_moe.HIDDEN_LAUNCH": {"rows": 2}}})
+    dicts = hopper_ab.settings_dicts({"v": {"fp4_moe_configs.HIDDEN_LAUNCH": {"rows": 2}}})
     launch = mod.HIDDEN_LAUNCH
     try:
-        hopper_ab.apply(dicts, {"fp4_moe.HIDDEN_LAUNCH": {"rows": 2}})
+        hopper_ab.apply(dicts, {"fp4_moe_configs.HIDDEN_LAUNCH": {"rows": 2}})
         assert launch == {**saved, "rows": 2}  # in place: the kernels read the module's dict
     finally:
         hopper_ab.apply(dicts, {})

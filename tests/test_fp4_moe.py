@@ -18,6 +18,9 @@ from trace_hf.experts import TraceFP4Experts
 
 
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+common = pytest.importorskip("trace_hf.kernels.common")
+configs = pytest.importorskip("trace_hf.kernels.fp4_moe_configs")
+moe_align = pytest.importorskip("trace_hf.kernels.moe_align")
 
 
 def _experts(E, H, NI, seed=0, device="cpu", kernel="torch"):
@@ -43,7 +46,7 @@ def _rel(a, b):
 def test_align_layout(backend, M, E, K):
     ids, _ = _routing(M, E, K)
     bm = 16
-    sorted_ids, expert_ids = moe.moe_align(ids, E, bm, backend=backend)
+    sorted_ids, expert_ids = moe_align.moe_align(ids, E, bm, backend=backend)
     n = M * K
     flat = ids.reshape(-1)
     seen = []
@@ -67,14 +70,14 @@ def test_align_one_token_launches_nothing_and_keeps_the_layout(bm):
     order of the blocks, with the caller's ids as the blocks' experts; made once per shape and reused."""
     E, K = 16, 4
     ids, _ = _routing(1, E, K, seed=9)
-    sorted_ids, expert_ids = moe.moe_align(ids, E, bm)
-    s_ref, e_ref = moe.moe_align(ids, E, bm, backend="torch")
+    sorted_ids, expert_ids = moe_align.moe_align(ids, E, bm)
+    s_ref, e_ref = moe_align.moe_align(ids, E, bm, backend="torch")
     assert sorted_ids.shape == s_ref.shape and expert_ids.shape == e_ref.shape
     assert torch.equal(expert_ids, ids.reshape(-1).to(torch.int32))
     blocks = sorted_ids.view(K, bm)
     assert torch.equal(blocks[:, 0], torch.arange(K, dtype=torch.int32)) and (blocks[:, 1:] == K).all()
     assert sorted(expert_ids.tolist()) == e_ref.tolist()  # the same blocks, which the sort orders by expert
-    assert moe.moe_align(ids, E, bm)[0] is sorted_ids  # kept, no new tensor (no launch in a captured step)
+    assert moe_align.moe_align(ids, E, bm)[0] is sorted_ids  # kept, no new tensor (no launch in a captured step)
     # Every slot is computed on its own, so the order of the blocks changes no bit of the output.
     mod = _experts(E, 64, 32)
     xq = fp4.quantize(torch.randn(1, 64), "nvfp4", "row", backend="torch")
@@ -86,8 +89,8 @@ def test_align_one_token_launches_nothing_and_keeps_the_layout(bm):
 
 def test_align_backends_agree():
     ids, _ = _routing(29, 8, 2, seed=5)
-    s1, e1 = moe.moe_align(ids, 8, 16, backend="torch")
-    s2, e2 = moe.moe_align(ids, 8, 16, backend="triton")
+    s1, e1 = moe_align.moe_align(ids, 8, 16, backend="torch")
+    s2, e2 = moe_align.moe_align(ids, 8, 16, backend="triton")
     assert torch.equal(e1, e2)
     valid = (e1 >= 0).repeat_interleave(16)
     assert torch.equal(s1[valid], s2[valid])
@@ -109,15 +112,15 @@ def _use_layout(monkeypatch, name):
     """The Triton kernels in one layout, for every size: also off the Gluon kernels, which would otherwise take
     decode sizes on an sm_90+ GPU."""
     halves, ptx, split_k, block_m = LAYOUTS[name]
-    cfg = dict(moe.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, split_k=split_k, block_k=64, block_m=block_m)
-    monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
-    monkeypatch.setitem(moe.CONFIG, "dense", cfg)
-    monkeypatch.setattr(moe, "HOPPER", [])
+    cfg = dict(configs.CONFIG["by_slots"][0][1], halves=halves, ptx=ptx, split_k=split_k, block_k=64, block_m=block_m)
+    monkeypatch.setitem(configs.CONFIG, "by_slots", [(1 << 62, cfg)])
+    monkeypatch.setitem(configs.CONFIG, "dense", cfg)
+    monkeypatch.setattr(configs, "HOPPER", [])
 
 
 @pytest.fixture(params=["interleaved", "halves", "halves-split-k"])
 def operand_layout(request, monkeypatch):
-    """Run a test under each operand layout of the GEMM kernels (`fp4_moe.CONFIG`) that the interpreter runs."""
+    """Run a test under each operand layout of the GEMM kernels (`fp4_moe_configs.CONFIG`) that the interpreter runs."""
     _use_layout(monkeypatch, request.param)
     return request.param
 
@@ -129,12 +132,12 @@ def test_gpus_without_hardware_fp8_get_integer_decoding(monkeypatch):
     def fake_capability(device=None):
         return seen["cap"]
 
-    monkeypatch.setattr(moe, "INTERPRETED", False)
+    monkeypatch.setattr(common, "INTERPRETED", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", fake_capability)
     for cap, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
         seen["cap"] = cap
-        assert moe.hardware_fp8(torch.device("cuda")) is expected
-    assert moe.hardware_fp8(torch.device("cpu"))
+        assert common.hardware_fp8(torch.device("cuda")) is expected
+    assert common.hardware_fp8(torch.device("cpu"))
 
 
 def test_without_hardware_fp8_the_experts_run_interleaved_tiles(monkeypatch):
@@ -178,8 +181,8 @@ def test_fp4_experts_match_module_eval_path(M, E, H, NI, K, operand_layout):
 def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
     """A launch config's ``block_m`` (prefill: fewer re-reads of each expert's weights) changes the padded layout, not
     the result; the hidden activation's hints follow the layout."""
-    cfg = dict(moe.CONFIG["by_slots"][-1][1], halves=True, ptx=False, block_k=64, block_m=block_m)
-    monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, cfg)])
+    cfg = dict(configs.CONFIG["by_slots"][-1][1], halves=True, ptx=False, block_k=64, block_m=block_m)
+    monkeypatch.setitem(configs.CONFIG, "by_slots", [(1 << 62, cfg)])
     mod = _experts(4, 64, 32, seed=8)
     ids, w = _routing(37, 4, 2, seed=9)
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(10))
@@ -187,7 +190,7 @@ def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
     y, hidden = moe.experts_from_quantized(xq, ids, w, *mod.packed_weights(), return_hidden=True)
     assert hidden.slots.numel() % block_m == 0
     assert _rel(y.sum(1), mod(x, ids, w)) < 1e-5
-    monkeypatch.setitem(moe.CONFIG, "by_slots", [(1 << 62, dict(cfg, block_m=16))])
+    monkeypatch.setitem(configs.CONFIG, "by_slots", [(1 << 62, dict(cfg, block_m=16))])
     _, h16 = moe.experts_from_quantized(xq, ids, w, *mod.packed_weights(), return_hidden=True)
     pos, pos16 = hidden.positions(), h16.positions()
     assert torch.equal(hidden.hints.mantissa_bits[pos], h16.hints.mantissa_bits[pos16])
@@ -253,7 +256,7 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden, launch, monkeypat
     g = torch.Generator().manual_seed(21)
     split, bm, NI, top_k = 4, 8, 96, 2  # 96: a width that is not a power of two (the program pads to 128)
     ids, _ = _routing(5, 4, top_k, seed=22)
-    sorted_ids, expert_ids = moe.moe_align(ids, 4, bm, backend="torch")
+    sorted_ids, expert_ids = moe_align.moe_align(ids, 4, bm, backend="torch")
     expert_ids[-1] = -1  # a row block no expert uses: skipped by both paths
     P = sorted_ids.numel()
     part = torch.randn(split, P, 2 * NI, generator=g) * torch.logspace(-6, 3, 2 * NI)
@@ -286,7 +289,7 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden, launch, monkeypat
 
 @pytest.mark.gpu
 def test_ptx_decoding_is_exact_for_every_code_and_scale_byte():
-    """`_fp4_halves_f16` against the spec: all 256 code bytes (two nibbles) times all 256 E4M3 scale bytes, bit
+    """`fp4_halves_f16` against the spec: all 256 code bytes (two nibbles) times all 256 E4M3 scale bytes, bit
     for bit, including -0, subnormal scales and the NaN scale 0x7F / 0xFF."""
     import triton
     import triton.language as tl
@@ -294,7 +297,7 @@ def test_ptx_decoding_is_exact_for_every_code_and_scale_byte():
     @triton.jit
     def decode(p_ptr, s_ptr, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        lo, hi = moe._fp4_halves_f16(tl.load(p_ptr + offs), tl.load(s_ptr + offs))
+        lo, hi = common.fp4_halves_f16(tl.load(p_ptr + offs), tl.load(s_ptr + offs))
         tl.store(lo_ptr + offs, lo)
         tl.store(hi_ptr + offs, hi)
 
@@ -406,7 +409,7 @@ def test_expert_parallel_sentinels_contribute_nothing(kernel):
 @pytest.mark.parametrize("bad", [{"stages": 1}, {"stages": 2, "x_shared": False}])
 def test_hopper_entry_with_a_bad_ring_is_an_error(bad):
     """A weight ring of one stage, or one without the activations in shared memory, is refused with the fix."""
-    cfg = dict(moe.HOPPER[-1][1], **bad)
+    cfg = dict(configs.HOPPER[-1][1], **bad)
     with pytest.raises(ValueError, match="stages"):
-        moe.check_hopper_entry(cfg)
-    moe.check_hopper_entry(dict(cfg, stages=0))  # no ring: fine
+        configs.check_hopper_entry(cfg)
+    configs.check_hopper_entry(dict(cfg, stages=0))  # no ring: fine

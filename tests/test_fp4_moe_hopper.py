@@ -16,6 +16,9 @@ from trace_hf import fp4
 
 
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+common = pytest.importorskip("trace_hf.kernels.common")
+configs = pytest.importorskip("trace_hf.kernels.fp4_moe_configs")
+moe_align = pytest.importorskip("trace_hf.kernels.moe_align")
 
 
 def _hopper_gpu():
@@ -57,9 +60,9 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
     x = torch.randn(M, H, device="cuda")
     xq = fp4_quant.quantize(x, "nvfp4", "row")
     ids, tw = _routing(M, E, K, seed=M)
-    for _, cfg in moe.HOPPER:
+    for _, cfg in configs.HOPPER:
         bt = cfg["block_t"]
-        sorted_ids, expert_ids = moe.moe_align(ids, E, bt)
+        sorted_ids, expert_ids = moe_align.moe_align(ids, E, bt)
         P = sorted_ids.numel()
         nw = cfg["num_warps"]
         outs = []
@@ -108,7 +111,7 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         x = torch.randn(M, H, device="cuda")
         xq = fp4_quant.quantize(x, "nvfp4", "row")
         ids, tw = _routing(M, E, K, seed=10 + M)
-        cfg = moe.hopper_config(M * K, x.device)
+        cfg = configs.hopper_config(M * K, x.device)
         assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
@@ -118,10 +121,10 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
             {"x_shared": True, "stages": 0},
             {"x_shared": True, "stages": 3},
         ):
-            monkeypatch.setattr(moe, "HOPPER", [(1 << 62, cfg | other)])
+            monkeypatch.setattr(configs, "HOPPER", [(1 << 62, cfg | other)])
             y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
             assert torch.equal(y, y_other), f"M={M}: {other} changed the result"
-        monkeypatch.setattr(moe, "HOPPER", [])
+        monkeypatch.setattr(configs, "HOPPER", [])
         y_ref, hid_ref = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         monkeypatch.undo()
         rel = ((y - y_ref).norm() / y_ref.norm()).item()
@@ -147,7 +150,7 @@ def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
     x[7, 3] = float("nan")
     out = TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel="triton").eval()(x, ids, tw)
     ref = TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel="torch").eval()(x, ids, tw)
-    assert moe.hopper_config(M * K, x.device) is not None
+    assert configs.hopper_config(M * K, x.device) is not None
     assert torch.isnan(out[7]).all()
     keep = torch.arange(M, device="cuda") != 7
     assert ((out[keep] - ref[keep]).norm() / ref[keep].norm()).item() < 1e-3
@@ -156,19 +159,19 @@ def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
 def test_table_lookup_and_fallbacks(monkeypatch):
     """`hopper_config`: decode sizes get their `HOPPER` entry, prefill sizes and GPUs before sm_90 the Triton
     kernels (None); a Triton without Gluon's layouts falls back with a warning instead of failing."""
-    monkeypatch.setattr(moe, "INTERPRETED", False)
+    monkeypatch.setattr(configs, "INTERPRETED", False)
     cap = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap["value"])
     dev = torch.device("cuda")
-    assert moe.hopper_config(8, dev) == moe.HOPPER[0][1]
-    assert moe.hopper_config(9, dev) == moe.HOPPER[1][1]
-    assert moe.hopper_config(moe.HOPPER[-1][0], dev) == moe.HOPPER[-1][1]
-    assert moe.hopper_config(moe.HOPPER[-1][0] + 1, dev) is None
-    assert moe.hopper_config(8, torch.device("cpu")) is None
+    assert configs.hopper_config(8, dev) == configs.HOPPER[0][1]
+    assert configs.hopper_config(9, dev) == configs.HOPPER[1][1]
+    assert configs.hopper_config(configs.HOPPER[-1][0], dev) == configs.HOPPER[-1][1]
+    assert configs.hopper_config(configs.HOPPER[-1][0] + 1, dev) is None
+    assert configs.hopper_config(8, torch.device("cpu")) is None
     cap["value"] = (8, 0)
-    assert moe.hopper_config(8, dev) is None
+    assert configs.hopper_config(8, dev) is None
     cap["value"] = (9, 0)
-    moe.gluon_module.cache_clear()
+    common.gluon_module.cache_clear()
     import sys
 
     import trace_hf.kernels
@@ -176,15 +179,15 @@ def test_table_lookup_and_fallbacks(monkeypatch):
     monkeypatch.setitem(sys.modules, "trace_hf.kernels.fp4_moe_hopper", None)  # the import fails
     monkeypatch.delattr(trace_hf.kernels, "fp4_moe_hopper", raising=False)
     with pytest.warns(UserWarning, match="Gluon"):
-        assert moe.hopper_config(8, dev) is None
-    moe.gluon_module.cache_clear()
+        assert configs.hopper_config(8, dev) is None
+    common.gluon_module.cache_clear()
 
 
 def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
     """Every `HOPPER` config of both kernels builds for sm_90 with a loop under 6 instructions per weight element
     and no register spills (the Triton kernels' loop: ~7); with ``x_shared`` the loop decodes no activations."""
     records = [r for r in gluon_sass_counts if r["kernel"] in ("gluon gate/up", "gluon down")]
-    assert len(records) == 2 * len(moe.HOPPER)
+    assert len(records) == 2 * len(configs.HOPPER)
     for r in records:
         ops, per_element = r["ops"], r["instructions"] / r["elements"]
         assert "LDL" not in ops and "STL" not in ops, f"{r['kernel']} {r['tile']}: spills {ops}"

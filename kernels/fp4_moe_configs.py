@@ -1,0 +1,121 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Tuned launch tables of the routed-experts kernels (`fp4_moe` and the Gluon `fp4_moe_hopper`), and the rules that
+pick an entry by the number of (token, slot) pairs a call serves. Kept apart from the kernels so that a sweep
+(`benchmarks/fp4_moe_tune.py`) or an A/B run (`benchmarks/hopper_ab.py`, keys ``fp4_moe_configs.NAME``) patches
+one place; the measurements behind each entry are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+
+if __name__.split(".")[0] == "kernels":
+    raise ImportError("Import trace_hf.kernels.fp4_moe_configs (see kernels/README.md), not kernels.fp4_moe_configs.")
+
+import torch  # noqa: E402
+
+from trace_hf.kernels.common import INTERPRETED, gluon_module  # noqa: E402
+
+
+#: Launch configs. ``by_slots``: for packed FP4 weights, by the number of (token, slot) pairs they serve up to (the
+#: last entry serves the rest); ``dense``: for dense weights (the BF16 baseline), which reach 81-91% of the copy
+#: bandwidth with it from batch 16 on. BLOCK_M = 16 is the smallest tl.dot tile: decode rows are few, the kernels
+#: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`load_halves`) instead of
+#: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `fp4_halves_f16` into fp16 operands (W4A4 on
+#: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
+#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`; ``block_m``
+#: (optional, default ``CONFIG["block_m"]``): token rows per expert block, which a prefill of thousands of tokens
+#: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
+#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
+#: against 89, 510 and 762 us for the fp32 decoding.
+_DENSE = {
+    "block_n_gate_up": 32,
+    "block_n_down": 64,
+    "block_k": 128,
+    "num_warps": 4,
+    "num_stages": 3,
+    "halves": False,
+    "ptx": False,
+    "split_k": 1,
+}
+
+
+_FP4 = {
+    "block_n_gate_up": 128,
+    "block_n_down": 256,
+    "block_k": 64,
+    "num_warps": 4,
+    "num_stages": 2,
+    "halves": True,
+    "ptx": True,
+    "split_k": 1,
+}
+
+
+#: From 16,384 (token, slot) pairs on (prefill chunks of 2,048 tokens or more), 128-row expert blocks: each block
+#: re-reads its expert's weights, and 16-row ones took 10.8 ms for 8,192 tokens against 5.1 ms (`h200_21`).
+_PREFILL = dict(_FP4, block_m=128, block_n_gate_up=64, block_n_down=128, block_k=64, num_stages=3)
+
+
+CONFIG = {
+    "block_m": 16,
+    "dense": _DENSE,
+    "by_slots": [
+        (8, dict(_FP4, block_n_gate_up=64, block_n_down=128, num_stages=3, split_k=4)),
+        (16383, _FP4),
+        (1 << 62, _PREFILL),
+    ],
+}
+
+
+#: W4A4 on sm_90+: the Gluon kernels of `fp4_moe_hopper` (weights as the MMA's A operand, codes decoded in the
+#: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
+#: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``block_k``: a multiple of 128
+#: (16 code words, one MMA's K); ``split_k``: gate/up programs
+#: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
+#: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
+#: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
+#: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower). From
+#: `benchmarks/fp4_moe_tune.py --hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
+_WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
+
+
+HOPPER = [
+    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
+    (256, _WIDE),
+    (1024, dict(_WIDE, block_n_down=128, stages=2)),
+]
+
+
+#: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
+#: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
+
+
+def hopper_config(num_slots: int, device: torch.device) -> dict | None:
+    """The `HOPPER` entry for a W4A4 call on an sm_90+ GPU, or None (interpreter, older GPUs, empty table)."""
+    if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
+        return None
+    cfg = next((cfg for limit, cfg in HOPPER if num_slots <= limit), None)
+    return cfg if cfg is not None and gluon_module("fp4_moe_hopper") is not None else None
+
+
+def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
+    if not fp4_weights:
+        return CONFIG["dense"]
+    for limit, cfg in CONFIG["by_slots"]:
+        if num_slots <= limit:
+            return cfg
+    return CONFIG["by_slots"][-1][1]
+
+
+def check_hopper_entry(cfg: dict) -> int:
+    """The weight ring depth of a `HOPPER` entry (0: none), or a ValueError naming the fix."""
+    stages = cfg.get("stages", 0)
+    if stages and (stages < 2 or not cfg.get("x_shared")):
+        raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")
+    return stages
+
+
+#: Batch 1's fused split-K sum, SiLU and hidden quantization (`_silu_mul_kernel` with QUANT): whole rows per program
+#: and values per thread (the warps follow). The kernel is one dependent chain per thread, so fewer values per thread
+#: is a shorter chain: one row and 4 values (8 warps, 32 registers, 712 sm_90 instructions against 1,824 for 4 rows
+#: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/benchmarks.md 2h).
+HIDDEN_LAUNCH = {"rows": 1, "values_per_thread": 4}
