@@ -11,7 +11,7 @@ out the scales, rounds every element once, and writes whatever the caller asked 
 row's global scale, the mantissa bits of the hints, the dequantized values). `_dequant_kernel` decodes a packed
 tensor and `_row_amax_kernel` feeds the per-expert / per-tensor global scales.
 
-Why the arithmetic looks the way it does (docs: DESIGN.md section 4):
+Why the arithmetic looks the way it does (docs/numerics.md, the kernel contract):
 
 * every fp32 division is ``tl.div_rn`` (Triton's ``/`` is not IEEE on the GPU), or, per element in `_fp4_kernel`,
   an exact branch-free Markstein iteration on a per-block ``div_rn`` reciprocal (explained there);
