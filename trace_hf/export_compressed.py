@@ -419,6 +419,57 @@ def _read(directory) -> dict[str, torch.Tensor]:
     return out
 
 
+#: Round-to-nearest interval of each E2M1 magnitude (index 1..7), as ratios |w| / (block scale * g).
+_CODE_LO = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_CODE_HI = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+
+
+def masters_of(q: fp4.FP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Master weights in `dtype` whose `fp4.quantize(..., scale="expert")` is `q` again, where `q` allows it.
+
+    The dequantized values requantize to the same codes, but not always to the same scales: `fp4.quantize` sets a
+    block's scale from its largest element (amax / 6), so a block whose largest code is below 6 (E4M3 rounded that
+    scale, coarsely where it is subnormal) gets a smaller scale back, and the expert's global scale comes back from
+    its largest element rounded to `dtype`. So each such block's largest element is moved, within its code's
+    rounding interval, to where the block scale rounds back to the stored one; and each expert's largest element is
+    moved (by a few `dtype` ulps) to where amax / (448 * 6) rounds back to `g`.
+    """
+    bs = 16
+    codes = q.codes().long()
+    mag = codes & 7
+    s = fp4.e4m3_decode(q.block_scale)  # [E, N, nb]
+    g = q.global_scale.float().reshape(-1, 1, 1)
+    w = q.dequantize().unflatten(-1, (-1, bs))  # [E, N, nb, 16]
+    top = mag.unflatten(-1, (-1, bs)).amax(-1)  # [E, N, nb]
+    arg = mag.unflatten(-1, (-1, bs)).argmax(-1, keepdim=True)
+    b = q.block_scale.long()
+    down = fp4.e4m3_decode((b - 1).clamp(min=0).to(torch.uint8))
+    up = fp4.e4m3_decode((b + 1).clamp(max=0x7E).to(torch.uint8))
+    s_lo, s_hi = (s + down) / 2, torch.where(b >= 0x7E, torch.full_like(s, float("inf")), (s + up) / 2)
+    lo = torch.maximum(_CODE_LO[top], 6 * s_lo / s.clamp(min=1e-30))
+    hi = torch.minimum(_CODE_HI[top], 6 * s_hi / s.clamp(min=1e-30))
+    fix = (top < 7) & (b > 0) & (lo < hi)
+    sign = torch.where(w.gather(-1, arg).signbit(), -1.0, 1.0).squeeze(-1)
+    moved = sign * (lo + hi) / 2 * s * g
+    w = w.scatter(-1, arg, torch.where(fix, moved, w.gather(-1, arg).squeeze(-1)).unsqueeze(-1))
+    w = w.flatten(-2).to(dtype)
+    # The expert's largest element: the one at code 6 under scale 448 (where `fp4.quantize` put amax).
+    flat = w.flatten(1)
+    big = flat.float().abs().argmax(1)
+    a = flat.gather(1, big[:, None]).squeeze(1)
+    want = q.global_scale.float().reshape(-1)
+    best = a
+    for step in (1, -1, 2, -2):
+        c = a.abs()
+        for _ in range(abs(step)):
+            c = torch.nextafter(c, torch.full_like(c, float("inf") if step > 0 else 0.0))
+        ok_now = (best.abs().float() / torch.full_like(want, fp4.E2M1_MAX * fp4.E4M3_MAX)) == want
+        ok = (c.float() / torch.full_like(want, fp4.E2M1_MAX * fp4.E4M3_MAX)) == want
+        best = torch.where(~ok_now & ok, torch.where(a.signbit(), -c, c), best)
+    flat = flat.scatter(1, big[:, None], best[:, None])
+    return flat.reshape(w.shape)
+
+
 def load_compressed_tensors(directory: str | os.PathLike, quantization_config=None, **from_pretrained_kwargs):
     """Load a compressed-tensors NVFP4 checkpoint with FP4 experts (`TraceFP4Config`) whose packed weights are the
     checkpoint's codes and scale bytes, to start RL from it.
@@ -500,7 +551,7 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
                     "nvfp4",
                 )
             )
-        m.load_packed_weights(*packed)
+        _install(m, name, packed)
 
     # Dense Linears stored in NVFP4 (not the experts): decompressed with compressed-tensors' compressor.
     dense = sorted(k.removesuffix(".weight_packed") for k in state if k.endswith(".weight_packed") and k not in used)
@@ -518,6 +569,31 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
             with torch.no_grad():
                 param.copy_(w.to(param.dtype))
     return model.eval()
+
+
+def _install(m: TraceFP4Experts, name: str, packed: list[fp4.FP4Tensor]) -> None:
+    """The checkpoint's packed weights into `m`, with masters (`masters_of`) that re-quantize to them, so that the
+    rollout's refresh from the masters keeps computing with the checkpoint's codes. Where they cannot (scale bytes
+    `fp4.quantize` never writes), the packed weights stay the checkpoint's until the masters change, with a
+    warning."""
+    m.load_packed_weights(*packed)
+    with torch.no_grad():
+        for param, q in zip((m.gate_up_proj, m.down_proj), packed):
+            param.copy_(masters_of(q, param.dtype))
+    again = [fp4.quantize(p.detach(), "nvfp4", scale="expert") for p in (m.gate_up_proj, m.down_proj)]
+    off = sum(
+        int((a.block_scale != q.block_scale).sum() + (a.packed != q.packed).any(-1).sum())
+        for a, q in zip(again, packed)
+    )
+    if not off:
+        m.refresh_packed()
+        return
+    m.load_packed_weights(*packed)
+    logger.warning(
+        f"{name}: {off} rows/blocks of the checkpoint's FP4 experts re-quantize to other codes or scales from any "
+        "master weights (scales trace-hf's quantizer never writes): the model computes with the checkpoint's codes "
+        "until the next refresh from the masters (a rollout engine's, or an optimizer step) re-quantizes them."
+    )
 
 
 def _revert_names(model) -> dict[str, str]:
