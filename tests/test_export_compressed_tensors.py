@@ -17,7 +17,7 @@ from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import generate_gparam  # noqa: E402
 
-from trace_hf import TraceFP4Config, fp4  # noqa: E402
+from trace_hf import HintRecorder, TraceFP4Config, fp4  # noqa: E402
 from trace_hf.experts import fp4_experts  # noqa: E402
 from trace_hf.export import export_fp4, load_fp4  # noqa: E402
 from trace_hf.export_compressed import trace_global_scale, weight_global_scale  # noqa: E402
@@ -80,8 +80,9 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def test_experts_read_back_with_compressed_tensors_bit_for_bit(exported):
-    model, path = exported
+def read_back(model, path) -> dict[str, int]:
+    """Every expert and projection of `path`, read with compressed-tensors' own unpacking and NVFP4 compressor,
+    against `model`'s packed FP4 weights; returns how many edge cases it met."""
     state, scheme = load_file(path / "model.safetensors"), ct_scheme(path)
     compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
     edges = {"zero": 0, "largest_scale": 0, "subnormal": 0}
@@ -109,9 +110,39 @@ def test_experts_read_back_with_compressed_tensors_bit_for_bit(exported):
                 edges["zero"] += int(not want.any())
                 edges["largest_scale"] += int((scale_bytes == 0x7E).any())
                 edges["subnormal"] += int(((scale_bytes & 0x78) == 0)[scale_bytes > 0].any())
-                if e == 1 and layer == 0 and proj != "down":  # the huge expert
-                    assert float(g) > 1e3 * float(q.global_scale[3])
+    return edges
+
+
+def test_experts_read_back_with_compressed_tensors_bit_for_bit(exported):
+    edges = read_back(*exported)
+    g = fp4_experts(exported[0])[0].packed_weights()[0].global_scale.flatten()
+    assert g[1] > 1e3 * g[3]  # the huge expert's global scale went through too
     assert edges["zero"] == 3 and edges["subnormal"] >= 1 and edges["largest_scale"] >= 2 * (4 * 8 - 1)
+
+
+def test_qwen3_5_moe_experts_read_back(tmp_path):
+    """The hybrid family: per-expert names under model.layers (its converter), read back bit for bit too."""
+    model = load(save_tiny_model(tmp_path / "src", family="qwen3_5_moe_text", dtype=torch.bfloat16), **W4A16)
+    export_fp4(model, tmp_path / "ct", format="compressed-tensors", scheme="NVFP4A16")
+    read_back(model, tmp_path / "ct")
+    ignore = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"model.layers.0.linear_attn.in_proj_qkv", "model.layers.1.mlp.shared_expert.up_proj"} <= set(ignore)
+
+
+def test_calibration_from_recorded_rollouts(source, tmp_path):
+    """A HintBatch of recorded rollouts calibrates on the tokens the rollout fed (prompt and completion, not the
+    last sampled token, which no forward saw)."""
+    model = load(source)
+    model.eval()
+    prompts = calib(2, n=2, s=6)
+    with HintRecorder(model) as rec:
+        seq = model.generate(prompts, attention_mask=torch.ones_like(prompts), min_new_tokens=4, max_new_tokens=4)
+    hints = rec.collect(torch.ones_like(seq))
+    assert hints.lengths.tolist() == [9, 9] and torch.equal(hints.token_ids.long(), seq[:, :9])
+    export_fp4(model, tmp_path / "a", format="compressed-tensors", calibration=hints)
+    export_fp4(model, tmp_path / "b", format="compressed-tensors", calibration=seq[:, :9])
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
 
 def test_quantization_config_is_compressed_tensors_nvfp4(exported):
