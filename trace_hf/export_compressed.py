@@ -21,7 +21,8 @@ import os
 from collections.abc import Iterable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers.utils import logging
 
 from . import fp4
@@ -162,6 +163,7 @@ def calibrate_input_amax(model, calibration) -> dict[str, tuple[torch.Tensor, to
     experts = _fp4_experts(model, "calibration")
     found = {n: [torch.zeros(()), torch.zeros(m.num_experts)] for n, m in experts.items()}
     state = {"mask": None}
+    weights = {}  # dequantized gate_up per module, computed once (the packed weights do not change here)
 
     def hook(name, m, args, kwargs):
         names = ("hidden_states", "top_k_index", "top_k_weights")
@@ -175,7 +177,9 @@ def calibrate_input_amax(model, calibration) -> dict[str, tuple[torch.Tensor, to
         amax_in, amax_h = found[name]
         found[name][0] = torch.maximum(amax_in, x.abs().amax().cpu())
         xq = x if m.activations == "none" else fp4.quantize(x, m.fmt, "row").dequantize()
-        gu = m.packed_weights()[0].dequantize()
+        if name not in weights:
+            weights[name] = m.packed_weights()[0].dequantize()
+        gu = weights[name]
         for e in top_k.unique().tolist():
             if not 0 <= e < m.num_experts:
                 continue
@@ -406,17 +410,31 @@ def _check_scheme(qc: dict, directory) -> None:
             )
 
 
-def _read(directory) -> dict[str, torch.Tensor]:
-    index = os.path.join(directory, WEIGHTS_FILE + ".index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = [WEIGHTS_FILE]
-    out = {}
-    for name in files:
-        out.update(load_file(os.path.join(directory, name)))
-    return out
+class _Checkpoint:
+    """The tensors of a (possibly sharded) safetensors checkpoint, read one at a time when asked for."""
+
+    def __init__(self, directory):
+        index = os.path.join(directory, WEIGHTS_FILE + ".index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                where = json.load(f)["weight_map"]
+        else:
+            with safe_open(os.path.join(directory, WEIGHTS_FILE), "pt") as f:
+                where = dict.fromkeys(f.keys(), WEIGHTS_FILE)
+        self._where = {k: os.path.join(directory, v) for k, v in where.items()}
+        self._files = {}  # path -> open safetensors file (memory-mapped)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        path = self._where[key]
+        if path not in self._files:
+            self._files[path] = safe_open(path, "pt")
+        return self._files[path].get_tensor(key)
 
 
 #: Round-to-nearest interval of each E2M1 magnitude (index 1..7), as ratios |w| / (block scale * g).
@@ -512,7 +530,7 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
     finally:
         hf_logging.set_verbosity(verbosity)
     experts = _fp4_experts(model, "load_fp4")
-    state = _read(directory)
+    state = _Checkpoint(directory)
     used = set()
 
     for name, m in experts.items():
