@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
@@ -340,3 +340,33 @@ def test_load_refuses_other_compressed_tensors_formats(exported, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="NVFP4"):
         load_fp4(other)
+
+
+def test_load_sharded_checkpoint_with_nvfp4_attention(exported, tmp_path):
+    """llm-compressor's checkpoints: sharded, and attention Linears in NVFP4 too (decompressed on load with
+    compressed-tensors' compressor)."""
+    model, path = exported
+    state = load_file(path / "model.safetensors")
+    q_proj = "model.layers.0.self_attn.q_proj"
+    q = fp4.quantize(state.pop(f"{q_proj}.weight").float(), "nvfp4", scale="tensor")
+    state[f"{q_proj}.weight_packed"] = q.packed
+    state[f"{q_proj}.weight_scale"] = q.block_scale.view(torch.float8_e4m3fn)
+    state[f"{q_proj}.weight_global_scale"] = weight_global_scale(q.global_scale.reshape(1))
+    out = tmp_path / "sharded"
+    out.mkdir()
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: state[k] for k in part}, out / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["ignore"].remove(q_proj)
+    (out / "config.json").write_text(json.dumps(config))
+    again = load_fp4(out, quantization_config=TraceFP4Config(), dtype=torch.bfloat16)
+    sd = {f: state[f"{q_proj}.{f}"] for f in ("weight_packed", "weight_scale", "weight_global_scale")}
+    want = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized").decompress(sd, ct_scheme(path))["weight"]
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, want.to(torch.bfloat16))
+    assert torch.equal(again.model.layers[1].self_attn.q_proj.weight, model.model.layers[1].self_attn.q_proj.weight)
+    for a, b in zip(fp4_experts(model), fp4_experts(again)):
+        assert all(torch.equal(x.packed, y.packed) for x, y in zip(a.packed_weights(), b.packed_weights()))
