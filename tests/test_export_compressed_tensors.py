@@ -331,6 +331,16 @@ def test_bad_input_names_the_fix(source, exported, tmp_path, monkeypatch):
         export_fp4(model, tmp_path / "g", format="compressed-tensors", scheme="NVFP4A16")
 
 
+def test_from_pretrained_refuses_a_second_quantization_config(exported):
+    """Why load_fp4 builds the model itself: transformers raises when config.json names compressed-tensors and
+    another quantization config class is passed."""
+    _, path = exported
+    with pytest.raises(
+        ValueError, match="quantized with CompressedTensorsConfig but you are passing a TraceFP4Config"
+    ):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=TraceFP4Config())
+
+
 def test_load_refuses_other_compressed_tensors_formats(exported, tmp_path):
     _, path = exported
     other = tmp_path / "int4"

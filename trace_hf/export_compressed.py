@@ -365,8 +365,8 @@ def export_compressed_tensors(
     save_file({**rest, **tensors}, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
 
     config = copy.deepcopy(model.config)
-    config.quantization_config = None
-    del config.quantization_config
+    if hasattr(config, "quantization_config"):  # trace_fp4's; compressed-tensors' is written below
+        del config.quantization_config
     config.architectures = [type(model).__name__]
     config.dtype = torch.bfloat16
     config.save_pretrained(directory)
