@@ -380,3 +380,22 @@ def test_load_sharded_checkpoint_with_nvfp4_attention(exported, tmp_path):
     assert torch.equal(again.model.layers[1].self_attn.q_proj.weight, model.model.layers[1].self_attn.q_proj.weight)
     for a, b in zip(fp4_experts(model), fp4_experts(again)):
         assert all(torch.equal(x.packed, y.packed) for x, y in zip(a.packed_weights(), b.packed_weights()))
+
+
+def test_load_keeps_scales_no_master_reproduces(exported, tmp_path):
+    """A block whose largest code is 0.5 under a normal scale (trace-hf's quantizer never writes one; another
+    quantizer may): no master re-quantizes to it, and the model still computes with the checkpoint's codes."""
+    _, path = exported
+    state = load_file(path / "model.safetensors")
+    name = "model.layers.2.mlp.experts.5.down_proj"
+    packed = state[f"{name}.weight_packed"].clone()
+    packed[0, :8] = 0x11  # the first block of row 0: every code 0.5
+    state[f"{name}.weight_packed"] = packed
+    (tmp_path / "odd").mkdir()
+    save_file(state, tmp_path / "odd" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "odd" / "config.json").write_text((path / "config.json").read_text())
+    model = load_fp4(tmp_path / "odd", quantization_config=TraceFP4Config(), dtype=torch.bfloat16)
+    d = fp4_experts(model)[2].packed_weights()[1]
+    assert torch.equal(d.packed[5], packed)
+    assert torch.equal(d.block_scale[5].view(torch.float8_e4m3fn), state[f"{name}.weight_scale"])
+    assert not torch.equal(fp4.quantize(fp4_experts(model)[2].down_proj.detach(), scale="expert").packed[5], packed)
