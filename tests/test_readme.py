@@ -1,6 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """README.md's Python snippets run as pasted: in order, in one session, on the tiny model (CPU, seconds)."""
 
+import json
 import os
 import re
 
@@ -16,9 +17,10 @@ def snippets() -> list[str]:
 
 def test_readme_has_the_usage_snippets():
     found = snippets()
-    assert len(found) == 4
+    assert len(found) == 5
     assert "save_tiny_model" in found[0] and "TraceGRPOTrainer" in found[1]
     assert "make_rollout" in found[2] and "use_hints" in found[3]
+    assert 'format="compressed-tensors"' in found[4]
 
 
 def test_readme_snippets_run(tmp_path, monkeypatch):
@@ -34,5 +36,8 @@ def test_readme_snippets_run(tmp_path, monkeypatch):
     out = namespace["out"]  # the rollout seam: ids, one log-prob per id, hints over every fed token
     assert [len(x) for x in out.logprobs] == [len(x) for x in out.completion_ids]
     assert out.hints is not None and len(out.hints) == 2
+    qc = json.loads((tmp_path / "tiny-moe-nvfp4" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized"  # the served checkpoint, and RL restarted from it
+    assert namespace["policy"].config.quantization_config.quant_method == "trace_fp4"
     metrics = namespace["report"].as_metrics()
     assert metrics["trace/hint_coverage"] > 0 and metrics["trace/routing_mismatch"] >= 0

@@ -66,8 +66,21 @@ def _unique_state(model, skip: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_fp4(model, directory: str | os.PathLike) -> dict[str, int]:
-    """Write the packed export of a `TraceFP4Config` model; returns the bytes of experts and other weights."""
+def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", **options) -> dict[str, int]:
+    """Write the packed export of a `TraceFP4Config` model; returns the bytes of experts and other weights.
+
+    `format="trace_fp4"` (trace-hf's own, read by `load_fp4`); `format="compressed-tensors"`: the NVFP4 checkpoint
+    vLLM, SGLang and transformers load, with `options` (`scheme`, `calibration`, `tokenizer`) as in
+    `trace_hf.export_compressed.export_compressed_tensors`.
+    """
+    if format == "compressed-tensors":
+        from .export_compressed import export_compressed_tensors
+
+        return export_compressed_tensors(model, directory, **options)
+    if format != "trace_fp4":
+        raise ValueError(f"export_fp4(format={format!r}): use 'trace_fp4' or 'compressed-tensors'.")
+    if options:
+        raise TypeError(f"export_fp4(format='trace_fp4') takes no {sorted(options)}; they are compressed-tensors'.")
     experts = {n: m for n, m in model.named_modules() if isinstance(m, TraceFP4Experts)}
     if not experts:
         raise ValueError("export_fp4 needs a model loaded with quantization_config=TraceFP4Config().")
@@ -181,11 +194,16 @@ def load_fp4(directory: str | os.PathLike, **from_pretrained_kwargs):
     Checks first that config.json still describes the export, then that the experts file belongs to this export's
     `model.safetensors`, is intact (SHA-256 per tensor) and fits the model built. `from_pretrained` loads the
     non-expert weights (the experts' masters are absent from the file, which it reports as missing); the packed
-    experts are installed afterwards.
+    experts are installed afterwards. A compressed-tensors NVFP4 checkpoint (`export_fp4(format="compressed-tensors")`
+    or llm-compressor's) loads through `trace_hf.export_compressed.load_compressed_tensors`.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from .export_compressed import is_compressed_tensors_checkpoint, load_compressed_tensors
+
+    if is_compressed_tensors_checkpoint(directory):
+        return load_compressed_tensors(directory, **from_pretrained_kwargs)
     experts_path, weights_path = os.path.join(directory, EXPERTS_FILE), os.path.join(directory, WEIGHTS_FILE)
     meta = _metadata(experts_path)
     legacy = meta.get("trace_hf_export") is None
