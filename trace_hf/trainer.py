@@ -159,8 +159,20 @@ class TraceGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Log the trace/* metrics (hint flips, routing mismatch, rollout/train log-prob gap)."},
     )
+    # TRL's default `gradient_checkpointing=True` is transformers 5's deprecated alias of `activation_checkpointing`
+    # and warns on every config. Unset here; `__post_init__` applies TRL's default under the new name instead.
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing` (transformers 5); unset, TRL's default (on) applies.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
 
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's GRPOConfig default, without the deprecated name
         super().__post_init__()
         if self.use_vllm:
             raise ValueError(
