@@ -36,6 +36,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from .experts import TraceFP4Experts, fp4_experts
 from .hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use_hints
 from .rollout import ROLLOUT_ENGINES, RolloutOutput, make_rollout
+from .trl_options import check_trl_options
 
 
 # TRL's vLLM importance-sampling fields and their counterparts here (same meaning, applied to the FP4 sampler).
@@ -174,6 +175,7 @@ class TraceGRPOConfig(GRPOConfig):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's GRPOConfig default, without the deprecated name
         super().__post_init__()
+        check_trl_options(self)  # TRL options this trainer cannot honour (trace_hf.trl_options)
         if self.use_vllm:
             raise ValueError(
                 "TraceGRPOConfig(use_vllm=True) is not supported: TraceGRPOTrainer generates through the model's own "
