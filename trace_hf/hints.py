@@ -812,7 +812,7 @@ def _warn_if_off_policy(model: torch.nn.Module, report: MismatchReport) -> None:
         f"(Warned once per model; thresholds trace_hf.hints.STALE_FLIP_RATE={STALE_FLIP_RATE}, "
         f"STALE_ROUTING_MISMATCH={STALE_ROUTING_MISMATCH}.)",
         StaleHintsWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller's `with use_hints(...)` (past this function, the generator and contextlib)
     )
 
 
