@@ -2,12 +2,18 @@
 """GRPO on a MoE model with an FP4 rollout: the regimes side by side, from one warm start and one seed.
 
     python examples/grpo.py                                  # offline: tiny Qwen3 MoE, all four regimes (CPU ok)
-    python examples/grpo.py --rollout fp4,trace              # a comma list of regimes
-    python examples/grpo.py --rollout trace --report-to tensorboard
-    python examples/grpo.py --model /path/Qwen3-30B-A3B --dataset openai/gsm8k --rollout fp4,trace \
-        --max-completion-length 512 --gradient-checkpointing
+    python examples/grpo.py --regimes fp4,trace              # a comma list of regimes
+    python examples/grpo.py --regimes trace --report_to tensorboard --learning_rate 1e-4 --num_generations 4
+    python examples/grpo.py --config examples/recipes/qwen3_30b_a3b_grpo.yaml   # a real run (see the recipe)
 
-Regimes (`--rollout`, default `all`):
+The command line is TRL's: `TrlParser` over (`GRPOExampleArguments` below, `TraceGRPOConfig`, TRL's `ModelConfig`),
+so every GRPOConfig and TRACE field is a flag (`--per_device_train_batch_size`, `--max_completion_length`,
+`--rollout_engine`, `--rollout_importance_sampling false`, ...), a YAML file of the same names works with `--config`
+(flags given as well override it), and `--use_peft --lora_target_modules q_proj v_proj` trains LoRA adapters, passed
+to the trainer as `peft_config=get_peft_config(model_args)`. The regime sets `rollout_precision`, `trace_hints` and
+`routing_replay` of each run itself. `--help` lists every flag.
+
+Regimes (`--regimes`, default `all`):
     bf16   BF16 rollout, BF16 training: no FP4 anywhere, the baseline
     naive  FP4 rollout, BF16 training of the masters (`TraceFP4Config(qat=False)`): naive FP4
     fp4    FP4 rollout, FP4 QAT training, no hints, no routing replay
@@ -21,30 +27,32 @@ the rollout and the training forward compute slightly different activations (dif
 an FP4 rounding boundary then lands on different grid points. On CUDA that happens by itself: `generate` runs the
 fused Triton experts and training the torch grouped GEMMs. On CPU both sides run the same torch kernels and, row by
 row, compute bit-identical values, so there would be nothing for TRACE to remove. The CPU default therefore
-recreates the GPU's situation with two choices (`--rollout-attention auto`): BF16 weights (`--dtype bf16`), where
+recreates the GPU's situation with two choices (`--rollout_attention auto`): BF16 weights (`--dtype bfloat16`), where
 one rounding step is ~0.4% and a differently summed value often rounds differently, and a rollout whose attention
 runs transformers' eager kernel while training runs SDPA (mathematically the same, summed in another order). The
-two kernels differ by an ulp here and there, as the GPU's do; `--rollout-attention same` turns that off (then CPU
+two kernels differ by an ulp here and there, as the GPU's do; `--rollout_attention same` turns that off (then CPU
 rollout and training agree to ~1e-7 and every regime looks alike).
 
-With no `--model`, a tiny Qwen3 MoE from `trace_hf.testing` is warmed up with a short supervised run (fp32, no
+With no `--model_name_or_path`, a tiny Qwen3 MoE from `trace_hf.testing` is warmed up with a short supervised run (fp32, no
 quantization) on single-digit addition ("Q: 3+4\\nA:" -> " 7"), so that rewards are neither all zero nor all one,
-and cached under `<output-dir>/sft-warm/` for reruns. Under several processes the main process warms up and the
+and cached under `<output_dir>/sft-warm/` for reruns. Under several processes the main process warms up and the
 others wait for it.
 
-Writes, under `<output-dir>/<run-name>/` (run name: `--run-name`, default the start time; an existing run is
-never overwritten without `--overwrite`): `<regime>/metrics.json` (TRL's log history; TensorBoard or W&B logs too
-with `--report-to`), `summary.json`, `table.md` and `grpo.png` (all regimes overlaid), and prints the table.
+Writes, under `<output_dir>/<run_name>/` (`--output_dir`, default `outputs/grpo`; `--run_name`, default the start
+time; an existing run is never overwritten without `--overwrite`): `<regime>/metrics.json` (TRL's log history; TensorBoard or W&B logs too
+with `--report_to`), `summary.json`, `table.md` and `grpo.png` (all regimes overlaid), and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 
 
 REGIMES = {
@@ -63,66 +71,91 @@ METRICS = {
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="Qwen3 MoE / Qwen3.5 MoE path; default: SFT-warmed tiny model")
-    p.add_argument(
-        "--dataset",
-        default="offline-addition",
-        help="'offline-addition' (default: single-digit addition), 'offline-arithmetic' (word problems), "
-        "'openai/gsm8k', a save_to_disk folder, or any load_dataset name with question/answer columns",
-    )
-    p.add_argument(
-        "--rollout",
+@dataclass
+class GRPOExampleArguments:
+    """The example's own options; everything else is a `TraceGRPOConfig` or `ModelConfig` field."""
+
+    regimes: str = field(
         default="all",
-        help=f"regimes to run, 'all' or a comma list of {', '.join(REGIMES)} (see above)",
+        metadata={"help": f"Regimes to run: 'all' or a comma list of {', '.join(REGIMES)} (see the docstring)."},
     )
-    p.add_argument("--output-dir", default="outputs/grpo")
-    p.add_argument("--run-name", default=None, help="folder under --output-dir; default: the start time")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --run-name folder")
-    p.add_argument("--max-steps", type=int, default=40, help="GRPO steps per regime")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--dtype", choices=["bf16", "fp32"], default="bf16", help="weights dtype (bf16: where FP4 mismatch shows)"
+    overwrite: bool = field(default=False, metadata={"help": "Replace an existing <output_dir>/<run_name> folder."})
+    dataset_name: str = field(
+        default="offline-addition",
+        metadata={
+            "help": "'offline-addition' (single-digit addition), 'offline-arithmetic' (word problems), "
+            "'openai/gsm8k', a save_to_disk folder, or any load_dataset name with question/answer columns."
+        },
     )
-    p.add_argument(
-        "--rollout-attention",
-        choices=["auto", "eager", "same"],
+    rollout_attention: str = field(
         default="auto",
-        help="eager: the rollout computes attention with the eager kernel, training with SDPA (different kernels, "
-        "as on the GPU); same: one kernel for both; auto: eager on CPU, same on CUDA",
+        metadata={
+            "help": "eager: the rollout computes attention with the eager kernel, training with SDPA (different "
+            "kernels, as on the GPU); same: one kernel for both; auto: eager on CPU, same on CUDA.",
+            "choices": ["auto", "eager", "same"],
+        },
     )
-    p.add_argument(
-        "--rollout-engine",
-        choices=["auto", "engine", "generate"],
-        default="auto",
-        help="TraceGRPOConfig.rollout_engine: the CUDA-graph decode engine, model.generate, or auto",
+    hint_layers: int | None = field(
+        default=None, metadata={"help": "TraceFP4Config.hint_layers (default: half of the MoE layers)."}
     )
-    p.add_argument("--learning-rate", type=float, default=3e-4)
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=8, help="distinct prompts per optimizer step")
-    p.add_argument("--max-completion-length", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--no-importance-sampling", action="store_true", help="turn off the IS correction")
-    p.add_argument("--hint-layers", type=int, default=None, help="TraceFP4Config.hint_layers (default: half)")
-    p.add_argument("--kv-cache", default="nvfp4", help="TraceFP4Config.kv_cache: nvfp4, mxfp4 or none")
-    p.add_argument("--sft-steps", type=int, default=100, help="warm-up steps for the default tiny model")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="on for large models; off by default")
-    p.add_argument(
-        "--report-to",
-        default="none",
-        help="TRL/transformers' report_to: none, tensorboard, wandb, all, or a comma list (offline: tensorboard)",
-    )
-    p.add_argument("--logging-steps", type=int, default=1, help="log (and plot) every N steps")
-    args = p.parse_args(argv)
-    names = list(REGIMES) if args.rollout == "all" else [r.strip() for r in args.rollout.split(",") if r.strip()]
+    kv_cache: str = field(default="nvfp4", metadata={"help": "TraceFP4Config.kv_cache: nvfp4, mxfp4 or none."})
+    sft_steps: int = field(default=100, metadata={"help": "Warm-up steps of the default tiny model."})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest for the tiny model)."})
+
+
+# The example's defaults where they differ from TRL's (a --config file and flags override them): the offline job.
+EXAMPLE_DEFAULTS = {
+    "output_dir": "outputs/grpo",
+    "max_steps": 40,
+    "learning_rate": 3e-4,
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "beta": 0.0,
+    "num_generations": 8,
+    "per_device_train_batch_size": 64,  # completions per step: 8 prompts x 8 generations
+    "max_completion_length": 4,
+    "temperature": 1.0,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "seed": 0,
+    "bf16": False,  # no autocast: the weights are loaded in the dtype asked for (--dtype)
+    "activation_checkpointing": False,  # worth it for large models only
+    "dtype": "bfloat16",  # where FP4 mismatch shows
+}
+
+
+def parse_args(argv=None):
+    """(GRPOExampleArguments, TraceGRPOConfig, ModelConfig) from TRL's parser; `regimes` becomes a list."""
+    import torch
+    from trl import ModelConfig, TrlParser
+
+    from trace_hf import TraceGRPOConfig
+
+    parser = TrlParser((GRPOExampleArguments, TraceGRPOConfig, ModelConfig))
+    parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    cuda = torch.cuda.is_available()
+    parser.set_defaults_with_config(**EXAMPLE_DEFAULTS, use_cpu=not cuda, dataloader_pin_memory=cuda)
+    script, config, model_args = parser.parse_args_and_config(args=argv)
+    names = list(REGIMES) if script.regimes == "all" else [r.strip() for r in script.regimes.split(",") if r.strip()]
     bad = [r for r in names if r not in REGIMES]
     if bad or not names:
-        p.error(f"--rollout {args.rollout!r}: use 'all' or a comma list of {', '.join(REGIMES)}")
-    args.regimes = list(dict.fromkeys(names))
-    args.report_to = [r.strip() for r in args.report_to.split(",")] if "," in args.report_to else args.report_to
-    return args
+        parser.error(f"--regimes {script.regimes!r}: use 'all' or a comma list of {', '.join(REGIMES)}")
+    script.regimes = list(dict.fromkeys(names))
+    # transformers takes one integration per list entry; also accept TRL's comma form "tensorboard,wandb".
+    config.report_to = [r.strip() for entry in config.report_to for r in entry.split(",") if r.strip()]
+    return script, config, model_args
+
+
+def regime_config(argv, regime: str, run_dir: str):
+    """The TraceGRPOConfig of one regime: the command line (and --config) plus the regime's own fields. Parsed
+    again rather than copied, because GRPOConfig derives fields (generation_batch_size from steps_per_generation)
+    that a copy would pass back in as if both were set."""
+    trace = regime == "trace"
+    extra = ["--output_dir", run_dir, "--run_name", f"{os.path.basename(os.path.dirname(run_dir))}/{regime}"]
+    extra += ["--rollout_precision", "bf16" if regime == "bf16" else "fp4"]
+    extra += ["--trace_hints", str(trace), "--routing_replay", str(trace)]
+    return parse_args([*(sys.argv[1:] if argv is None else argv), *extra])[1]
 
 
 def one_gpu_unless_launched() -> None:
@@ -287,54 +320,36 @@ def compact_progress_callback():
     return CompactProgress()
 
 
-def build_trainer(args, regime: str, model_path: str, dataset, run_dir: str, attn: str | None):
+def build_trainer(script, args, model_args, regime: str, model_path: str, dataset, attn):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import get_peft_config
 
-    from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
+    from trace_hf import TraceFP4Config, TraceGRPOTrainer
     from trace_hf.data import arithmetic_reward
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     quant = None
     if regime != "bf16":
-        kv = None if args.kv_cache.lower() == "none" else args.kv_cache
-        quant = TraceFP4Config(kv_cache=kv, hint_layers=args.hint_layers, qat=regime != "naive")
+        kv = None if script.kv_cache.lower() == "none" else script.kv_cache
+        quant = TraceFP4Config(kv_cache=kv, hint_layers=script.hint_layers, qat=regime != "naive")
+    attn = attn or model_args.attn_implementation
     extra = {"attn_implementation": attn} if attn else {}
+    if model_args.model_name_or_path:
+        extra.update(revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant, **extra)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    trace = regime == "trace"
-    config = TraceGRPOConfig(
-        output_dir=run_dir,
-        rollout_precision="bf16" if regime == "bf16" else "fp4",
-        rollout_engine=args.rollout_engine,
-        trace_hints=trace,
-        routing_replay=trace,
-        rollout_importance_sampling=not args.no_importance_sampling,
-        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        beta=0.0,
-        max_steps=args.max_steps,
-        logging_steps=args.logging_steps,
-        save_strategy="no",
-        report_to=args.report_to,
-        run_name=f"{os.path.basename(os.path.dirname(run_dir))}/{regime}",
-        seed=args.seed,
-        bf16=False,  # no autocast: the weights are already in the dtype asked for
-        activation_checkpointing=args.gradient_checkpointing,
-        use_cpu=not torch.cuda.is_available(),
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
     trainer = TraceGRPOTrainer(
-        model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer
+        model=model,
+        reward_funcs=arithmetic_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),  # None unless --use_peft
     )
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(compact_progress_callback())
@@ -437,16 +452,16 @@ def plot(histories: dict[str, list[dict]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def prepare_run_dir(args, state) -> str:
-    """`<output-dir>/<run-name>`, the same on every process; an existing one is refused unless --overwrite."""
+def prepare_run_dir(output_dir: str, run_name: str | None, overwrite: bool, state) -> str:
+    """`<output_dir>/<run_name>`, the same on every process; an existing one is refused unless --overwrite."""
     from accelerate.utils import broadcast_object_list
 
-    name = [args.run_name or time.strftime("%Y%m%d-%H%M%S")]
+    name = [run_name or time.strftime("%Y%m%d-%H%M%S")]
     if state.num_processes > 1:
         broadcast_object_list(name)  # the main process's clock names the run for all
-    run_dir = os.path.join(args.output_dir, name[0])
-    if os.path.exists(run_dir) and not args.overwrite:
-        sys.exit(f"{run_dir} exists: pass another --run-name, or --overwrite to replace it.")
+    run_dir = os.path.join(output_dir, name[0])
+    if os.path.exists(run_dir) and not overwrite:
+        sys.exit(f"{run_dir} exists: pass another --run_name, or --overwrite to replace it.")
     state.wait_for_everyone()
     if state.is_main_process:
         if os.path.exists(run_dir):
@@ -457,34 +472,36 @@ def prepare_run_dir(args, state) -> str:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    one_gpu_unless_launched()
+    one_gpu_unless_launched()  # before parsing: building the config may set up the devices
+    script, config, model_args = parse_args(argv)
     import torch
     from accelerate import PartialState
     from transformers import set_seed
 
-    torch.set_num_threads(args.threads)
-    state = PartialState(cpu=not torch.cuda.is_available())  # as TraceGRPOConfig(use_cpu=...) will: one state
-    run_dir = prepare_run_dir(args, state)
+    torch.set_num_threads(script.threads)
+    state = PartialState(cpu=config.use_cpu)  # the state the trainers' config will use
+    run_dir = prepare_run_dir(config.output_dir, config.run_name, script.overwrite, state)
     t0 = time.time()
-    dataset = load_dataset(args.dataset, args.seed)
-    model_path = args.model
+    dataset = load_dataset(script.dataset_name, config.seed)
+    model_path = model_args.model_name_or_path
     if model_path is None:
-        key = f"{args.dataset}-seed{args.seed}-steps{args.sft_steps}"
+        key = f"{script.dataset_name}-seed{config.seed}-steps{script.sft_steps}"
         with state.main_process_first():  # the main process trains and saves; the others then load its weights
-            model_path = sft_warmup(os.path.join(args.output_dir, "sft-warm", key), dataset, args.sft_steps, args.seed)
-    mode = args.rollout_attention
+            warm = os.path.join(config.output_dir, "sft-warm", key)
+            model_path = sft_warmup(warm, dataset, script.sft_steps, config.seed)
+    mode = script.rollout_attention
     if mode == "auto":
         mode = "same" if torch.cuda.is_available() else "eager"
     attn = register_split_attention() if mode == "eager" else None
 
     histories, summaries = {}, []
-    for regime in args.regimes:
-        set_seed(args.seed)
+    for regime in script.regimes:
+        set_seed(config.seed)
         if state.is_main_process:
             print(f"\n== {regime}: {REGIMES[regime]}", flush=True)
         regime_dir = os.path.join(run_dir, regime)
-        trainer = build_trainer(args, regime, model_path, dataset, regime_dir, attn)
+        args = regime_config(argv, regime, regime_dir)
+        trainer = build_trainer(script, args, model_args, regime, model_path, dataset, attn)
         t = time.time()
         trainer.train()
         history = trainer.state.log_history
@@ -503,13 +520,19 @@ def main(argv=None) -> dict:
     with open(os.path.join(run_dir, "table.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump({"args": vars(args), "regimes": summaries}, f, indent=1)
-    name = os.path.basename(os.path.normpath(args.model)) if args.model else "tiny Qwen3 MoE (SFT-warmed)"
+        args = {
+            "script": dataclasses.asdict(script),
+            "model": dataclasses.asdict(model_args),
+            "config": config.to_dict(),
+        }
+        json.dump({"args": args, "regimes": summaries}, f, indent=1, default=str)
+    name = model_args.model_name_or_path
+    name = os.path.basename(os.path.normpath(name)) if name else "tiny Qwen3 MoE (SFT-warmed)"
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     attention = {"eager": "eager rollout / SDPA training attention", "same": "one attention kernel"}[mode]
     title = (
         f"GRPO on {name}: rollout vs training by regime\n"
-        f"{args.dtype} weights, {device}, {attention}, {args.max_steps} steps, seed {args.seed}"
+        f"{model_args.dtype} weights, {device}, {attention}, {config.max_steps} steps, seed {config.seed}"
     )
     png = os.path.join(run_dir, "grpo.png")
     plot(histories, png, title)

@@ -39,7 +39,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf import fp4  # noqa: E402
-from trace_hf.fp4 import FP4Hints, FP4Tensor, check_hints, check_input, check_scale, get_format  # noqa: E402
+from trace_hf.fp4 import FP4Hints, FP4Tensor, check_hints, check_input, check_scale  # noqa: E402
 from trace_hf.kernels.common import (  # noqa: E402
     INTERPRETED,
     bits_of,
@@ -577,7 +577,7 @@ def fake_quantize(x: torch.Tensor, fmt: str | None = None, scale: str = "row", h
 
 def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`FP4Tensor.dequantize`: ``(E2M1(code) * s) * g`` in fp32, then ``dtype``."""
-    f = get_format(q.fmt)
+    f = q.check_layout()
     check_device(q.packed)
     shape = q.shape
     if q.packed.numel() == 0:

@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -20,30 +21,51 @@ PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def grpo():
     spec = importlib.util.spec_from_file_location("grpo_example", os.path.join(PROJECT_ROOT, "examples", "grpo.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and TRL's parser resolve the module's annotations through it
     spec.loader.exec_module(module)
     return module
 
 
-def test_rollout_takes_all_or_a_list(grpo):
-    assert grpo.parse_args([]).regimes == ["bf16", "naive", "fp4", "trace"]
-    assert grpo.parse_args(["--rollout", "trace,bf16,trace"]).regimes == ["trace", "bf16"]
-    assert grpo.parse_args(["--rollout-engine", "generate"]).rollout_engine == "generate"
-    assert grpo.parse_args(["--report-to", "tensorboard,wandb"]).report_to == ["tensorboard", "wandb"]
+def test_regimes_take_all_or_a_list_and_every_trl_field_is_a_flag(grpo):
+    script, config, model_args = grpo.parse_args([])
+    assert script.regimes == ["bf16", "naive", "fp4", "trace"]
+    assert (config.max_steps, config.num_generations, config.report_to, model_args.dtype) == (40, 8, [], "bfloat16")
+    assert config.activation_checkpointing is False and model_args.model_name_or_path is None
+    script, config, model_args = grpo.parse_args(
+        ["--regimes", "trace,bf16,trace", "--rollout-engine", "generate", "--report_to", "tensorboard,wandb"]
+        + ["--learning_rate", "1e-5", "--num_generations", "4", "--per_device_train_batch_size", "8"]
+        + ["--rollout_importance_sampling", "false", "--use_peft", "--lora_target_modules", "q_proj", "v_proj"]
+    )
+    assert script.regimes == ["trace", "bf16"] and config.rollout_engine == "generate"
+    assert config.report_to == ["tensorboard", "wandb"]
+    assert (config.learning_rate, config.num_generations, config.per_device_train_batch_size) == (1e-5, 4, 8)
+    assert config.rollout_importance_sampling is False
+    assert model_args.use_peft and model_args.lora_target_modules == ["q_proj", "v_proj"]
     with pytest.raises(SystemExit):
-        grpo.parse_args(["--rollout", "fp4,fp8"])
+        grpo.parse_args(["--regimes", "fp4,fp8"])
+
+
+def test_the_qwen3_30b_recipe_parses_into_the_config(grpo):
+    """The recipe beside the example: every key is a known flag, and flags after --config override it."""
+    recipe = os.path.join(PROJECT_ROOT, "examples", "recipes", "qwen3_30b_a3b_grpo.yaml")
+    script, config, model_args = grpo.parse_args(["--config", recipe, "--max_steps", "3"])
+    assert script.regimes == ["fp4", "trace"] and script.dataset_name == "openai/gsm8k"
+    assert (model_args.model_name_or_path, model_args.dtype) == ("Qwen/Qwen3-30B-A3B", "bfloat16")
+    assert config.bf16 and config.activation_checkpointing and not config.gradient_checkpointing_kwargs
+    assert (config.loss_type, config.num_generations, config.max_completion_length) == ("dapo", 8, 1024)
+    assert config.mask_truncated_completions and config.beta == 0.0 and config.epsilon_high == 0.28
+    assert config.rollout_importance_sampling and config.rollout_importance_sampling_mode == "token_truncate"
+    assert config.max_steps == 3 and config.learning_rate == 1e-6 and config.report_to == ["tensorboard"]
 
 
 def test_an_existing_run_is_refused_without_overwrite(grpo, tmp_path):
-    args = grpo.parse_args(["--output-dir", str(tmp_path), "--run-name", "r"])
-    run = grpo.prepare_run_dir(args, PartialState())
+    run = grpo.prepare_run_dir(str(tmp_path), "r", False, PartialState())
     open(os.path.join(run, "table.md"), "w").close()
     with pytest.raises(SystemExit, match="--overwrite"):
-        grpo.prepare_run_dir(args, PartialState())
+        grpo.prepare_run_dir(str(tmp_path), "r", False, PartialState())
     assert os.path.exists(os.path.join(run, "table.md"))
-    args.overwrite = True
-    assert grpo.prepare_run_dir(args, PartialState()) == run and os.listdir(run) == []
-    args.run_name = None  # default: the start time, a new folder
-    assert grpo.prepare_run_dir(args, PartialState()) != run
+    assert grpo.prepare_run_dir(str(tmp_path), "r", True, PartialState()) == run and os.listdir(run) == []
+    assert grpo.prepare_run_dir(str(tmp_path), None, False, PartialState()) != run  # default: the start time
 
 
 def test_split_attention_is_the_same_math_and_rounds_differently_in_bf16(grpo):
@@ -70,9 +92,9 @@ def test_regimes_share_a_start_and_report_one_table_plot_and_tensorboard(grpo, t
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = grpo.main(
-        ["--rollout", "bf16,trace", "--output-dir", str(tmp_path), "--run-name", "r", "--max-steps", "2"]
-        + ["--sft-steps", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "3"]
-        + ["--report-to", "tensorboard"]
+        ["--regimes", "bf16,trace", "--output_dir", str(tmp_path), "--run_name", "r", "--max_steps", "2"]
+        + ["--sft_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4"]
+        + ["--max_completion_length", "3", "--report_to", "tensorboard"]
     )
     run = out["run_dir"]
     bf16, trace = out["regimes"]

@@ -5,26 +5,39 @@ Importing the package registers the `trace_fp4` quantization method with transfo
 `from_pretrained` can reload checkpoints saved with `TraceFP4Config`.
 """
 
+import importlib.machinery as _machinery
 import importlib.util as _importlib_util
+import os as _os
+import sys as _sys
 import warnings as _warnings
 
 
-def _check_kernels() -> None:
-    # kernels/ installs as trace_hf.kernels through a package-dir mapping that setuptools' default (lenient) editable
-    # mode cannot express, and a source tree first on sys.path shadows a good install the same way. Either way the
-    # install "works" until the first CUDA forward; say so now, with the fix.
-    if _importlib_util.find_spec(f"{__name__}.kernels") is not None:
+def _find_kernels() -> None:
+    """Make `trace_hf.kernels` importable wherever `trace_hf` itself was found.
+
+    kernels/ sits beside trace_hf/ in the repository and installs as trace_hf.kernels (package-dir mapping); it has
+    no `__init__.py` on purpose (see kernels/README.md). A regular or strict editable install maps it, but a source
+    tree first on sys.path (the repository root as cwd, `python -m pytest`, a notebook in the clone) and setuptools'
+    default editable mode find trace_hf/ alone. Then the folder beside the package is bound here under the full
+    name, with the import system's own PathFinder: no top-level `kernels` on sys.path, no extra finder kept in
+    sys.meta_path, and an installed mapping still wins because it is looked up first.
+    """
+    name = f"{__name__}.kernels"
+    if _importlib_util.find_spec(name) is not None:
         return
-    raise ImportError(
-        f"trace_hf.kernels (the Triton kernels, kernels/ in the repository) is missing: trace_hf was imported from "
-        f"{__path__[0]}. Install with `pip install -e . --config-settings editable_mode=strict` (the default "
-        "editable mode cannot map kernels/ to trace_hf.kernels) or without -e. If it is installed that way already, "
-        "the repository's source folder is shadowing the install: run from another directory, and run the tests "
-        "with `pytest`, not `python -m pytest`."
-    )
+    spec = _machinery.PathFinder.find_spec(name, [_os.path.dirname(__path__[0])])
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"trace_hf.kernels (the Triton kernels, kernels/ in the repository) is missing: trace_hf was imported "
+            f"from {__path__[0]} and no kernels/ folder sits beside it. Reinstall trace-hf (`pip install .`, or "
+            "`pip install -e .` in a clone)."
+        )
+    module = _importlib_util.module_from_spec(spec)
+    _sys.modules[name] = module
+    globals()["kernels"] = module  # as the import system binds a submodule on its parent
 
 
-_check_kernels()
+_find_kernels()
 
 # TRL reads `model.is_gradient_checkpointing`, which transformers 5 deprecates in favour of
 # `is_activation_checkpointing`; users never touch it, so its FutureWarning (once per training step) is noise.

@@ -49,6 +49,7 @@ register_optimizer_step_post_hook(_invalidate_after_step)
 # TRACE_HF_DEBUG=1: every reuse of packed weights checks that the masters still hold what was quantized (one pass
 # over them, and a host sync), so an update that bypassed every refresh path raises instead of training on stale FP4.
 _DEBUG = os.environ.get("TRACE_HF_DEBUG", "0") not in ("", "0")
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SKIP_REFRESH = threading.local()
 
 
@@ -56,10 +57,10 @@ def refresh_fp4_weights(model: nn.Module) -> None:
     """Re-quantize every FP4 experts module's packed weights from its masters, now.
 
     The packed weights follow the masters on their own after optimizer steps and after in-place edits that bump the
-    parameters' version counters, and every eval forward that starts a sequence (a `generate` call, a prefill)
-    refreshes them. Call this after anything else that changes the masters in place before a training forward:
-    ``p.data.copy_(...)``, ``p.data.add_(...)``, weight sync from another process, `load_state_dict` into the
-    same storage."""
+    parameters' version counters, every eval forward that starts a sequence (a `generate` call, a prefill)
+    refreshes them, and a training forward re-quantizes them when a sample of the masters changed (a
+    ``p.data.copy_(...)`` of the whole tensor, a weight sync). Call this after an edit that the sample may miss
+    (``p.data[e, i] = ...`` on a few elements) before a training forward."""
     for m in fp4_experts(model):
         m.refresh_packed()
 
@@ -135,6 +136,7 @@ class TraceFP4Experts(nn.Module):
         self._trace_hidden_guide = None
         self._packed = None
         self._packed_storage = None  # the packed tensors, kept across invalidations so refreshes reuse them
+        self._packed_sample = ()  # `_masters_sample()` when the packed weights were made
         self._fake = None
         _LIVE.add(self)
 
@@ -166,7 +168,8 @@ class TraceFP4Experts(nn.Module):
         """Packed FP4 weights for rollout, re-quantized from the masters whenever they changed: after any optimizer
         step (a global step hook drops the cache) or any other in-place edit (the parameters' version counters)."""
         version = self._version()
-        if self._packed is None or self._packed[0] != version:
+        # In training, also a sample of the masters: `.data` edits and weight syncs bump no version counter.
+        if self._packed is None or self._packed[0] != version or (self.training and self._masters_edited()):
             self.refresh_packed()
         elif _DEBUG and self._fingerprint() != self._packed_fingerprint:
             raise RuntimeError(
@@ -175,6 +178,23 @@ class TraceFP4Experts(nn.Module):
                 "updates."
             )
         return self._packed[1], self._packed[2]
+
+    def _masters_sample(self) -> tuple[torch.Tensor, ...]:
+        """Bits of every n-th master element (about 4K per tensor). A write through `.data` (a weight sync, a user's
+        own loop) changes the values but not `_version`, so training would reuse stale fake-quantized weights; this
+        sample sees any such write that touches the sampled elements (any whole-tensor update) for one small read and
+        a host sync per training forward. `TRACE_HF_DEBUG=1` adds a full-tensor check."""
+        if _is_dtensor(self.gate_up_proj):
+            return ()
+        out = []
+        for t in (self.gate_up_proj, self.down_proj):
+            s = t.detach().reshape(-1)[:: max(1, t.numel() // 4096)].contiguous()
+            out.append(s.view(_SAME_SIZE_INT[s.element_size()]))
+        return tuple(out)
+
+    def _masters_edited(self) -> bool:
+        now = self._masters_sample()
+        return len(now) != len(self._packed_sample) or not all(map(torch.equal, now, self._packed_sample))
 
     def _fingerprint(self) -> tuple[float, ...]:
         with torch.no_grad():
@@ -210,6 +230,7 @@ class TraceFP4Experts(nn.Module):
         self._packed_storage = (gu, d)
         # A new tuple: the dequantized QAT cache (`_fake`) is keyed on its identity.
         self._packed = (self._version(), gu, d)
+        self._packed_sample = self._masters_sample()
         if _DEBUG:
             self._packed_fingerprint = self._fingerprint()
 
@@ -238,6 +259,7 @@ class TraceFP4Experts(nn.Module):
             self.down_proj.copy_(down.dequantize(self.down_proj.dtype))
         self._packed = (self._version(), gate_up, down)
         self._packed_storage = (gate_up, down)
+        self._packed_sample = self._masters_sample()
 
     def packed_nbytes(self) -> int:
         gu, d = self.packed_weights()

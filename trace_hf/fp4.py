@@ -247,8 +247,23 @@ class FP4Tensor:
         """fp32 ``s * g`` per block, ``[..., K / block]``."""
         return block_scale_decode(self.block_scale, self.fmt) * self.global_scale
 
+    def check_layout(self) -> FP4Format:
+        """The format's block must tile the codes: a container written in the other format (NVFP4 blocks of 16, MXFP4
+        blocks of 32) carries twice or half the scale bytes, which would misread every value."""
+        f = get_format(self.fmt)
+        k, blocks = self.packed.shape[-1] * 2, self.block_scale.shape[-1]
+        if self.packed.shape[:-1] == self.block_scale.shape[:-1] and blocks * f.block_size == k:
+            return f
+        other = [g.name for g in FORMATS.values() if g.name != f.name and blocks * g.block_size == k]
+        written = f"written in {other[0]} (blocks of {FORMATS[other[0]].block_size})" if other else "of another layout"
+        raise ValueError(
+            f"This FP4Tensor says fmt={f.name!r} (blocks of {f.block_size}), but its {k} codes per row come with "
+            f"{blocks} block scales {tuple(self.block_scale.shape)}: a container {written}. Read it with the format "
+            f"it was quantized in{f' (fmt={other[0]!r})' if other else ''}, or quantize again in {f.name}."
+        )
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        bs = get_format(self.fmt).block_size
+        bs = self.check_layout().block_size
         q = e2m1_decode(self.codes()).unflatten(-1, (-1, bs))
         s = block_scale_decode(self.block_scale, self.fmt).unsqueeze(-1)
         g = self.global_scale.unsqueeze(-1)
@@ -292,27 +307,25 @@ def hint_bytes_per_row(width: int, fmt: str = "nvfp4") -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _group_max(a: torch.Tensor, scale: str) -> torch.Tensor:
+    """max of ``a`` per scale group, shaped to broadcast against ``[..., K]``; an empty group's max is 0 (an
+    all-zero group), so an empty tensor quantizes to an empty result under every scale mode."""
+    if scale == "row":
+        return a.amax(dim=-1, keepdim=True)  # K > 0 (check_last_dim)
+    if scale == "expert" and a.ndim < 2:
+        raise ValueError("scale='expert' needs a tensor with a leading expert dimension, e.g. [E, N, K].")
+    if scale not in ("tensor", "expert"):
+        raise ValueError(f"Unknown scale mode {scale!r}: use 'row', 'tensor' or 'expert'.")
+    flat = a.reshape(1, -1) if scale == "tensor" else a.flatten(1)
+    m = flat.amax(dim=1) if flat.shape[1] else flat.new_zeros(flat.shape[0])
+    return m.reshape([-1] + [1] * (a.ndim - 1))
+
+
 def _group_amax(x: torch.Tensor, scale: str) -> torch.Tensor:
     """amax of |x| per scale group, shaped to broadcast against ``[..., K]``; NaN if the group is not finite."""
-    a = x.abs()
-    if scale == "row":
-        amax = a.amax(dim=-1, keepdim=True)
-    elif scale == "tensor":
-        amax = a.amax().reshape([1] * x.ndim)
-    elif scale == "expert":
-        if x.ndim < 2:
-            raise ValueError("scale='expert' needs a tensor with a leading expert dimension, e.g. [E, N, K].")
-        amax = a.flatten(1).amax(dim=1).reshape([-1] + [1] * (x.ndim - 1))
-    else:
-        raise ValueError(f"Unknown scale mode {scale!r}: use 'row', 'tensor' or 'expert'.")
+    amax = _group_max(x.abs(), scale)
     # amax ignores NaN on some paths and not others: make any non-finite group explicitly NaN.
-    nonfinite = (~torch.isfinite(x)).to(torch.float32)
-    if scale == "row":
-        bad = nonfinite.amax(dim=-1, keepdim=True)
-    elif scale == "tensor":
-        bad = nonfinite.amax().reshape(amax.shape)
-    else:
-        bad = nonfinite.flatten(1).amax(dim=1).reshape(amax.shape)
+    bad = _group_max((~torch.isfinite(x)).to(torch.float32), scale)
     return torch.where(bad > 0, torch.full_like(amax, float("nan")), amax)
 
 

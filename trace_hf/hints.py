@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -311,7 +313,11 @@ class HintRecorder:
         the hinted layers; routing of every MoE layer; the fed token ids [B, cols] or None), column ``j`` being the
         ``j``-th fed position of the padded batch. Checks that the forwards are one cached decode: a prefill, then one column per step."""
         if not self._steps:
-            raise RuntimeError("HintRecorder recorded nothing: run generate (or a forward) inside the `with` block.")
+            raise RuntimeError(
+                "HintRecorder recorded nothing: no forward of this model ran inside the `with` block. Run generate "
+                "(or a forward) inside it, with the model in eval(); a generate that does not run the model (replaced "
+                "or mocked) has no hints to record."
+            )
         if self._reordered:
             raise RuntimeError(
                 "HintRecorder saw beam search reorder the batch between steps, so the recorded hints mix beams. "
@@ -674,6 +680,14 @@ def use_hints(
 
     Yields a `MismatchReport` that fills as forwards run.
     """
+    if not isinstance(hint_batch, HintBatch):
+        raise TypeError(
+            f"use_hints needs the rollout's HintBatch, got {'None' if hint_batch is None else type(hint_batch).__name__}"
+            ": the hints were not recorded (a rollout called with record=False, or generate outside a HintRecorder). "
+            "Roll out with record=True (or generate inside `with HintRecorder(model) as rec:` and pass "
+            "rec.collect(attention_mask)); for a training forward without hints, leave use_hints out "
+            "(trace_hf.hints.aligned_positions still gives it generate's position ids)."
+        )
     experts = fp4_experts(model)
     hinted = [m for m in experts if m.hinted]
     plan = hint_plan(model)
@@ -756,6 +770,7 @@ def use_hints(
             hook = _routing_hook(recorded, has_flat, routing_replay, report)
             handles.append(router_of(model, m).register_forward_hook(hook))
         yield report
+        _warn_if_off_policy(model, report)
     finally:
         for m in hinted:
             m._trace_guide = None
@@ -763,6 +778,42 @@ def use_hints(
             setattr(mod, name, None)
         for h in handles:
             h.remove()
+
+
+class StaleHintsWarning(UserWarning):
+    """Hints applied to a model that disagrees with them far more than the policy that recorded them would."""
+
+
+# Thresholds of the off-policy warning, from `python benchmarks/stale_hints.py` (tiny Qwen3 MoE, CPU, BF16; 3 seeds)
+# and the GPU runs of docs/results.md: a rollout of the same policy shows flip rates of 0.08 (CPU) to 0.19 (H200,
+# QAT without hints) and routing mismatch of 0.02 to 0.22 (H200, naive FP4); another policy of the same shape 0.57
+# and 0.95, and weights moved 10% 0.48 and 0.37. Warn at about twice the largest same-policy rate.
+STALE_FLIP_RATE = 0.40
+STALE_ROUTING_MISMATCH = 0.50
+_STALE_MIN_ELEMENTS, _STALE_MIN_ROUTES = 4096, 64  # fewer: too noisy to call
+_STALE_WARNED: weakref.WeakSet = weakref.WeakSet()  # models warned already: once per model
+
+
+def _warn_if_off_policy(model: torch.nn.Module, report: MismatchReport) -> None:
+    if model in _STALE_WARNED:
+        return
+    elements = int(sum(report.elements.values()))
+    flips = report.hint_flip_rate if elements >= _STALE_MIN_ELEMENTS else 0.0
+    routing = report.routing_mismatch if report.routing_total >= _STALE_MIN_ROUTES else 0.0
+    if not (flips >= STALE_FLIP_RATE or routing >= STALE_ROUTING_MISMATCH):
+        return
+    _STALE_WARNED.add(model)
+    warnings.warn(
+        f"use_hints: the hints disagree with this model far more than a rollout of the same policy does (flip rate "
+        f"{flips:.2f}, routing mismatch {routing:.2f}; the same policy shows at most about 0.19 and 0.22, another "
+        f"policy 0.57 and 0.95): the rollout that recorded them ran other weights. Stale or asynchronous rollouts "
+        "(a max_version_diff above 0, a weight sync that has not reached the rollout) make hints off-policy, and "
+        "guiding training with them adds error instead of removing it. Roll out with the weights being trained. "
+        f"(Warned once per model; thresholds trace_hf.hints.STALE_FLIP_RATE={STALE_FLIP_RATE}, "
+        f"STALE_ROUTING_MISMATCH={STALE_ROUTING_MISMATCH}.)",
+        StaleHintsWarning,
+        stacklevel=4,  # the caller's `with use_hints(...)` (past this function, the generator and contextlib)
+    )
 
 
 def _register_token_check(model: torch.nn.Module, token_ids: torch.Tensor, pos: torch.Tensor, has: torch.Tensor):

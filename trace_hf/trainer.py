@@ -36,6 +36,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from .experts import TraceFP4Experts, fp4_experts
 from .hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use_hints
 from .rollout import ROLLOUT_ENGINES, RolloutOutput, make_rollout
+from .trl_options import check_trl_options
 
 
 # TRL's vLLM importance-sampling fields and their counterparts here (same meaning, applied to the FP4 sampler).
@@ -159,9 +160,22 @@ class TraceGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Log the trace/* metrics (hint flips, routing mismatch, rollout/train log-prob gap)."},
     )
+    # TRL's default `gradient_checkpointing=True` is transformers 5's deprecated alias of `activation_checkpointing`
+    # and warns on every config. Unset here; `__post_init__` applies TRL's default under the new name instead.
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing` (transformers 5); unset, TRL's default (on) applies.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
 
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's GRPOConfig default, without the deprecated name
         super().__post_init__()
+        check_trl_options(self)  # TRL options this trainer cannot honour (trace_hf.trl_options)
         if self.use_vllm:
             raise ValueError(
                 "TraceGRPOConfig(use_vllm=True) is not supported: TraceGRPOTrainer generates through the model's own "

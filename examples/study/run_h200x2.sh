@@ -15,7 +15,7 @@ STEPS=${STEPS:-30}
 
 G1=1; [ "$NGPU" -lt 2 ] && G1=0  # one GPU: both queues share it, no DDP run
 echo "== 1. one-GPU GRPO (GPU $G1) and the study warm-up (GPU0), in parallel"
-[ "$G1" = 1 ] && (CUDA_VISIBLE_DEVICES=1 timeout 120 $PY examples/grpo.py --max-steps 20 --output-dir "$W/ddp/1gpu" \
+[ "$G1" = 1 ] && (CUDA_VISIBLE_DEVICES=1 timeout 120 $PY examples/grpo.py --max_steps 20 --output_dir "$W/ddp/1gpu" \
   > "$W/ddp_1gpu.log" 2>&1; echo "rc=$?" >> "$W/ddp_1gpu.log") &
 study_warm 0
 wait
@@ -23,7 +23,8 @@ wait
 echo "== 2. the same GRPO run with DDP on two GPUs"
 if [ "$G1" = 1 ]; then
   timeout 100 $PY -m accelerate.commands.launch --multi_gpu --num_processes 2 --mixed_precision no \
-    examples/grpo.py --max-steps 20 --prompts-per-step 8 --model "$W/ddp/1gpu/sft-warm" --output-dir "$W/ddp/2gpu" \
+    examples/grpo.py --max_steps 20 --model_name_or_path "$W/ddp/1gpu/sft-warm" \
+    --output_dir "$W/ddp/2gpu" \
     > "$W/ddp_2gpu.log" 2>&1
   echo "ddp rc=$?"
   grep -E "reward/|wall_time" "$W/ddp_1gpu.log" "$W/ddp_2gpu.log"

@@ -46,8 +46,11 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and mask [B, P], as TRL and generate lay prompts out."""
+def left_pad(
+    prompt_ids: list[list[int]], pad_id: int, device, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask [B, P], as TRL and generate lay prompts out. With `vocab_size`, the prompt ids are
+    checked against it (`check_token_ids`) while they are still on the host."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("A rollout needs at least one prompt, each of at least one token.")
     p = max(len(x) for x in prompt_ids)
@@ -56,7 +59,32 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     for r, x in enumerate(prompt_ids):
         ids[r, p - len(x) :] = torch.as_tensor(x, dtype=torch.long)
         mask[r, p - len(x) :] = 1
+    if vocab_size is not None:
+        check_token_ids(ids, mask, vocab_size)
     return ids.to(device), mask.to(device)
+
+
+def vocab_size_of(lm: torch.nn.Module) -> int:
+    """Rows of the input embedding table: the ids a forward can look up (the config's vocab_size otherwise)."""
+    emb = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return int(getattr(emb, "num_embeddings", None) or lm.config.vocab_size)
+
+
+def check_token_ids(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
+    """Refuse prompt ids outside [0, vocab_size) before they reach the embedding, where they would be torch's bare
+    IndexError on CPU and a device-side assert, which ends the process's CUDA context, on the GPU. One min/max over
+    the host tensor per rollout; the row and id are looked up only on failure."""
+    real = ids[mask.bool()]
+    if real.numel() == 0 or (int(real.min()) >= 0 and int(real.max()) < vocab_size):
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    row, col = (bad & mask.bool()).nonzero()[0].tolist()
+    pos = col - int((mask[row] == 0).sum())
+    raise ValueError(
+        f"Prompt row {row} holds token id {int(ids[row, col])} at position {pos}, outside the model's vocabulary "
+        f"[0, {vocab_size}). Tokenize the prompts with the model's own tokenizer (and resize the embeddings, "
+        "model.resize_token_embeddings, after adding tokens)."
+    )
 
 
 def cut_after_eos(completion: torch.Tensor, eos_ids) -> torch.Tensor:

@@ -35,7 +35,7 @@ from .. import fp4
 from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
 from ..hints import HintRecorder, hint_batch_from_columns, kv_rows
 from ..kv_cache import FP4KVLayer, fp4_cache
-from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists
+from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, weights_from_hf
 from .generate import check_sampling
 from .sampling import SamplingSettings, draw, process_logits, sampler_logprobs
@@ -383,7 +383,7 @@ class EngineRollout:
         w = self._weights_for(lm)
         dev = w.embed.device
         B = len(prompt_ids)
-        ids, mask = left_pad(prompt_ids, s.pad_token_id, dev)
+        ids, mask = left_pad(prompt_ids, s.pad_token_id, dev, vocab_size_of(lm))
         P = ids.shape[1]
         batch = B if dev.type != "cuda" else 1 << max(0, (B - 1).bit_length())
         length = _bucket(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)

@@ -17,7 +17,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..hints import HintRecorder
-from .base import RolloutOutput, causal_lm, cut_after_eos, eos_ids_of, left_pad, to_lists
+from .base import RolloutOutput, causal_lm, cut_after_eos, eos_ids_of, left_pad, to_lists, vocab_size_of
 
 
 class _LogprobTracker(StoppingCriteria):
@@ -67,7 +67,7 @@ class GenerateRollout:
         lm = causal_lm(model)
         device = next(lm.parameters()).device
         pad = generation_config.pad_token_id
-        ids, mask = left_pad(prompt_ids, 0 if pad is None else pad, device)
+        ids, mask = left_pad(prompt_ids, 0 if pad is None else pad, device, vocab_size_of(lm))
         gc = copy.deepcopy(generation_config)
         gc.output_logits = False
         gc.return_dict_in_generate = False
