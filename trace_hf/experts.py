@@ -273,6 +273,7 @@ class TraceFP4Experts(nn.Module):
         only marked stale: the layer's next forward, with the gathered masters, re-quantizes them. Frozen experts
         have nothing to refresh from: their packed buffers are the weights."""
         if self.frozen:
+            self._frozen_weights()
             return
         if _is_dtensor(self.gate_up_proj):
             self._packed = None
