@@ -108,8 +108,9 @@ def install_kv_cache(model, config: TraceFP4Config) -> None:
 
 def quantize_model(model, config: TraceFP4Config):
     """Apply `config` to a model that is already built (what `from_pretrained(..., quantization_config=...)` does
-    while loading); returns the model."""
-    convert_experts(model, config)
+    while loading); returns the model. Frozen experts of a model still on the meta device get placeholders in the
+    packed layout, to be filled with `TraceFP4Experts.load_packed_weights` / `pack_from` layer by layer."""
+    convert_experts(model, config, packed_placeholders=True)
     install_kv_cache(model, config)
     model.config.quantization_config = config
     model.is_quantized = True
