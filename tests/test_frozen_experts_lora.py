@@ -28,9 +28,9 @@ def model_dir(tmp_path_factory):
     return T.save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe", num_hidden_layers=2)
 
 
-def load(path, **quant):
+def load(path, dtype=torch.float32, **quant):
     quant = {"hint_layers": 2, "freeze_experts": True, **quant}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=TraceFP4Config(**quant))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=TraceFP4Config(**quant))
 
 
 def lora(model, **kw):
@@ -233,8 +233,8 @@ def test_frozen_experts_on_cuda_gpu(model_dir):
     """On the GPU (Triton dequantization, grouped GEMMs in bf16): the frozen training forward equals the QAT one
     built from the same masters bit for bit, the input gradients agree, and the engine (CUDA graphs) with an
     adapter attached rolls out the tokens its eager steps give."""
-    frozen = load(model_dir).to("cuda", torch.bfloat16)
-    qat = load(model_dir, freeze_experts=False).to("cuda", torch.bfloat16)
+    frozen = load(model_dir, torch.bfloat16).cuda()
+    qat = load(model_dir, torch.bfloat16, freeze_experts=False).cuda()
     a, b = fp4_experts(frozen)[0], fp4_experts(qat)[0]
     for x, y in zip(a.packed_weights(), b.packed_weights(), strict=True):
         assert torch.equal(x.dequantize(torch.bfloat16), y.dequantize(torch.bfloat16))

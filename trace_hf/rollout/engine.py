@@ -93,7 +93,11 @@ def _adapter_problems(lm) -> str | None:
     """Why the engine cannot fold this model's PEFT adapters into its weights (None: it can, or there are none)."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # PEFT before 0.15
+        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
 
     bad = []
     for name, m in lm.named_modules():
@@ -103,7 +107,11 @@ def _adapter_problems(lm) -> str | None:
             leaf = name.rsplit(".", 1)[-1]
             if not isinstance(m, LoraLinear) or leaf not in LORA_TARGETS or ".self_attn." not in f".{name}":
                 bad.append(f"{name} ({type(m).__module__.split('.')[-2]} on {leaf})")
-            elif any(m.lora_variant.get(a) or m.lora_bias.get(a) for a in m.active_adapters):
+            elif any(
+                getattr(m, attr, {}).get(a)
+                for attr in ("lora_variant", "use_dora", "lora_bias")
+                for a in m.active_adapters
+            ):
                 bad.append(f"{name} (a LoRA variant such as DoRA, or lora_bias)")
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
