@@ -215,9 +215,11 @@ class TraceGRPOTrainer(GRPOTrainer):
     Qwen3.5 MoE (any fused-experts MoE) loaded with `quantization_config=TraceFP4Config()`, or a plain model with
     `rollout_precision="bf16"`.
 
-    PEFT: LoRA on non-expert linears (e.g. `q_proj`, `v_proj`) is supported; the FP4 experts are then frozen and keep
-    their QAT forward. LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout weights are
-    quantized from the base parameters and would not contain the adapter.
+    PEFT (`peft_config=LoraConfig(...)` or a `PeftModel`): LoRA on non-expert linears (e.g. `q_proj`, `v_proj`) is
+    supported; the FP4 experts are then frozen and keep their QAT forward, or are frozen packed FP4 with
+    `TraceFP4Config(freeze_experts=True)`. The rollout engine merges LoRA on the attention projections into its
+    weights at every rollout. LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout
+    weights are quantized from the base parameters (or are frozen codes) and would not contain the adapter.
     """
 
     _tag_names = ["trl", "grpo", "trace-hf"]
