@@ -157,7 +157,7 @@ def _trainer(model, tmp_path, **kw):
 
     ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
     args = TraceGRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
         max_steps=2, learning_rate=5e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
         bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
     )  # fmt: skip
@@ -174,12 +174,12 @@ def test_trainer_lora_with_frozen_experts_through_the_engine(model_dir, tmp_path
         load(model_dir), tmp_path, peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION)
     )
     model = trainer.model
-    p = prompts(model.config.vocab_size)
+    p = prompts(model.config.vocab_size, (5, 3))
 
     def agree():
         model.eval()
-        a = EngineRollout()(model, p, greedy()).completion_ids
-        assert a == GenerateRollout()(model, p, greedy()).completion_ids
+        a = EngineRollout()(model, p, greedy(max_new_tokens=4)).completion_ids
+        assert a == GenerateRollout()(model, p, greedy(max_new_tokens=4)).completion_ids
         model.train()
         return a
 
