@@ -78,6 +78,22 @@ def test_from_pretrained_holds_only_the_packed_experts(model_dir):
     assert all(m.down_proj_global_scale.dtype == torch.float32 for m in experts)
 
 
+def test_save_pretrained_round_trip(model_dir, tmp_path):
+    """A frozen model's save_pretrained holds the packed codes (no BF16 experts) and reloads to the same logits."""
+    from safetensors import safe_open
+
+    model = load(model_dir).eval()
+    model.save_pretrained(tmp_path / "frozen")
+    with safe_open(str(tmp_path / "frozen" / "model.safetensors"), "pt") as f:
+        held = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." in k)  # noqa: SIM118
+    assert held == sum(m.packed_nbytes() for m in fp4_experts(model))  # codes, E4M3 bytes, fp32 globals: no master
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "frozen", dtype=torch.float32).eval()
+    assert all(m.frozen for m in fp4_experts(again))
+    ids = torch.tensor(prompts(model.config.vocab_size, (6, 6)))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
 @pytest.mark.parametrize("cache", [False, True])
 def test_training_computes_from_the_rollout_weights(model_dir, cache):
     """The training forward of frozen experts uses the rollout's packed weights dequantized, bit for bit: the same
