@@ -75,7 +75,7 @@ def test_from_pretrained_holds_only_the_packed_experts(model_dir):
     assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, plain.model.layers[1].self_attn.q_proj.weight)
     # model.to(dtype) casts floating buffers; the FP4 global scales stay fp32.
     model.to(torch.bfloat16)
-    assert all(m.down_proj_global_scale.dtype == torch.float32 for m in experts)
+    assert all(m.down_proj_global_scale.dtype == torch.float32 and m.weight_dtype == torch.bfloat16 for m in experts)
 
 
 def test_save_pretrained_round_trip(model_dir, tmp_path):

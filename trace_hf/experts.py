@@ -143,7 +143,7 @@ class TraceFP4Experts(nn.Module):
                 f"multiples of {block}; use a model with such sizes or add the experts to modules_to_not_convert."
             )
         self.frozen = frozen  # `TraceFP4Config.freeze_experts`: packed FP4 buffers only, no BF16 masters
-        self.weight_dtype = gate_up_proj.dtype  # what the weights dequantize to (the masters' dtype)
+        self._frozen_dtype = gate_up_proj.dtype  # frozen experts: the dtype they dequantize to (the model's)
         self.act_fn = act_fn
         self.fmt = fmt
         self.activations = activations
@@ -197,9 +197,15 @@ class TraceFP4Experts(nn.Module):
             moved = self._buffers[n]
             if moved.dtype != b.dtype:
                 self._buffers[n] = b.to(moved.device)
-        if self.frozen:  # the cached FP4Tensor views hold the buffers from before
+        if self.frozen:  # the cached FP4Tensor views hold the buffers from before; the model dtype may have changed
             self._packed = self._fake = None
+            self._frozen_dtype = fn(torch.empty(0, dtype=self._frozen_dtype)).dtype
         return self
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the expert weights dequantize to: the masters' (or, frozen, the model's)."""
+        return self._frozen_dtype if self.frozen else self.gate_up_proj.dtype
 
     @classmethod
     def from_experts(cls, experts: nn.Module, config, packed_placeholders: bool = False) -> TraceFP4Experts:
