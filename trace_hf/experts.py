@@ -46,8 +46,9 @@ def _invalidate_after_step(optimizer, args, kwargs) -> None:
 
 register_optimizer_step_post_hook(_invalidate_after_step)
 
-#: The weights of a frozen experts module, as `(name, FP4Tensor field)`: the codes keep the parameter's name (as
-#: transformers' own NVFP4 layers do), so a BF16 checkpoint's tensor loads, and is quantized, under it.
+#: The two projections, and the buffer-name suffix of each `FP4Tensor` field of a frozen one: the codes keep the
+#: parameter's own name (as transformers' NVFP4 layers keep theirs under `weight`), so a BF16 checkpoint's tensor
+#: loads, and is quantized, under it.
 _PROJS = ("gate_up_proj", "down_proj")
 _FROZEN_SUFFIXES = {"packed": "", "block_scale": "_block_scale", "global_scale": "_global_scale"}
 _CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -141,6 +142,10 @@ class TraceFP4Experts(nn.Module):
             raise ValueError(
                 f"{fmt} needs the experts' hidden size ({h}) and intermediate size ({self.intermediate_dim}) to be "
                 f"multiples of {block}; use a model with such sizes or add the experts to modules_to_not_convert."
+            )
+        if frozen and not qat:
+            raise ValueError(
+                "Frozen FP4 experts have no BF16 masters to train without fake quantization: keep qat=True."
             )
         self.frozen = frozen  # `TraceFP4Config.freeze_experts`: packed FP4 buffers only, no BF16 masters
         self._frozen_dtype = gate_up_proj.dtype  # frozen experts: the dtype they dequantize to (the model's)
