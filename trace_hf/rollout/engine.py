@@ -271,12 +271,13 @@ class _ShardedWeights:
                     a, m = layer.self_attn, layer.mlp
                     qkv = torch.cat([full(lora_weight(a.q_proj)), full(lora_weight(a.k_proj)),
                                      full(lora_weight(a.v_proj))])  # fmt: skip
-                    if isinstance(m.experts, TraceFP4Experts) and m.experts.frozen:
-                        m.experts.packed_weights()
-                    elif isinstance(m.experts, TraceFP4Experts):
-                        m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
-                        gu, d, hinted = m.experts._packed[1], m.experts._packed[2], m.experts.hinted
-                        sites = m.experts.hint_sites or ("experts_input",)
+                    if isinstance(m.experts, TraceFP4Experts):
+                        if m.experts.frozen:  # unsharded buffers: the packed weights themselves
+                            gu, d = m.experts.packed_weights()
+                        else:
+                            m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
+                            gu, d = m.experts._packed[1], m.experts._packed[2]
+                        hinted, sites = m.experts.hinted, m.experts.hint_sites or ("experts_input",)
                     else:
                         gu = own(old and old.gate_up, m.experts.gate_up_proj)
                         d, hinted, sites = own(old and old.down, m.experts.down_proj), False, ()
