@@ -16,9 +16,9 @@ routed experts (FP4 setups: packed FP4, `TraceFP4Config(freeze_experts=True)`; B
 gradients) and trains PEFT LoRA on q/k/v/o. The model is built on the meta device and filled one layer at a time
 (random BF16 experts drawn per layer from a seeded generator, then quantized), so all BF16 experts never exist at
 once in the FP4 setups. ``--eos-mean N`` gives completions a long-tailed length spread: the EOS row of lm_head is set
-to ``a * u`` (``u`` a fixed random direction) with ``a`` chosen on a calibration prefill so that the mean per-token
-EOS probability is 1/N; since the random model's final hidden states project onto ``u`` differently at every
-position, stops are roughly geometric with mean N (truncated at ``--completion``). ``--wave-rows`` splits the BF16
+to ``a * u`` (``u`` a fixed random direction), with ``a`` chosen on a calibration prefill of 32 prompts so that the
+expected completion length is N (`calibrate_eos`). Each row then stops at its own rate, so lengths are a mixture
+of geometric distributions, truncated at ``--completion``. ``--wave-rows`` splits the BF16
 engine's rollout into waves of that many rows (the BF16 KV cache of 256 x 1K rows of the full model does not fit
 beside its weights). Every setup also reports a per-phase profile of the last step (``phases_last_step``).
 
@@ -157,9 +157,15 @@ def build_frozen(cfg, fp4: bool, dev, dtype):
     return model
 
 
-def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int) -> float:
-    """Set lm_head's EOS row to ``a * u`` with the mean EOS probability over a prefill's positions equal to
-    1/mean_len (bisection on ``a``); returns ``a``."""
+def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int, max_len: int) -> float:
+    """Set lm_head's EOS row to ``a * u`` so that the expected completion length is `mean_len`, and return ``a``.
+
+    The EOS probability at a position is ``sigmoid(a * h.u - logsumexp(other logits))``, measured on a calibration
+    prefill (one row per prompt). It varies between rows far more than along a row: a random model's hidden state
+    keeps a component of its context. So each row is modelled as stopping at its own rate ``p_r`` (the mean over
+    its positions), with expected length ``(1 - (1 - p_r)^max_len) / p_r``, and ``a`` is bisected until the mean
+    over rows is `mean_len`. A single mean rate over all positions would let a few rows that stop at once stand for
+    all of them, and most rows would then run to `max_len`."""
     import torch
 
     head, norm = model.lm_head.weight, model.model.norm
@@ -173,20 +179,23 @@ def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int) -
         logits = model(input_ids=ids).logits.float()
     hook.remove()
     model.train(was)
-    h = kept["h"].float().flatten(0, 1)
-    logits = logits.flatten(0, 1)
-    logits[:, eos] = -float("inf")
+    h = kept["h"].float()  # [rows, positions, hidden]
+    logits[..., eos] = -float("inf")
     lse = torch.logsumexp(logits, -1)
     u = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(7)).to(h.device)
-    proj = h @ (u / u.norm())
-    lo, hi, target = 0.0, 1e3, 1.0 / mean_len
+    u = u / u.norm()
+    proj = h @ u
+
+    def expected_length(a: float) -> float:
+        p = torch.sigmoid(a * proj - lse).mean(1).double().clamp(min=1e-12)  # exp(z) / (exp(z) + the others)
+        return ((1 - (1 - p) ** max_len) / p).mean().item()
+
+    lo, hi = 0.0, 1e3
     for _ in range(60):
         a = (lo + hi) / 2
-        z = a * proj
-        p = torch.sigmoid(z - lse).mean().item()  # exp(z) / (exp(z) + sum of the others)
-        lo, hi = (a, hi) if p < target else (lo, a)
+        lo, hi = (a, hi) if expected_length(a) > mean_len else (lo, a)
     with torch.no_grad():
-        head[eos].copy_((a * u / u.norm()).to(head.dtype))
+        head[eos].copy_((a * u).to(head.dtype))
     return a
 
 
@@ -353,8 +362,8 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
 
     eos_scale = None
     if args.eos_mean:
-        calib = [tok(p)["input_ids"] for p in prompts[:8]]
-        eos_scale = calibrate_eos(model, calib, model.config.eos_token_id, args.eos_mean)
+        calib = [tok(p)["input_ids"] for p in prompts[:32]]
+        eos_scale = calibrate_eos(model, calib, model.config.eos_token_id, args.eos_mean, args.completion)
     peft_config = None
     if args.lora_r:
         from peft import LoraConfig
