@@ -166,21 +166,21 @@ def test_engine_folds_the_current_adapter(model_dir):
         make_rollout(head, "engine")
 
 
-def _trainer(model, tmp_path, **kw):
+def _trainer(model, tmp_path, peft_config=None, **kw):
     from datasets import Dataset
 
     from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
 
     ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
-    args = TraceGRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
-        max_steps=2, learning_rate=5e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
-    )  # fmt: skip
+    args = TraceGRPOConfig(**{
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "num_generations": 2,
+        "max_completion_length": 8, "max_steps": 2, "learning_rate": 5e-2, "logging_steps": 1, "save_strategy": "no",
+        "report_to": "none", "use_cpu": True, "bf16": False, "disable_tqdm": True, "rollout_engine": "engine",
+        "seed": 0, **kw,
+    })  # fmt: skip
     reward = lambda completions, **k: [float(sum(map(ord, c)) % 7) for c in completions]  # noqa: E731
-    return TraceGRPOTrainer(
-        model, reward, args=args, train_dataset=ds, processing_class=T.build_char_tokenizer(), **kw
-    )
+    return TraceGRPOTrainer(model, reward, args=args, train_dataset=ds, processing_class=T.build_char_tokenizer(),
+                            peft_config=peft_config)  # fmt: skip
 
 
 def test_trainer_lora_with_frozen_experts_through_the_engine(model_dir, tmp_path):
@@ -215,6 +215,23 @@ def test_trainer_lora_with_frozen_experts_through_the_engine(model_dir, tmp_path
                 "trace/train/routing_mismatch", "sampling/importance_sampling_ratio/mean"):  # fmt: skip
         assert key in logged, key
     assert agree() != first  # the trained adapter changed the policy, and the engine saw it
+
+
+def test_lora_on_the_router_trains_with_routing_replay(model_dir, tmp_path):
+    """LoRA on the router (PEFT wraps its weight) rolls out through generate, keeps routing replay, and trains."""
+    trainer = _trainer(
+        load(model_dir), tmp_path, peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "gate"]),
+        rollout_engine="generate", max_steps=1, max_completion_length=4,
+    )  # fmt: skip
+    model = trainer.model
+    router = {n: q.detach().clone() for n, q in model.named_parameters() if "lora_" in n and ".gate." in n}
+    assert router
+    with pytest.raises(ValueError, match=r"mlp\.gate .*not folded"):
+        make_rollout(model, "engine")
+    trainer.train()
+    now = dict(model.named_parameters())
+    assert any(not torch.equal(v, now[n]) for n, v in router.items())
+    assert any("trace/train/routing_mismatch" in h for h in trainer.state.log_history)
 
 
 # ----------------------------------------------------------------------------------------------------------
