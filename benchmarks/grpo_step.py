@@ -11,8 +11,25 @@ Setups (the same random weights, prompts and TRL settings; one rollout and one o
   ``generate_bf16``  the plain model, `model.generate` (what a TRL user gets without vLLM);
   ``engine_bf16``    the plain model, the rollout engine with a BF16 KV cache (the fair baseline);
   ``engine_fp4``     `TraceFP4Config` (W4A4 experts, FP4 KV cache), the engine, hints + routing replay (TRACE).
+Full size on one GPU (the 48-layer Qwen3-30B-A3B shape): ``--layers 48 --freeze-experts --lora-r 32`` freezes the
+routed experts (FP4 setups: packed FP4, `TraceFP4Config(freeze_experts=True)`; BF16 setups: BF16 experts without
+gradients) and trains PEFT LoRA on q/k/v/o. The model is built on the meta device and filled one layer at a time
+(random BF16 experts drawn per layer from a seeded generator, then quantized), so all BF16 experts never exist at
+once in the FP4 setups. ``--eos-mean N`` gives completions a long-tailed length spread: the EOS row of lm_head is set
+to ``a * u`` (``u`` a fixed random direction), with ``a`` chosen on a calibration prefill of 32 prompts so that the
+expected completion length is N (`calibrate_eos`). Each row then stops at its own rate, so lengths are a mixture
+of geometric distributions, truncated at ``--completion``. ``--wave-rows`` splits the BF16
+engine's rollout into waves of that many rows (the BF16 KV cache of 256 x 1K rows of the full model does not fit
+beside its weights). Every setup also reports a per-phase profile of the last step (``phases_last_step``).
+
+    python benchmarks/grpo_step.py --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
+        --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
+    python benchmarks/grpo_step.py --layers 48 --freeze-experts --lora-r 32 --prompts 8 --completion 8192 \
+        --eos-mean 3072 --micro-batch 1 --wave-rows 16 --setups engine_fp4,engine_bf16 --out ...        # 64 x 8K
+
 Batch: ``--prompts`` x ``--num-generations`` rows of ``--prompt-len`` random tokens, completions of
-``--completion`` tokens (EOS is a token the random model almost never draws, so they run to length). Reported
+``--completion`` tokens (without ``--eos-mean``, EOS is a token the random model almost never draws, so they run to
+length). Reported
 per setup: rollout seconds and tokens/s, whole-step seconds (steps after the first, which compiles and captures),
 peak memory (per GPU), and the ratios to ``generate_bf16``; with ``--profile`` also the last step's device time
 by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what). Under several processes every GPU rolls out its own
@@ -43,6 +60,20 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--setups", default="generate_bf16,engine_bf16,engine_fp4")
     p.add_argument("--profile", action="store_true", help="break the last step's device time down by kernel")
+    p.add_argument(
+        "--freeze-experts",
+        action="store_true",
+        help="frozen routed experts: packed FP4 (TraceFP4Config(freeze_experts=True)) or BF16 without grad",
+    )
+    p.add_argument("--lora-r", type=int, default=0, help="PEFT LoRA rank on q/k/v/o (0: full fine-tune)")
+    p.add_argument(
+        "--eos-mean", type=int, default=0, help="mean completion length via a calibrated EOS logit (0: off)"
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=8, help="rows per training forward (per_device_train_batch_size)"
+    )
+    p.add_argument("--wave-rows", type=int, default=0, help="BF16 engine rollout in waves of this many rows (0: one)")
+    p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
     return p.parse_args(argv)
 
 
@@ -76,6 +107,8 @@ def build_model(args, fp4: bool, dev):
                          pad_token_id=0, eos_token_id=1, bos_token_id=2, **shape)  # fmt: skip
     torch.manual_seed(0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.freeze_experts:
+        return build_frozen(cfg, fp4, dev, dtype)
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if fp4:
@@ -83,6 +116,171 @@ def build_model(args, fp4: bool, dev):
         fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         quantize_model(model, TraceFP4Config(cache_qat_weights=not fsdp))
     return model
+
+
+def build_frozen(cfg, fp4: bool, dev, dtype):
+    """Meta skeleton, then every weight materialized on `dev`: non-expert ones by the model's own initializer, the
+    experts one layer at a time from a per-layer seeded generator (the same draws for FP4 and BF16), quantized into
+    the frozen FP4 buffers as each layer is drawn. BF16 experts are frozen (no gradient)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trace_hf import TraceFP4Config
+    from trace_hf.experts import TraceFP4Experts
+    from trace_hf.quantizer import quantize_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if fp4:
+        quantize_model(model, TraceFP4Config(freeze_experts=True))
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        for mod in model.modules():
+            if not hasattr(mod, "gate_up_proj"):
+                model._init_weights(mod)
+        std = cfg.initializer_range
+        E, H, W = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        for i, layer in enumerate(model.model.layers):
+            gen = torch.Generator(device=dev).manual_seed(1000 + i)
+            gu = torch.empty(E, 2 * W, H, dtype=dtype, device=dev).normal_(0, std, generator=gen)
+            d = torch.empty(E, H, W, dtype=dtype, device=dev).normal_(0, std, generator=gen)
+            ex = layer.mlp.experts
+            if isinstance(ex, TraceFP4Experts):
+                ex.pack_from(gu, d)
+            else:
+                ex.gate_up_proj.copy_(gu)
+                ex.down_proj.copy_(d)
+                ex.requires_grad_(False)
+            del gu, d
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    return model
+
+
+def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int, max_len: int) -> float:
+    """Set lm_head's EOS row to ``a * u`` so that the expected completion length is `mean_len`, and return ``a``.
+
+    The EOS probability at a position is ``sigmoid(a * h.u - logsumexp(other logits))``, measured on a calibration
+    prefill (one row per prompt). It varies between rows far more than along a row: a random model's hidden state
+    keeps a component of its context. So each row is modelled as stopping at its own rate ``p_r`` (the mean over
+    its positions), with expected length ``(1 - (1 - p_r)^max_len) / p_r``, and ``a`` is bisected until the mean
+    over rows is `mean_len`. A single mean rate over all positions would let a few rows that stop at once stand for
+    all of them, and most rows would then run to `max_len`."""
+    import torch
+
+    head, norm = model.lm_head.weight, model.model.norm
+    kept = {}
+    hook = norm.register_forward_hook(lambda m, a, out: kept.__setitem__("h", out))
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        head[eos].zero_()
+        ids = torch.tensor(prompt_ids, device=head.device)
+        logits = model(input_ids=ids).logits.float()
+    hook.remove()
+    model.train(was)
+    h = kept["h"].float()  # [rows, positions, hidden]
+    logits[..., eos] = -float("inf")
+    lse = torch.logsumexp(logits, -1)
+    u = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(7)).to(h.device)
+    u = u / u.norm()
+    proj = h @ u
+
+    def expected_length(a: float) -> float:
+        p = torch.sigmoid(a * proj - lse).mean(1).double().clamp(min=1e-12)  # exp(z) / (exp(z) + the others)
+        return ((1 - (1 - p) ** max_len) / p).mean().item()
+
+    lo, hi = 0.0, 1e3
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if expected_length(a) > mean_len else (lo, a)
+    with torch.no_grad():
+        head[eos].copy_((a * u).to(head.dtype))
+    return a
+
+
+class Waves:
+    """A rollout path that runs another in waves of `rows` rows (one KV cache of `rows` rows at a time)."""
+
+    def __init__(self, inner, rows: int):
+        self.inner, self.rows, self.name = inner, rows, inner.name
+
+    def __call__(self, model, prompt_ids, generation_config, record: bool = False, storage: str = "device"):
+        from trace_hf.rollout import RolloutOutput
+
+        if record:
+            raise ValueError("Waves joins no hints: use it for the BF16 setups (nothing recorded).")
+        outs = [self.inner(model, prompt_ids[i : i + self.rows], generation_config, record, storage)
+                for i in range(0, len(prompt_ids), self.rows)]  # fmt: skip
+        return RolloutOutput([c for o in outs for c in o.completion_ids], [lp for o in outs for lp in o.logprobs],
+                             None, self.name, sum(o.seconds for o in outs))  # fmt: skip
+
+
+class PhaseTimer:
+    """Per-phase wall time of each optimizer step (CUDA-synchronized at the phase boundaries): LoRA merge and weight
+    refresh, prefill, decode (the rest of the rollout), log-prob forwards (no grad), training forwards, backward,
+    optimizer. The rollout's own total is `trace/rollout/seconds`."""
+
+    def __init__(self, cuda: bool):
+        from transformers import TrainerCallback
+
+        self.cuda, self.now, self.steps = cuda, {}, []
+        timer = self
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                timer.now = {}
+
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                timer._opt = timer._clock()
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                timer._add("optimizer", timer._clock() - timer._opt)
+
+            def on_step_end(self, args, state, control, **kw):
+                timer.steps.append({k: round(v, 3) for k, v in timer.now.items()})
+
+        self.callback = _CB()
+
+    def _clock(self) -> float:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _add(self, phase: str, dt: float) -> None:
+        self.now[phase] = self.now.get(phase, 0.0) + dt
+
+    def wrap(self, obj, name: str, phase) -> None:
+        """Time `obj.name` under `phase` (a name, or a function of no arguments that returns one)."""
+        orig = getattr(obj, name)
+
+        def timed(*a, **k):
+            key = phase() if callable(phase) else phase
+            t0 = self._clock()
+            try:
+                return orig(*a, **k)
+            finally:
+                self._add(key, self._clock() - t0)
+
+        setattr(obj, name, timed)
+
+    def watch_engine(self, engine) -> None:
+        """Refresh (packed experts, fused QKV, LoRA merge) and prefill of an `EngineRollout`."""
+        self.wrap(engine, "_weights_for", "rollout_refresh_and_lora_merge")
+        orig_runner, orig_load = engine._runner, engine._load_cache
+
+        def runner(*a, **k):
+            out = orig_runner(*a, **k)
+            self._t_prefill = self._clock()
+            return out
+
+        def load(*a, **k):
+            self._add("rollout_prefill", self._clock() - self._t_prefill)
+            return orig_load(*a, **k)
+
+        engine._runner, engine._load_cache = runner, load
 
 
 class StepTimer:
@@ -162,9 +360,21 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
     def reward(completions, **kw):  # any spread of rewards: the benchmark times the step, not the learning
         return [float(len(c) % 7) for c in completions]
 
+    eos_scale = None
+    if args.eos_mean:
+        calib = [tok(p)["input_ids"] for p in prompts[:32]]
+        eos_scale = calibrate_eos(model, calib, model.config.eos_token_id, args.eos_mean, args.completion)
+    peft_config = None
+    if args.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+    lr = args.learning_rate or (1e-5 if args.lora_r else 1e-6)
+    mb = args.micro_batch
     cfg = TraceGRPOConfig(
-        output_dir=os.path.join(tmp, name), max_steps=args.steps, learning_rate=1e-6, per_device_train_batch_size=8,
-        gradient_accumulation_steps=rows // 8, num_generations=args.num_generations,
+        output_dir=os.path.join(tmp, name), max_steps=args.steps, learning_rate=lr, per_device_train_batch_size=mb,
+        gradient_accumulation_steps=rows // mb, num_generations=args.num_generations,
         max_completion_length=args.completion, temperature=1.0, logging_steps=1, report_to="none",
         bf16=dev.type == "cuda", use_cpu=dev.type != "cuda", gradient_checkpointing=dev.type == "cuda",
         save_strategy="no", seed=0, disable_tqdm=True,
@@ -172,9 +382,20 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
         rollout_engine="generate" if name.startswith("generate") else "engine",
     )  # fmt: skip
     timer = StepTimer()
+    phases = PhaseTimer(dev.type == "cuda")
     profiler = LastStepProfile(dev.type == "cuda") if args.profile else None
-    trainer = TraceGRPOTrainer(model, reward, args=cfg, train_dataset=ds, processing_class=tok,
-                               callbacks=[timer.callback] + ([profiler.callback] if profiler else []))  # fmt: skip
+    callbacks = [timer.callback, phases.callback] + ([profiler.callback] if profiler else [])
+    trainer = TraceGRPOTrainer(model, reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=callbacks,
+                               peft_config=peft_config)  # fmt: skip
+    if not name.startswith("generate"):
+        from trace_hf.rollout import make_rollout
+
+        engine = make_rollout(trainer.accelerator.unwrap_model(trainer.model), "engine", trainer.generation_config)
+        phases.watch_engine(engine)
+        trainer._trace_rollout = Waves(engine, args.wave_rows) if args.wave_rows and not fp4 else engine
+    phases.wrap(trainer, "_get_per_token_logps_and_entropies",
+                lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
+    phases.wrap(trainer.accelerator, "backward", "backward")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -189,8 +410,21 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
         "rollout_s": statistics.mean(h["trace/rollout/seconds"] for h in later),
         "rollout_tokens_per_s": statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
         "step_s": statistics.mean(steps),
+        "train_side_s": statistics.mean(steps) - statistics.mean(h["trace/rollout/seconds"] for h in later),
         "step_s_all": timer.steps,
         "completion_mean_length": statistics.mean(h.get("completions/mean_length", 0) for h in later),
+        "completion_max_length": max(h.get("completions/max_length", 0) for h in later),
+        "completion_clipped_ratio": statistics.mean(h.get("completions/clipped_ratio", 0) for h in later),
+        "eos_scale": eos_scale,
+        "rows": rows,
+        "micro_batch": mb,
+        "wave_rows": args.wave_rows if args.wave_rows and not fp4 else None,
+        "lora_r": args.lora_r,
+        "freeze_experts": args.freeze_experts,
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "phases_last_step": phases.steps[-1] if phases.steps else None,
+        "phases_all_steps": phases.steps,
+        "rollout_s_last": later[-1]["trace/rollout/seconds"],
         "peak_gib": max(peaks) if dev.type == "cuda" else None,
         "peak_gib_per_gpu": peaks,
         "processes": world,
@@ -249,7 +483,7 @@ def main(argv=None) -> int:
     for r in results:
         if "error" in r:
             continue
-        row = {k: r[k] for k in ("setup", "rollout_tokens_per_s", "rollout_s", "step_s", "peak_gib")}
+        row = {k: r[k] for k in ("setup", "rollout_tokens_per_s", "rollout_s", "step_s", "train_side_s", "peak_gib")}
         if base:
             row["rollout_speedup"] = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
             row["step_speedup"] = base["step_s"] / r["step_s"]

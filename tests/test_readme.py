@@ -17,10 +17,10 @@ def snippets() -> list[str]:
 
 def test_readme_has_the_usage_snippets():
     found = snippets()
-    assert len(found) == 5
+    assert len(found) == 6
     assert "save_tiny_model" in found[0] and "TraceGRPOTrainer" in found[1]
     assert "make_rollout" in found[2] and "use_hints" in found[3]
-    assert 'format="compressed-tensors"' in found[4]
+    assert 'format="compressed-tensors"' in found[4] and "freeze_experts" in found[5]
 
 
 def test_readme_snippets_run(tmp_path, monkeypatch):
@@ -41,3 +41,8 @@ def test_readme_snippets_run(tmp_path, monkeypatch):
     assert namespace["policy"].config.quantization_config.quant_method == "trace_fp4"
     metrics = namespace["report"].as_metrics()
     assert metrics["trace/hint_coverage"] > 0 and metrics["trace/routing_mismatch"] >= 0
+    # Frozen FP4 experts + LoRA: one step, and the merged export reloads with frozen packed experts.
+    assert namespace["lora_trainer"].state.global_step == 1
+    from trace_hf.experts import fp4_experts
+
+    assert all(m.frozen for m in fp4_experts(namespace["policy"]))

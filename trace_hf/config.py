@@ -67,11 +67,19 @@ class TraceFP4Config(QuantizationConfigMixin):
             `trace_hf.kernels.fp4_moe`, which read the packed weights; NVFP4 only), `"torch"` (dequantized weights
             and grouped GEMMs, the same code as training, on any device), or `"auto"` (Triton on CUDA for NVFP4,
             torch otherwise). Training always uses the torch path.
-        cache_qat_weights (`bool`, *optional*, defaults to `True`):
+        cache_qat_weights (`bool`, *optional*):
             Keep the fake-quantized expert weights between optimizer steps, so that training dequantizes them once
             per step: fastest, at the cost of one extra copy of the expert weights in the model dtype. `False`
             dequantizes them in every training forward instead (no extra memory; the same values). Under FSDP
             the cache holds each layer's gathered (unsharded) experts on every rank, so use `False` there.
+            Defaults to `True`, and to `False` with `freeze_experts` (whose point is to hold no BF16 expert copy).
+        freeze_experts (`bool`, *optional*, defaults to `False`):
+            Freeze the routed experts as packed FP4: they hold only the FP4 codes, E4M3 block scales and fp32 global
+            scales (buffers, no BF16 master parameters), quantized from a BF16 checkpoint as each experts tensor
+            loads. Rollout and training both compute from those packed weights; training still fake-quantizes the
+            experts' input and hidden activations (with hints), and backward gives input gradients only. For
+            parameter-efficient RL (e.g. PEFT LoRA on the attention) of a full-size MoE on one GPU. Needs
+            `qat=True`.
         quantize_linears (`bool`, *optional*, defaults to `False`):
             Reserved opt-in for non-expert linears; only `False` is supported for now.
     """
@@ -86,8 +94,9 @@ class TraceFP4Config(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         qat: bool = True,
         experts_kernel: str = "auto",
-        cache_qat_weights: bool = True,
+        cache_qat_weights: bool | None = None,
         quantize_linears: bool = False,
+        freeze_experts: bool = False,
         **kwargs,
     ):
         self.quant_method = QUANT_METHOD
@@ -101,6 +110,7 @@ class TraceFP4Config(QuantizationConfigMixin):
         self.experts_kernel = experts_kernel
         self.cache_qat_weights = cache_qat_weights
         self.quantize_linears = quantize_linears
+        self.freeze_experts = freeze_experts
         kwargs.pop("quant_method", None)
         if kwargs:
             raise ValueError(f"Unknown TraceFP4Config arguments {sorted(kwargs)}.")
@@ -144,8 +154,18 @@ class TraceFP4Config(QuantizationConfigMixin):
             )
         if not isinstance(self.qat, bool):
             raise ValueError(f"TraceFP4Config.qat={self.qat!r}: give True (QAT) or False (BF16 training).")
-        if not isinstance(self.cache_qat_weights, bool):
-            raise ValueError(f"TraceFP4Config.cache_qat_weights={self.cache_qat_weights!r}: give True or False.")
+        if self.cache_qat_weights is not None and not isinstance(self.cache_qat_weights, bool):
+            raise ValueError(
+                f"TraceFP4Config.cache_qat_weights={self.cache_qat_weights!r}: give True, False or None (the default)."
+            )
+        if not isinstance(self.freeze_experts, bool):
+            raise ValueError(f"TraceFP4Config.freeze_experts={self.freeze_experts!r}: give True or False.")
+        if self.freeze_experts and not self.qat:
+            raise ValueError(
+                "TraceFP4Config(freeze_experts=True, qat=False) contradicts itself: qat=False trains the experts' BF16 "
+                "masters, and frozen experts have none (only packed FP4). Keep qat=True (the default) with frozen "
+                "experts, or set freeze_experts=False for the BF16-training baseline."
+            )
         if self.experts_kernel not in EXPERTS_KERNELS:
             raise ValueError(
                 f"TraceFP4Config.experts_kernel={self.experts_kernel!r}: use one of {list(EXPERTS_KERNELS)}."
@@ -156,6 +176,11 @@ class TraceFP4Config(QuantizationConfigMixin):
             )
         if self.quantize_linears:
             raise ValueError("quantize_linears=True is not supported yet: only routed experts are quantized.")
+
+    @property
+    def resolved_cache_qat_weights(self) -> bool:
+        """`cache_qat_weights` with its default filled in: on, except for frozen experts."""
+        return (not self.freeze_experts) if self.cache_qat_weights is None else self.cache_qat_weights
 
     @property
     def hint_site_tuple(self) -> tuple[str, ...]:
@@ -185,4 +210,5 @@ class TraceFP4Config(QuantizationConfigMixin):
             "experts_kernel": self.experts_kernel,
             "cache_qat_weights": self.cache_qat_weights,
             "quantize_linears": self.quantize_linears,
+            "freeze_experts": self.freeze_experts,
         }

@@ -29,7 +29,7 @@ import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import fp4
 
@@ -45,6 +45,31 @@ def _invalidate_after_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_invalidate_after_step)
+
+#: The two projections, and the buffer-name suffix of each `FP4Tensor` field of a frozen one: the codes keep the
+#: parameter's own name (as transformers' NVFP4 layers keep theirs under `weight`), so a BF16 checkpoint's tensor
+#: loads, and is quantized, under it.
+_PROJS = ("gate_up_proj", "down_proj")
+_FROZEN_SUFFIXES = {"packed": "", "block_scale": "_block_scale", "global_scale": "_global_scale"}
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _refuse_frozen_in_optimizer(optimizer, args, kwargs) -> None:
+    """An optimizer handed the packed weights of frozen experts would step nothing there, silently."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if _CHECKED_OPTIMIZERS.get(optimizer) == len(params):
+        return
+    frozen = {id(b) for m in list(_LIVE) if m.frozen for b in m.buffers(recurse=False)}
+    if any(id(p) in frozen for p in params):
+        raise ValueError(
+            "The optimizer holds packed weights of frozen FP4 experts (TraceFP4Config(freeze_experts=True)): they "
+            "are fixed FP4 codes and scales with no gradient, and stepping them would do nothing. Hand the optimizer "
+            "only trainable parameters, e.g. [p for p in model.parameters() if p.requires_grad]."
+        )
+    _CHECKED_OPTIMIZERS[optimizer] = len(params)
+
+
+register_optimizer_step_pre_hook(_refuse_frozen_in_optimizer)
 
 # TRACE_HF_DEBUG=1: every reuse of packed weights checks that the masters still hold what was quantized (one pass
 # over them, and a host sync), so an update that bypassed every refresh path raises instead of training on stale FP4.
@@ -107,6 +132,8 @@ class TraceFP4Experts(nn.Module):
         qat: bool = True,
         kernel: str = "auto",
         cache_qat_weights: bool = True,
+        frozen: bool = False,
+        packed_placeholders: bool = False,
     ):
         super().__init__()
         e, two_i, h = gate_up_proj.shape
@@ -117,9 +144,12 @@ class TraceFP4Experts(nn.Module):
                 f"{fmt} needs the experts' hidden size ({h}) and intermediate size ({self.intermediate_dim}) to be "
                 f"multiples of {block}; use a model with such sizes or add the experts to modules_to_not_convert."
             )
-        # The parameters themselves are adopted (they may still be on the meta device before weight loading).
-        self.gate_up_proj = gate_up_proj
-        self.down_proj = down_proj
+        if frozen and not qat:
+            raise ValueError(
+                "Frozen FP4 experts have no BF16 masters to train without fake quantization: keep qat=True."
+            )
+        self.frozen = frozen  # `TraceFP4Config.freeze_experts`: packed FP4 buffers only, no BF16 masters
+        self._frozen_dtype = gate_up_proj.dtype  # frozen experts: the dtype they dequantize to (the model's)
         self.act_fn = act_fn
         self.fmt = fmt
         self.activations = activations
@@ -138,22 +168,68 @@ class TraceFP4Experts(nn.Module):
         self._packed_storage = None  # the packed tensors, kept across invalidations so refreshes reuse them
         self._packed_sample = ()  # `_masters_sample()` when the packed weights were made
         self._fake = None
+        if frozen:
+            for name, w in zip(_PROJS, (gate_up_proj, down_proj), strict=True):
+                self._register_frozen(name, w, packed_placeholders)
+        else:
+            # The parameters themselves are adopted (they may still be on the meta device before weight loading).
+            self.gate_up_proj = gate_up_proj
+            self.down_proj = down_proj
         _LIVE.add(self)
 
+    def _register_frozen(self, name: str, w: torch.Tensor, packed_placeholders: bool) -> None:
+        """The buffers of one frozen projection: quantized from `w` now, or, on a meta skeleton, placeholders that
+        weight loading fills (`w`'s own shape, quantized by `TraceFP4Quantize` as its checkpoint tensor loads; or the
+        packed layout, for a checkpoint that already holds the codes)."""
+        if w.device.type != "meta":
+            q = fp4.quantize(w.detach(), self.fmt, scale="expert")
+            for field, suffix in _FROZEN_SUFFIXES.items():
+                self.register_buffer(name + suffix, getattr(q, field))
+            return
+        e, n, k = w.shape
+        bs = fp4.get_format(self.fmt).block_size
+        g_shape = (e, 1, 1) if self.fmt == "nvfp4" else (e, n, 1)
+        meta = {"device": "meta"}
+        codes = torch.empty(e, n, k // 2, dtype=torch.uint8, **meta) if packed_placeholders else torch.empty_like(w)
+        self.register_buffer(name, codes)
+        self.register_buffer(name + "_block_scale", torch.empty(e, n, k // bs, dtype=torch.uint8, **meta))
+        self.register_buffer(name + "_global_scale", torch.empty(g_shape, dtype=torch.float32, **meta))
+
+    def _apply(self, fn, recurse=True):
+        """`model.to(dtype)` casts floating buffers; a frozen module's fp32 global scales must stay fp32 (they are
+        part of the FP4 format), so only their device follows."""
+        scales = {n: b for n, b in self._buffers.items() if self.frozen and n.endswith("_global_scale")}
+        super()._apply(fn, recurse)
+        for n, b in scales.items():
+            moved = self._buffers[n]
+            if moved.dtype != b.dtype:
+                self._buffers[n] = b.to(moved.device)
+        if self.frozen:  # the cached FP4Tensor views hold the buffers from before; the model dtype may have changed
+            self._packed = self._fake = None
+            self._frozen_dtype = fn(torch.empty(0, dtype=self._frozen_dtype)).dtype
+        return self
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the expert weights dequantize to: the masters' (or, frozen, the model's)."""
+        return self._frozen_dtype if self.frozen else self.gate_up_proj.dtype
+
     @classmethod
-    def from_experts(cls, experts: nn.Module, config) -> TraceFP4Experts:
-        """Adopt the parameters of a fused experts module, with the settings of a `TraceFP4Config`."""
+    def from_experts(cls, experts: nn.Module, config, packed_placeholders: bool = False) -> TraceFP4Experts:
+        """Adopt the parameters of a fused experts module, with the settings of a `TraceFP4Config`; with
+        `freeze_experts`, quantize them into packed buffers instead (placeholders on a meta skeleton)."""
         check_fused_experts(experts)
         return cls(
             experts.gate_up_proj, experts.down_proj, experts.act_fn, config.fmt, config.activations, config.qat,
-            config.experts_kernel, config.cache_qat_weights,
+            config.experts_kernel, config.resolved_cache_qat_weights, config.freeze_experts, packed_placeholders,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
             f"fmt={self.fmt}, activations={self.activations}, qat={self.qat}, kernel={self.kernel}, "
-            f"cache_qat_weights={self.cache_qat_weights}, moe_index={self.moe_index}, hinted={self.hinted}"
+            f"cache_qat_weights={self.cache_qat_weights}, frozen={self.frozen}, moe_index={self.moe_index}, "
+            f"hinted={self.hinted}"
         )
 
     # ------------------------------------------------------------------------------------------------------
@@ -164,9 +240,27 @@ class TraceFP4Experts(nn.Module):
         gu, d = self.gate_up_proj, self.down_proj
         return (gu._version, gu.data_ptr(), d._version, d.data_ptr(), gu.device)
 
+    def _frozen_weights(self) -> tuple[fp4.FP4Tensor, fp4.FP4Tensor]:
+        """The packed buffers as `FP4Tensor`s (kept, so that the rollout engine sees the same objects each time)."""
+        bufs = tuple(self._buffers[p + suffix] for p in _PROJS for suffix in _FROZEN_SUFFIXES.values())
+        if self._packed is None or any(a is not b for a, b in zip(self._packed[0], bufs, strict=True)):
+            if bufs[0].device.type == "meta" or bufs[0].dtype != torch.uint8:
+                raise RuntimeError(
+                    "These frozen FP4 experts hold no weights yet (still placeholders): load them with "
+                    "from_pretrained(..., quantization_config=TraceFP4Config(freeze_experts=True)), or install packed "
+                    "weights with load_packed_weights / pack_from."
+                )
+            gu, d = fp4.FP4Tensor(*bufs[:3], self.fmt), fp4.FP4Tensor(*bufs[3:], self.fmt)
+            self._packed = (bufs, gu, d)
+            self._packed_storage = (gu, d)
+        return self._packed[1], self._packed[2]
+
     def packed_weights(self) -> tuple[fp4.FP4Tensor, fp4.FP4Tensor]:
         """Packed FP4 weights for rollout, re-quantized from the masters whenever they changed: after any optimizer
-        step (a global step hook drops the cache) or any other in-place edit (the parameters' version counters)."""
+        step (a global step hook drops the cache) or any other in-place edit (the parameters' version counters).
+        Frozen experts: their packed buffers themselves."""
+        if self.frozen:
+            return self._frozen_weights()
         version = self._version()
         # In training, also a sample of the masters: `.data` edits and weight syncs bump no version counter.
         if self._packed is None or self._packed[0] != version or (self.training and self._masters_edited()):
@@ -207,7 +301,11 @@ class TraceFP4Experts(nn.Module):
         an optimizer; none of these is guaranteed to bump the version counters). Rollout engines call it before
         every rollout. Re-quantized in place when the previous packed tensors fit, so their storage (which a
         captured CUDA graph reads) stays where it was. Masters sharded by FSDP2 (outside their layer's forward) are
-        only marked stale: the layer's next forward, with the gathered masters, re-quantizes them."""
+        only marked stale: the layer's next forward, with the gathered masters, re-quantizes them. Frozen experts
+        have nothing to refresh from: their packed buffers are the weights."""
+        if self.frozen:
+            self._frozen_weights()
+            return
         if _is_dtensor(self.gate_up_proj):
             self._packed = None
             self._fake = None
@@ -216,10 +314,15 @@ class TraceFP4Experts(nn.Module):
 
     def pack_from(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Quantize given full master tensors into the packed weights (in place when they fit): `refresh_packed`,
-        or a caller that gathered sharded masters itself (the rollout engine under FSDP2)."""
+        or a caller that gathered sharded masters itself (the rollout engine under FSDP2). Frozen experts: the new
+        packed buffers (how to set them from BF16 values one layer at a time)."""
         with torch.no_grad():
             gu = fp4.quantize(gate_up.detach(), self.fmt, scale="expert")
             d = fp4.quantize(down.detach(), self.fmt, scale="expert")
+        if self.frozen:
+            self.load_packed_weights(gu, d)
+            return
+        with torch.no_grad():
             old = self._packed_storage
             if old is not None and all(_same_layout(a, b) for a, b in zip(old, (gu, d))):
                 for a, b in zip(old, (gu, d)):
@@ -234,32 +337,58 @@ class TraceFP4Experts(nn.Module):
         if _DEBUG:
             self._packed_fingerprint = self._fingerprint()
 
-    def fake_quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dequantized packed weights in the masters' dtype, for the QAT forward (and the torch eval path).
+    def fake_quantized_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized packed weights in the masters' dtype (or `dtype`), for the QAT forward (and the torch
+        eval path).
         With `cache_qat_weights` they are kept until the packed weights change, so training dequantizes once per
         optimizer step, at the cost of one extra copy of the expert weights; without, every forward dequantizes
         them again (the same values)."""
         packed = self.packed_weights()
+        dtype = self.weight_dtype if dtype is None else dtype
+        deq = _dequantize if self.frozen else fp4.FP4Tensor.dequantize
         if not self.cache_qat_weights:
-            return tuple(q.dequantize(self.gate_up_proj.dtype) for q in packed)
-        if self._fake is None or self._fake[0] is not self._packed:
-            self._fake = (self._packed, *(q.dequantize(self.gate_up_proj.dtype) for q in packed))
+            return tuple(deq(q, dtype) for q in packed)
+        if self._fake is None or self._fake[0] is not self._packed or self._fake[1].dtype != dtype:
+            self._fake = (self._packed, *(deq(q, dtype) for q in packed))
         return self._fake[1], self._fake[2]
 
     def invalidate_packed(self) -> None:
         """Mark the packed weights stale; the next rollout forward re-quantizes them from the masters (into the same
-        storage)."""
+        storage). Frozen experts never go stale."""
+        if self.frozen:
+            return
         self._packed = None
         self._fake = None
 
     def load_packed_weights(self, gate_up: fp4.FP4Tensor, down: fp4.FP4Tensor) -> None:
-        """Install exported packed weights; the masters become their dequantized values."""
+        """Install exported packed weights; the masters become their dequantized values (frozen experts: the
+        packed buffers become these tensors, on the module's device)."""
+        if self.frozen:
+            self._load_frozen(gate_up, down)
+            return
         with torch.no_grad():
             self.gate_up_proj.copy_(gate_up.dequantize(self.gate_up_proj.dtype))
             self.down_proj.copy_(down.dequantize(self.down_proj.dtype))
         self._packed = (self._version(), gate_up, down)
         self._packed_storage = (gate_up, down)
         self._packed_sample = self._masters_sample()
+
+    def _load_frozen(self, gate_up: fp4.FP4Tensor, down: fp4.FP4Tensor) -> None:
+        want_k = {"gate_up_proj": self.hidden_dim, "down_proj": self.intermediate_dim}
+        want_n = {"gate_up_proj": 2 * self.intermediate_dim, "down_proj": self.hidden_dim}
+        for name, q in zip(_PROJS, (gate_up, down), strict=True):
+            shape = (self.num_experts, want_n[name], want_k[name])
+            if q.fmt != self.fmt or tuple(q.shape) != shape:
+                raise ValueError(
+                    f"load_packed_weights: {name} is {q.fmt} of shape {tuple(q.shape)}, but these experts hold {self.fmt} "
+                    f"of shape {shape}; quantize the weights with fp4.quantize(w, {self.fmt!r}, scale='expert')."
+                )
+            old = self._buffers[name]
+            device = old.device if old.device.type != "meta" else q.packed.device
+            for field, suffix in _FROZEN_SUFFIXES.items():
+                t = getattr(q, field).detach().to(device)
+                self._buffers[name + suffix] = t.float() if field == "global_scale" else t.contiguous()
+        self._packed = self._fake = None
 
     def packed_nbytes(self) -> int:
         gu, d = self.packed_weights()
@@ -296,6 +425,11 @@ class TraceFP4Experts(nn.Module):
         if not self.training and self._uses_kernel(hidden_states):
             return self._kernel_forward(hidden_states, top_k_index, top_k_weights)
         x = self._quantize_input(hidden_states)
+        if self.frozen:
+            # The packed buffers, dequantized per call inside the grouped GEMMs (again in backward, which gives the
+            # input gradient only), or the kept dequantized copy with cache_qat_weights.
+            w = self.fake_quantized_weights(x.dtype) if self.cache_qat_weights else self.packed_weights()
+            return self._routed(x, top_k_index, top_k_weights, *w, self.activations == "fp4")
         # The dequantized packed weights (cached per optimizer step unless cache_qat_weights=False); in training with
         # straight-through gradients to the BF16 masters (the same values as `fp4.fake_quantize(w, fmt, "expert")`).
         w_gu, w_d = self.fake_quantized_weights()
@@ -377,14 +511,57 @@ def _same_layout(a: fp4.FP4Tensor, b: fp4.FP4Tensor) -> bool:
     )
 
 
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor | fp4.FP4Tensor) -> bool:
     mm = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    return mm is not None and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
+    w_dtype = x.dtype if isinstance(w, fp4.FP4Tensor) else w.dtype  # packed weights dequantize to x's dtype
+    return mm is not None and x.is_cuda and x.dtype == w_dtype == torch.bfloat16
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, spans: list[int] | None) -> torch.Tensor:
-    """Rows of ``x`` sorted by expert times ``w[e].T`` per expert (``w`` [E, N, K]); ``spans`` (rows per expert,
-    on the host) selects the per-expert loop."""
+def _dequantize(q: fp4.FP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`FP4Tensor.dequantize`, through the Triton kernel on CUDA (the same values, bit for bit)."""
+    if q.packed.is_cuda:
+        from trace_hf.kernels.fp4_quant import dequantize
+
+        return dequantize(q, dtype)
+    return q.dequantize(dtype)
+
+
+class _PackedGroupedLinear(torch.autograd.Function):
+    """`_grouped_linear` with frozen packed weights: dequantized in forward and again in backward, which returns the
+    input gradient only, so no dequantized copy outlives the call (autograd keeps the packed tensors)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, block_scale, global_scale, fmt, offsets, spans):
+        ctx.save_for_backward(packed, block_scale, global_scale, offsets)
+        ctx.fmt, ctx.spans = fmt, spans
+        w = _dequantize(fp4.FP4Tensor(packed, block_scale, global_scale, fmt), x.dtype)
+        return _grouped_linear(x, w, offsets, spans)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, block_scale, global_scale, offsets = ctx.saved_tensors
+        w = _dequantize(fp4.FP4Tensor(packed, block_scale, global_scale, ctx.fmt), grad.dtype)
+        return _grouped_matmul(grad.contiguous(), w, offsets, ctx.spans), None, None, None, None, None, None
+
+
+def _grouped_matmul(x: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, spans: list[int] | None) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times ``b[e]`` per expert (``b`` [E, K, N])."""
+    if spans is None:
+        mm = getattr(nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return mm(x, b, offs=offsets)
+    out, start = [], 0
+    for e, n in enumerate(spans):
+        if n:
+            out.append(x[start : start + n] @ b[e])
+            start += n
+    return torch.cat(out) if out else x.new_zeros(0, b.shape[2])
+
+
+def _grouped_linear(x: torch.Tensor, w, offsets: torch.Tensor, spans: list[int] | None) -> torch.Tensor:
+    """Rows of ``x`` sorted by expert times ``w[e].T`` per expert (``w`` [E, N, K], or frozen packed FP4);
+    ``spans`` (rows per expert, on the host) selects the per-expert loop."""
+    if isinstance(w, fp4.FP4Tensor):
+        return _PackedGroupedLinear.apply(x, w.packed, w.block_scale, w.global_scale, w.fmt, offsets, spans)
     if spans is None:
         mm = getattr(nn.functional, "grouped_mm", None) or torch._grouped_mm
         return mm(x, w.transpose(-2, -1), offs=offsets)
@@ -435,7 +612,7 @@ def _skipped(name: str, modules_to_not_convert: list[str]) -> bool:
     return any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in modules_to_not_convert)
 
 
-def replace_experts(model: nn.Module, config) -> list[str]:
+def replace_experts(model: nn.Module, config, packed_placeholders: bool = False) -> list[str]:
     """Swap every fused experts module for a `TraceFP4Experts` configured by a `TraceFP4Config` (experts named in
     its `modules_to_not_convert` stay); returns the names replaced (in layer order)."""
     names = [n for n, m in model.named_modules() if is_fused_experts(m)]
@@ -448,7 +625,7 @@ def replace_experts(model: nn.Module, config) -> list[str]:
     for name in names:
         if _skipped(name, config.modules_to_not_convert):
             continue
-        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), config))
+        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), config, packed_placeholders))
         replaced.append(name)
     return replaced
 

@@ -51,11 +51,27 @@ def _identity(config) -> dict:
     return {k: getattr(text, k) for k in _IDENTITY if getattr(text, k, None) is not None}
 
 
+def _merged_state(model) -> dict[str, torch.Tensor]:
+    """The plain model's state dict, with the active PEFT LoRA adapters merged into their linears' weights (the
+    model itself is left as it is): what the policy computes, under the names a plain checkpoint has."""
+    from .rollout.engine import lora_weight
+
+    lora = {name: m for name, m in model.named_modules() if getattr(m, "base_layer", None) is not None}
+    out = {}
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:
+            continue
+        out[k.replace(".base_layer.", ".")] = v
+    for name, m in lora.items():
+        out[f"{name}.weight"] = lora_weight(m).detach()
+    return out
+
+
 def _unique_state(model, skip: set[str]) -> dict[str, torch.Tensor]:
     """The state dict without `skip` and without second names of one tensor (tied embeddings): safetensors
     refuses shared tensors, and `from_pretrained` ties them again from the config."""
     out, seen = {}, set()
-    for k, v in model.state_dict().items():
+    for k, v in _merged_state(model).items():
         if k in skip:
             continue
         key = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
@@ -71,9 +87,17 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
 
     `format="trace_fp4"` (trace-hf's own, read by `load_fp4`); `format="compressed-tensors"`: the NVFP4 checkpoint
     vLLM, SGLang and transformers load, with `options` (`scheme`, `calibration`, `tokenizer`) as in
-    `trace_hf.export_compressed.export_compressed_tensors`.
+    `trace_hf.export_compressed.export_compressed_tensors`. For `"trace_fp4"` a PEFT model is exported with its LoRA
+    adapters merged into the dense weights (the experts are FP4 already).
     """
+    from accelerate.utils import is_peft_model
+
     if format == "compressed-tensors":
+        if is_peft_model(model):
+            raise ValueError(
+                "export_fp4(format='compressed-tensors') takes a plain model: merge the LoRA adapters first with "
+                "`model = model.merge_and_unload()` (PEFT), or export with format='trace_fp4', which merges them itself."
+            )
         from .export_compressed import export_compressed_tensors
 
         return export_compressed_tensors(model, directory, **options)
@@ -81,6 +105,8 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
         raise ValueError(f"export_fp4(format={format!r}): use 'trace_fp4' or 'compressed-tensors'.")
     if options:
         raise TypeError(f"export_fp4(format='trace_fp4') takes no {sorted(options)}; they are compressed-tensors'.")
+    if is_peft_model(model):
+        model = model.get_base_model()
     experts = {n: m for n, m in model.named_modules() if isinstance(m, TraceFP4Experts)}
     if not experts:
         raise ValueError("export_fp4 needs a model loaded with quantization_config=TraceFP4Config().")
@@ -102,7 +128,9 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
         "config": json.dumps(_identity(model.config), sort_keys=True),
         "sha256": json.dumps({k: _sha256(v) for k, v in packed.items()}, sort_keys=True),
     }
-    rest = _unique_state(model, {f"{n}.{p}" for n in experts for p in _PROJS})
+    # Frozen experts keep their packed weights as buffers beside the codes; the experts file holds all of them.
+    suffixes = ("", "_block_scale", "_global_scale")
+    rest = _unique_state(model, {f"{n}.{p}{s}" for n in experts for p in _PROJS for s in suffixes})
     save_file(packed, os.path.join(directory, EXPERTS_FILE), metadata=metadata)
     save_file(rest, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt", "export_id": export_id})
     model.config.save_pretrained(directory)
@@ -236,7 +264,7 @@ def load_fp4(directory: str | os.PathLike, **from_pretrained_kwargs):
     else:
         experts = _check_experts(model, packed, meta, directory)
     for name, m in experts.items():
-        device = m.gate_up_proj.device
+        device = next(m.buffers() if m.frozen else m.parameters()).device
         gu, d = (fp4.FP4Tensor(*(packed[f"{name}.{p}.{f}"].to(device) for f in _FIELDS), m.fmt) for p in _PROJS)
         m.load_packed_weights(gu, d)
     return model.eval()

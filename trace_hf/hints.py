@@ -843,6 +843,7 @@ _REPLAYABLE_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen3_5MoeTopKRouter", "Qwen2MoeTo
 
 
 def _check_replayable(router: torch.nn.Module) -> None:
+    router = getattr(router, "base_layer", router)  # a PEFT adapter on the router computes the same rule
     if type(router).__name__ not in _REPLAYABLE_ROUTERS and not hasattr(router, "norm_topk_prob"):
         raise ValueError(
             f"Routing replay recomputes the routing weights as a softmax top-k (the Qwen MoE routers); "
@@ -901,7 +902,7 @@ def _routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, repor
         idx = torch.where(mask.unsqueeze(-1), rec, indices)
         probs = torch.softmax(logits.float(), dim=-1)
         w = probs.gather(-1, idx)
-        if getattr(router, "norm_topk_prob", True):
+        if getattr(getattr(router, "base_layer", router), "norm_topk_prob", True):
             w = w / w.sum(-1, keepdim=True)
         return logits, w.to(scores.dtype), idx
 

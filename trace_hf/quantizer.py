@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantizer
 from transformers.utils import logging
 
@@ -78,13 +79,15 @@ def _check_modules_to_not_convert(model, config: TraceFP4Config) -> None:
         )
 
 
-def convert_experts(model, config: TraceFP4Config) -> list[str]:
-    """Swap the routed experts for FP4 ones and mark the hinted layers (works on a meta skeleton too)."""
+def convert_experts(model, config: TraceFP4Config, packed_placeholders: bool = False) -> list[str]:
+    """Swap the routed experts for FP4 ones and mark the hinted layers (works on a meta skeleton too). Frozen
+    experts (`freeze_experts`) of a built model are quantized one layer at a time, each layer's BF16 experts
+    dropped as its packed ones exist."""
     from .experts import assign_hint_layers, replace_experts
 
     check_supported(model, config)
     _check_modules_to_not_convert(model, config)
-    replaced = replace_experts(model, config)
+    replaced = replace_experts(model, config, packed_placeholders)
     if not replaced:
         logger.warning("TraceFP4Config: every experts module is in modules_to_not_convert; nothing is quantized.")
     assign_hint_layers(model, config.num_hint_layers(len(replaced)), config.hint_site_tuple)
@@ -105,14 +108,38 @@ def install_kv_cache(model, config: TraceFP4Config) -> None:
 
 def quantize_model(model, config: TraceFP4Config):
     """Apply `config` to a model that is already built (what `from_pretrained(..., quantization_config=...)` does
-    while loading); returns the model."""
-    convert_experts(model, config)
+    while loading); returns the model. Frozen experts of a model still on the meta device get placeholders in the
+    packed layout, to be filled with `TraceFP4Experts.load_packed_weights` / `pack_from` layer by layer."""
+    convert_experts(model, config, packed_placeholders=True)
     install_kv_cache(model, config)
     model.config.quantization_config = config
     model.is_quantized = True
     model.quantization_method = config.quant_method
     model.hf_quantizer = TraceFP4HfQuantizer(config, pre_quantized=False)
     return model
+
+
+class TraceFP4Quantize(ConversionOps):
+    """Load-time quantization of frozen experts (`freeze_experts`): transformers hands each experts tensor
+    (`gate_up_proj` / `down_proj`, after the checkpoint's per-expert tensors are merged) to this op as it loads, and
+    the op returns the packed codes under the tensor's own name plus the block and global scales beside it, so only
+    one layer's BF16 experts exist at a time."""
+
+    def __init__(self, hf_quantizer: TraceFP4HfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, **kwargs):
+        from . import fp4
+        from .experts import _FROZEN_SUFFIXES
+
+        fmt = self.hf_quantizer.quantization_config.fmt
+        out = {}
+        for key, value in input_dict.items():
+            tensor = value[0] if isinstance(value, list) else value
+            q = fp4.quantize(tensor, fmt, scale="expert")
+            for field, suffix in _FROZEN_SUFFIXES.items():
+                out[key + suffix] = getattr(q, field)
+        return out
 
 
 @register_quantizer(QUANT_METHOD)
@@ -138,8 +165,23 @@ class TraceFP4HfQuantizer(HfQuantizer):
         return None
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        convert_experts(model, self.quantization_config)
+        # A checkpoint saved with frozen experts holds their packed codes already; a BF16 one is quantized on load.
+        convert_experts(model, self.quantization_config, packed_placeholders=self.pre_quantized)
         return model
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        """The experts tensors of frozen experts, loaded from a BF16 checkpoint."""
+        from transformers.quantizers.quantizers_utils import get_module_from_name
+
+        from .experts import _PROJS, TraceFP4Experts
+
+        if not self.quantization_config.freeze_experts:
+            return False
+        module, name = get_module_from_name(model, param_name)
+        return isinstance(module, TraceFP4Experts) and module.frozen and name in _PROJS
+
+    def get_quantize_ops(self):
+        return TraceFP4Quantize(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         install_kv_cache(model, self.quantization_config)

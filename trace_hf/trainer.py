@@ -229,9 +229,11 @@ class TraceGRPOTrainer(GRPOTrainer):
     Qwen3.5 MoE (any fused-experts MoE) loaded with `quantization_config=TraceFP4Config()`, or a plain model with
     `rollout_precision="bf16"`.
 
-    PEFT: LoRA on non-expert linears (e.g. `q_proj`, `v_proj`) is supported; the FP4 experts are then frozen and keep
-    their QAT forward. LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout weights are
-    quantized from the base parameters and would not contain the adapter.
+    PEFT (`peft_config=LoraConfig(...)` or a `PeftModel`): LoRA on non-expert linears (e.g. `q_proj`, `v_proj`) is
+    supported; the FP4 experts are then frozen and keep their QAT forward, or are frozen packed FP4 with
+    `TraceFP4Config(freeze_experts=True)`. The rollout engine merges LoRA on the attention projections into its
+    weights at every rollout. LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout
+    weights are quantized from the base parameters (or are frozen codes) and would not contain the adapter.
     """
 
     _tag_names = ["trl", "grpo", "trace-hf"]
@@ -631,18 +633,44 @@ class TraceGRPOTrainer(GRPOTrainer):
         return tuple(m.moe_index for m in fp4_experts(self._trace_core(self.model)) if m.hinted)
 
 
+def _check_peft_targets(model, peft_config) -> None:
+    """A list of target_modules that names a module the model lacks is a typo, not a wish to skip it."""
+    targets = getattr(peft_config, "target_modules", None)
+    if not isinstance(targets, (list, tuple, set)) or getattr(peft_config, "target_parameters", None):
+        return  # a regex or "all-linear" is PEFT's to match; with target_parameters PEFT may match modules differently
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(
+            f"The PEFT config's target_modules {missing} name no module of {type(model).__name__}; its linear layers "
+            f"are {leaves}. For LoRA on the attention use target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
+        )
+
+
 def _check_peft(model, peft_config) -> None:
     """Refuse adapters on the FP4 experts: the packed rollout weights are quantized from the base parameters only."""
     if peft_config is None or not isinstance(model, torch.nn.Module):
         return
+    if not is_peft_model(model):
+        _check_peft_targets(model, peft_config)
     experts = {name for name, m in model.named_modules() if isinstance(m, TraceFP4Experts)}
     if not experts:
         return
+    frozen = any(m.frozen for m in model.modules() if isinstance(m, TraceFP4Experts))
     targets = list(getattr(peft_config, "target_parameters", None) or [])
     hit = [t for t in targets if t.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")]
     wrapped = [
         name for name, m in model.named_modules() if isinstance(getattr(m, "base_layer", None), TraceFP4Experts)
     ]
+    if (hit or wrapped) and frozen:
+        raise ValueError(
+            f"PEFT adapters on the routed experts ({hit or wrapped}) are not supported with "
+            "TraceFP4Config(freeze_experts=True): the frozen experts are packed FP4 codes with no weight for an adapter "
+            "to add to, and the rollout kernels read those codes only, so the rollout would not see the adapter. "
+            "Target the attention projections (target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or load "
+            "without freeze_experts and train the experts fully."
+        )
     if hit or wrapped:
         raise ValueError(
             f"PEFT adapters on the FP4 routed experts ({hit or wrapped}) are not supported: rollouts run from packed "

@@ -51,8 +51,9 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     """Why the engine cannot roll out this model (None: it can). The engine implements Qwen3 MoE-style decoders
     whose every layer is full-attention MoE (q/k norms, default RoPE, SiLU experts, softmax top-k router)."""
     lm = causal_lm(model)
-    if lm is not model:
-        return "PEFT adapters are not folded into the engine's weights"
+    adapters = _adapter_problems(lm)
+    if adapters:
+        return adapters
     text = lm.config.get_text_config(decoder=True)
     if getattr(text, "model_type", None) not in ("qwen3_moe",):
         return f"model type {getattr(text, 'model_type', None)!r} is not one the engine implements (qwen3_moe)"
@@ -84,6 +85,62 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     return None
 
 
+#: The linears whose PEFT LoRA adapters the engine folds into its own copies of their weights at every rollout.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _adapter_problems(lm) -> str | None:
+    """Why the engine cannot fold this model's PEFT adapters into its weights (None: it can, or there are none)."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # PEFT before 0.15
+        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
+
+    bad = []
+    for name, m in lm.named_modules():
+        if isinstance(m, AuxiliaryTrainingWrapper):
+            bad.append(f"{name} ({type(m).__name__}: modules_to_save / trainable tokens)")
+        elif isinstance(m, BaseTunerLayer):
+            leaf = name.rsplit(".", 1)[-1]
+            if not isinstance(m, LoraLinear) or leaf not in LORA_TARGETS or ".self_attn." not in f".{name}":
+                bad.append(f"{name} ({type(m).__module__.split('.')[-2]} on {leaf})")
+            elif any(
+                getattr(m, attr, {}).get(a)
+                for attr in ("lora_variant", "use_dora", "lora_bias")
+                for a in m.active_adapters
+            ):
+                bad.append(f"{name} (a LoRA variant such as DoRA, or lora_bias)")
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        return (
+            f"its PEFT adapters on {shown} are not folded into the engine's weights (it folds plain LoRA on the "
+            f"attention projections {list(LORA_TARGETS)})"
+        )
+    return None
+
+
+def lora_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The weight a linear computes with now: a PEFT LoRA layer's base weight plus its active, unmerged adapters'
+    delta (PEFT's own `get_delta_weight`, summed in fp32); any other linear's own weight."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight
+    active = [a for a in linear.active_adapters if a in linear.lora_A and a not in linear.merged_adapters]
+    if linear.disable_adapters or not active:
+        return base.weight
+    w = base.weight.float()
+    for a in active:
+        w = w + linear.get_delta_weight(a).float()
+    return w.to(base.weight.dtype)
+
+
+def _has_lora(linear: torch.nn.Module) -> bool:
+    return getattr(linear, "base_layer", None) is not None
+
+
 def _cache_kwarg(lm) -> str:
     """transformers renamed the forward's cache argument `past_key_values` -> `cache` (5.2x)."""
     import inspect
@@ -103,6 +160,20 @@ class _Weights:
         self.w = weights_from_hf(lm)
         self.experts = fp4_experts(lm)
         self._ptrs = self._pointers()
+        self._fold_adapters(own=True)
+
+    def _fold_adapters(self, own: bool = False) -> None:
+        """The fused QKV weight, re-concatenated, and o_proj where it has LoRA (the engine's own copy: ``own``
+        allocates it), from the current adapters: merged at every rollout, so the engine never decodes with a stale
+        one. The prefill runs the PEFT model itself."""
+        for lw, layer in zip(self.w.layers, self.lm.model.layers, strict=True):
+            a = layer.self_attn
+            torch.cat([lora_weight(a.q_proj), lora_weight(a.k_proj), lora_weight(a.v_proj)], out=lw.w_qkv)
+            if _has_lora(a.o_proj):
+                if own:
+                    lw.w_o = lora_weight(a.o_proj).detach().clone()
+                else:
+                    lw.w_o.copy_(lora_weight(a.o_proj))
 
     def _sources(self):
         inner = self.lm.model
@@ -132,10 +203,9 @@ class _Weights:
             if stale:
                 self.w = weights_from_hf(self.lm)
                 self._ptrs = self._pointers()
+                self._fold_adapters(own=True)
                 return False
-            for lw, layer in zip(self.w.layers, self.lm.model.layers, strict=True):
-                a = layer.self_attn
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=lw.w_qkv)
+            self._fold_adapters()
         return True
 
 
@@ -199,18 +269,22 @@ class _ShardedWeights:
                 old = w.layers[i] if w is not None else None
                 with _unsharded(list(layer.modules())):
                     a, m = layer.self_attn, layer.mlp
-                    qkv = torch.cat([full(a.q_proj.weight), full(a.k_proj.weight), full(a.v_proj.weight)])
+                    qkv = torch.cat([full(lora_weight(a.q_proj)), full(lora_weight(a.k_proj)),
+                                     full(lora_weight(a.v_proj))])  # fmt: skip
                     if isinstance(m.experts, TraceFP4Experts):
-                        m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
-                        gu, d, hinted = m.experts._packed[1], m.experts._packed[2], m.experts.hinted
-                        sites = m.experts.hint_sites or ("experts_input",)
+                        if m.experts.frozen:  # unsharded buffers: the packed weights themselves
+                            gu, d = m.experts.packed_weights()
+                        else:
+                            m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
+                            gu, d = m.experts._packed[1], m.experts._packed[2]
+                        hinted, sites = m.experts.hinted, m.experts.hint_sites or ("experts_input",)
                     else:
                         gu = own(old and old.gate_up, m.experts.gate_up_proj)
                         d, hinted, sites = own(old and old.down, m.experts.down_proj), False, ()
                     layers.append(LayerWeights(
                         own(old and old.ln_in, layer.input_layernorm.weight), own(old and old.w_qkv, qkv),
                         own(old and old.q_norm, a.q_norm.weight), own(old and old.k_norm, a.k_norm.weight),
-                        own(old and old.w_o, a.o_proj.weight), own(old and old.ln_post, layer.post_attention_layernorm.weight),
+                        own(old and old.w_o, lora_weight(a.o_proj)), own(old and old.ln_post, layer.post_attention_layernorm.weight),
                         own(old and old.w_router, m.gate.weight), gu, d, hinted, sites,
                     ))  # fmt: skip
         if w is not None:
