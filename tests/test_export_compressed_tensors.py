@@ -212,32 +212,41 @@ def test_reciprocal_global_scale_round_trips():
 
 
 def test_round_trip_export_load_export_is_identical(exported, tmp_path):
+    """Loaded as frozen packed experts (the pairing for RL from a published checkpoint), the checkpoint's FP4 weights
+    are the model's, bit for bit, and exporting again writes the same files."""
     model, path = exported
-    again = load_fp4(path, quantization_config=TraceFP4Config(), dtype=torch.bfloat16)
+    again = load_fp4(path, quantization_config=TraceFP4Config(freeze_experts=True), dtype=torch.bfloat16)
     for a, b in zip(fp4_experts(model), fp4_experts(again)):
         for x, y in zip(a.packed_weights(), b.packed_weights()):
             assert torch.equal(x.packed, y.packed) and torch.equal(x.block_scale, y.block_scale)
     export_fp4(again, tmp_path / "again", format="compressed-tensors", calibration=calib(), tokenizer=None)
     first, second = load_file(path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == second.keys()
-    assert all(torch.equal(first[k].view(torch.uint8), second[k].view(torch.uint8)) for k in first)
+    weights = [k for k in first if not k.endswith("input_global_scale")]
+    assert all(torch.equal(first[k].view(torch.uint8), second[k].view(torch.uint8)) for k in weights)
+    # The calibrated activation scales come from a forward (frozen experts compute it from the packed weights, the
+    # source model from its masters), where a last-bit difference can route a token elsewhere: not compared.
     assert json.loads((path / "config.json").read_text()) == json.loads((tmp_path / "again/config.json").read_text())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_loaded_masters_requantize_to_the_checkpoint(exported, dtype):
-    """Default mode (trainable masters): the masters are the dequantized FP4 weights, and re-quantizing them (what
-    the first rollout refresh does) gives back the checkpoint's codes and scale bytes; the global scale too, but for
-    the all-zero expert (which compressed-tensors stores with scale 1)."""
+def test_default_mode_load_computes_with_the_checkpoint_and_says_when_masters_differ(exported, dtype, caplog):
+    """Default mode (trainable masters): the loaded model computes with the checkpoint's FP4 weights, bit for bit, and
+    where no masters re-quantize to them (the checkpoint stores the global scale's reciprocal, and not every fp32
+    global scale is amax / 2688 of some master) the load warns, naming freeze_experts, instead of drifting silently."""
     _, path = exported
-    model = load_fp4(path, quantization_config=TraceFP4Config(), dtype=dtype)
-    for m in fp4_experts(model):
+    ref = load_fp4(path, quantization_config=TraceFP4Config(freeze_experts=True), dtype=dtype)
+    with caplog.at_level("WARNING"):
+        model = load_fp4(path, quantization_config=TraceFP4Config(), dtype=dtype)
+    drifted = False
+    for m, f in zip(fp4_experts(model), fp4_experts(ref)):
         assert m.gate_up_proj.dtype == dtype
-        for master, q in zip((m.gate_up_proj, m.down_proj), m.packed_weights()):
+        for master, q, want in zip((m.gate_up_proj, m.down_proj), m.packed_weights(), f.packed_weights()):
+            assert torch.equal(q.packed, want.packed) and torch.equal(q.block_scale, want.block_scale)
+            assert torch.equal(q.global_scale, want.global_scale)
             r = fp4.quantize(master.detach(), "nvfp4", scale="expert")
-            assert torch.equal(r.packed, q.packed) and torch.equal(r.block_scale, q.block_scale)
-            nonzero = (q.block_scale.flatten(1) != 0).any(1)
-            assert torch.equal(r.global_scale[nonzero], q.global_scale[nonzero])
+            drifted |= not (torch.equal(r.packed, want.packed) and torch.equal(r.block_scale, want.block_scale))
+    assert drifted == ("freeze_experts=True" in caplog.text)
 
 
 def test_w4a16_logits_through_compressed_tensors_decompression(tmp_path, source):

@@ -593,14 +593,23 @@ def _install(m: TraceFP4Experts, name: str, packed: list[fp4.FP4Tensor]) -> None
     """The checkpoint's packed weights into `m`, with masters (`masters_of`) that re-quantize to them, so that the
     rollout's refresh from the masters keeps computing with the checkpoint's codes. Where they cannot (scale bytes
     `fp4.quantize` never writes), the packed weights stay the checkpoint's until the masters change, with a
-    warning."""
+    warning. Frozen experts (`freeze_experts`) hold only the packed weights: those are the checkpoint's, as they are."""
     m.load_packed_weights(*packed)
+    if m.frozen:
+        return
     with torch.no_grad():
         for param, q in zip((m.gate_up_proj, m.down_proj), packed):
             param.copy_(masters_of(q, param.dtype))
     again = [fp4.quantize(p.detach(), "nvfp4", scale="expert") for p in (m.gate_up_proj, m.down_proj)]
     off = sum(
-        int((a.block_scale != q.block_scale).sum() + (a.packed != q.packed).any(-1).sum())
+        int(
+            (a.block_scale != q.block_scale).sum()
+            + (a.packed != q.packed).any(-1).sum()
+            # an all-zero expert's global scale is immaterial (compressed-tensors stores 1 for it)
+            + (
+                (a.global_scale.float() != q.global_scale.float()).flatten() & (q.block_scale.flatten(1) != 0).any(1)
+            ).sum()
+        )
         for a, q in zip(again, packed)
     )
     if not off:
@@ -608,9 +617,10 @@ def _install(m: TraceFP4Experts, name: str, packed: list[fp4.FP4Tensor]) -> None
         return
     m.load_packed_weights(*packed)
     logger.warning(
-        f"{name}: {off} rows/blocks of the checkpoint's FP4 experts re-quantize to other codes or scales from any "
-        "master weights (scales trace-hf's quantizer never writes): the model computes with the checkpoint's codes "
-        "until the next refresh from the masters (a rollout engine's, or an optimizer step) re-quantizes them."
+        f"{name}: {off} rows, blocks or experts of the checkpoint's FP4 experts re-quantize to other codes or scales "
+        f"from any {m.weight_dtype} master weights (load with dtype=torch.float32, or with "
+        "TraceFP4Config(freeze_experts=True), to keep them): the model computes with the checkpoint's codes until the "
+        "next refresh from the masters (a rollout engine's, or an optimizer step) re-quantizes them."
     )
 
 
