@@ -113,6 +113,15 @@ class DecodeWeights:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a K/V cache."""
+        return self.dims.num_layers
+
+    def state_bytes_per_row(self) -> int:
+        """Bytes of per-sequence state other than the K/V cache (none for Qwen3)."""
+        return 0
+
     def expert_bytes(self) -> int:
         """Bytes of one expert (gate_up + down) as stored."""
         lw = self.layers[0]
@@ -361,8 +370,9 @@ class FastDecoder:
         self.record_hints = record_hints and self.fp4_experts
         self.caches = [
             A.allocate_kv_cache(batch, d.num_kv_heads, max_len, d.head_dim, kv_fp4, self.dtype, self.device)
-            for _ in range(d.num_layers)
-        ]
+            if self._has_kv(i) else None
+            for i in range(d.num_layers)
+        ]  # fmt: skip
         self.cos, self.sin = rope_tables(d, max_len, self.dtype, self.device)
         hopper = A.uses_hopper_kernel(kv_fp4, d.head_dim, self.device)
         self.splits = A.num_splits(batch, d.num_kv_heads, max_len, hopper)
@@ -386,6 +396,10 @@ class FastDecoder:
         self.graph = None
 
     # -- pieces ---------------------------------------------------------------------------------------------
+
+    def _has_kv(self, layer: int) -> bool:
+        """Whether decoder layer `layer` keeps a K/V cache (every Qwen3 layer does; see `HybridDecoder`)."""
+        return True
 
     def _hinted_at(self, site: str) -> list[int]:
         if not self.fp4_experts:
