@@ -53,6 +53,38 @@ def test_layouts_name_each_family_once():
     assert "qwen3_5_moe" in QWEN3_5_MOE.model_types and QWEN3_5_MOE.decoder is HybridDecoder
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_add_rmsnorm_follows_qwen35_rmsnorm(dtype):
+    """`add_rmsnorm(..., round_normalized=False)` with the fp32 ``1 + w`` computes transformers' Qwen3.5 RMSNorm of
+    the residual (up to the kernel's fp32 rsqrt and sum order; in bf16 more often equal than Qwen3's rounding of the
+    normalized value would be), and `add_rmsnorm_fp4` quantizes exactly what it returns. bf16 on the GPU only: the
+    interpreter's fp32 -> bf16 casts do not round as the GPU's (and torch's) do."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    from trace_hf import fp4
+    from trace_hf.kernels import decode_ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    res, add = torch.randn(64, 64, generator=g).to(dev, dtype), torch.randn(64, 2, 64, generator=g).to(dev)
+    norm = Qwen3_5MoeRMSNorm(64).to(dev, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g).to(dev) * 0.3)
+        summed = (res.float() + add[:, 0] + add[:, 1]).to(dtype)
+        want = norm(summed)
+        w = norm.weight.float() + 1.0
+        r1, r2 = res.clone(), res.clone()
+        out = decode_ops.add_rmsnorm(r1, add, w, norm.eps, round_normalized=False)
+        out4, q = decode_ops.add_rmsnorm_fp4(r2, add, w, norm.eps, round_normalized=False)
+        qwen3_way = decode_ops.add_rmsnorm(summed.clone(), None, w, norm.eps)
+    torch.testing.assert_close(r1, summed, rtol=1e-6, atol=1e-6)
+    tol = {"rtol": 2**-7, "atol": 1e-5} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(out, want, **tol)
+    assert torch.equal(out4, out) and torch.equal(q.packed, fp4.quantize(out, "nvfp4", "row").packed)
+    if dtype == torch.bfloat16:
+        assert (out == want).float().mean() > (qwen3_way == want).float().mean()
+
+
 @pytest.mark.parametrize("fp4", [True, False])
 def test_engine_greedy_matches_generate(fp4):
     """Left-padded prompts: same greedy tokens; log-probs within 1e-4 (fp32, summation order only); hints at every

@@ -348,6 +348,9 @@ class FastDecoder:
     `logits` [B, V] the step's logits.
     """
 
+    #: The norms round the normalized value to the model dtype before the weight (Qwen3's RMSNorm; `add_rmsnorm`).
+    round_normalized = True
+
     def __init__(
         self,
         weights: DecodeWeights,
@@ -418,7 +421,8 @@ class FastDecoder:
         if self.record_hints and self.w.layers[layer].hinted:
             j = self.hinted.index(layer)
             hints = fp4.FP4Hints(self.hint_bits[j], self.hint_scale[j], self.hint_g[j].view(-1, 1), "nvfp4")
-        return _kernels()[0].add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints)
+        return _kernels()[0].add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints,
+                                             round_normalized=self.round_normalized)  # fmt: skip
 
     def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
         """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they

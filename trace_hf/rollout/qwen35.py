@@ -229,6 +229,8 @@ class HybridDecoder(FastDecoder):
     [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook; the kernels
     are called directly (``use_ops`` is not offered)."""
 
+    round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
+
     def __init__(self, weights: HybridDecodeWeights, batch: int, max_len: int, kv_fp4: bool = True,
                  record_hints: bool = True, use_ops: bool = False, record_routing: bool = False, sample=None):  # fmt: skip
         if use_ops:
@@ -292,12 +294,15 @@ class HybridDecoder(FastDecoder):
         q = q / Dk**0.5
         beta = torch.sigmoid(b).float()
         g = -lw.a_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
-        # the gated delta rule, one token: S <- exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q
+        # the gated delta rule, one token: S <- exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q. In place and
+        # with matrix-vector products, so the [B, Hv, Dk, Dv] state is read 4 times and written twice, no temporaries.
         S = self.recurrent_states[i]
         S.mul_(g.exp()[..., None, None])
-        delta = (v.view(B, Hv, Dv).float() - (S * k[..., None]).sum(-2)) * beta[..., None]
-        S.add_(k[..., None] * delta[:, :, None, :])
-        out = (S * q[..., None]).sum(-2).to(xn.dtype)
+        Sf = S.view(B * Hv, Dk, Dv)
+        kv_mem = torch.bmm(k.reshape(B * Hv, 1, Dk), Sf).view(B, Hv, Dv)
+        delta = (v.view(B, Hv, Dv).float() - kv_mem) * beta[..., None]
+        S.addcmul_(k[..., None], delta[:, :, None, :])
+        out = torch.bmm(q.reshape(B * Hv, 1, Dk), Sf).view(B, Hv, Dv).to(xn.dtype)
         # gated RMSNorm (norm, weight, then * silu(z)) and the output projection
         h = out.float()
         h = lw.gate_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)).to(xn.dtype)
@@ -321,7 +326,7 @@ class HybridDecoder(FastDecoder):
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
         pending = None
         for i, lw in enumerate(self.w.layers):
-            xn = dec.add_rmsnorm(res, pending, lw.ln_in, d.eps)
+            xn = dec.add_rmsnorm(res, pending, lw.ln_in, d.eps, round_normalized=self.round_normalized)
             if lw.kind == "full_attention":
                 o = self._full_attention(xn, lw, i, cos, sin, lengths)
             else:
@@ -329,7 +334,9 @@ class HybridDecoder(FastDecoder):
             if self.fp4_experts:
                 xn, xq = self._add_rmsnorm_fp4(res, o.unsqueeze(1), lw.ln_post, i)
             else:
-                xn = xq = dec.add_rmsnorm(res, o.unsqueeze(1), lw.ln_post, d.eps)
+                xn = xq = dec.add_rmsnorm(
+                    res, o.unsqueeze(1), lw.ln_post, d.eps, round_normalized=self.round_normalized
+                )
             ids, tw = dec.router_topk(dec.linear(xn, lw.w_router), d.top_k, d.norm_topk_prob)
             if self.record_routing:
                 self.routing[i].copy_(ids)
@@ -338,7 +345,7 @@ class HybridDecoder(FastDecoder):
             else:
                 routed = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
             pending = torch.cat([routed, self._shared_expert(xn, lw).unsqueeze(1).to(routed.dtype)], 1)
-        xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps)
+        xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps, round_normalized=self.round_normalized)
         logits = F.linear(xn, self.w.lm_head)
         self.logits.copy_(logits)
         if self.sample is None:
