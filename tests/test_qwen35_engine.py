@@ -115,6 +115,25 @@ def test_engine_greedy_matches_generate(fp4):
         torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=0)
 
 
+def test_engine_seeded_sampling_and_per_row_stop():
+    """Seeded draws repeat; a row that emits an EOS stops there while the others (their own conv and recurrent
+    states) roll on unchanged."""
+    model = _model(False)
+    prompts = _prompts(model)
+    gc = {"do_sample": True, "temperature": 1.3, "top_k": 50, "max_new_tokens": 6}
+    eng = EngineRollout()
+    torch.manual_seed(5)
+    a = eng(model, prompts, _gc(**gc, eos_token_id=None))
+    torch.manual_seed(5)
+    assert eng(model, prompts, _gc(**gc, eos_token_id=None)).completion_ids == a.completion_ids
+    eos = a.completion_ids[0][1]
+    torch.manual_seed(5)
+    d = eng(model, prompts, _gc(**gc, eos_token_id=[eos]))
+    assert d.completion_ids[0] == a.completion_ids[0][:2]
+    others = [r for r in (1, 2) if eos not in a.completion_ids[r]]
+    assert others and all(d.completion_ids[r] == a.completion_ids[r] for r in others)
+
+
 def test_engine_sees_updates_of_every_qwen35_weight():
     """`.data` edits of weights the engine fuses or offsets (linear-attention projections, decay, conv, shared
     expert and its gate, a zero-centred norm, the gated q_proj) and of the experts' masters reach its next rollout,
