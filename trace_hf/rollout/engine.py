@@ -17,8 +17,9 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
 Before every rollout the engine refreshes what it reads from the model: packed FP4 experts are re-quantized from
 the masters in place (`TraceFP4Experts.refresh_packed`), the fused QKV weight is re-copied, and any parameter whose
 storage moved (reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it
-was made. Under FSDP2 the engine owns full copies of what it reads, refreshed by gathering one layer at a time
-(`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
+was made. What it reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.layouts`
+(Qwen3 MoE: `FastDecoder`; Qwen3.5 MoE: `trace_hf.rollout.qwen35.HybridDecoder`). Under FSDP2 the engine owns
+full copies of what it reads, refreshed by gathering one layer at a time (`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     mixers = set(getattr(text, "layer_types", None) or ["full_attention"])
     if not mixers <= set(layout.mixers):
         return f"layer types {sorted(mixers - set(layout.mixers))} are not implemented for {layout.family}"
+    if layout.hybrid and any(hasattr(m, "lora_A") for m in lm.modules()):
+        return f"LoRA adapters are not folded into the {layout.family} engine's weights"
     if layout.hybrid and _sharded(lm):
         return f"FSDP2-sharded {layout.family} models are not implemented (Qwen3 MoE ones are)"
     if getattr(text, "use_sliding_window", False):
