@@ -8,7 +8,8 @@ The shape: hidden 2048, 40 layers (Gated DeltaNet 3 of every 4, gated full atten
 heads of 256), 256 experts of width 512 top-8 plus a 512-wide shared expert, vocabulary 151,936. Random weights
 built as tensors (no transformers model); every sequence holds ``context`` tokens of random K/V and random
 linear-attention states. ``bf16``: dense experts, BF16 KV cache; ``fp4``: NVFP4 W4A4 experts (the BF16 ones
-quantized in place, so one copy is alive), FP4 KV cache, hints recorded at the last half of the layers. Each cell
+quantized in place, so one copy is alive), FP4 KV cache, hints recorded at the last half of the layers;
+``fp4_triton``: the same with the delta rule in `trace_hf.kernels.gated_delta` (``delta_rule="triton"``). Each cell
 captures the step in a CUDA graph and times ``--steps`` replays (CUDA events).
 """
 
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
     w = random_weights(d, dtype, dev)
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
     res = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "cells": []}
-    for setup in ("bf16", "fp4"):
+    for setup in ("bf16", "fp4", "fp4_triton"):
+        fp4 = setup.startswith("fp4")
         if setup == "fp4":
             for lw in w.layers:  # in place: the BF16 experts are freed as each layer is quantized
                 lw.gate_up, lw.down = quantize_experts(lw.gate_up, lw.down)
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
         for B, T in cells:
             t0 = time.perf_counter()
             try:
-                dec = HybridDecoder(w, B, T + args.steps + 8, kv_fp4=setup == "fp4", record_hints=setup == "fp4")
+                dec = HybridDecoder(w, B, T + args.steps + 8, kv_fp4=fp4, record_hints=fp4,
+                                    delta_rule="triton" if setup.endswith("triton") else "torch")  # fmt: skip
                 g = torch.Generator(device=dev).manual_seed(0)
                 for c in dec.caches:
                     if c is not None:
@@ -138,7 +141,12 @@ def main(argv=None) -> int:
     by = {(c["setup"], c["batch"], c["context"]): c for c in res["cells"] if "error" not in c}
     res["fp4_over_bf16"] = {f"{B}x{T}": by[("fp4", B, T)]["tokens_per_s"] / by[("bf16", B, T)]["tokens_per_s"]
                             for B, T in cells if ("fp4", B, T) in by and ("bf16", B, T) in by}  # fmt: skip
-    print(json.dumps(res["fp4_over_bf16"]))
+    res["triton_rule_over_torch_rule"] = {
+        f"{B}x{T}": by[("fp4_triton", B, T)]["tokens_per_s"] / by[("fp4", B, T)]["tokens_per_s"]
+        for B, T in cells
+        if ("fp4_triton", B, T) in by and ("fp4", B, T) in by
+    }
+    print(json.dumps(res["fp4_over_bf16"]), json.dumps(res["triton_rule_over_torch_rule"]))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     return 0

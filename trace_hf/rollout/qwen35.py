@@ -20,7 +20,9 @@ conv is K multiply-adds per channel and its delta rule two [Dk, Dv] matrix-vecto
 ops that a CUDA graph replays without launch cost, so a fused kernel buys little; these ops run on any device and
 under the CPU Triton interpreter (CI), are captured by CUDA graphs on any Triton (fla's kernels need a Triton its
 version accepts, and causal-conv1d is a CUDA extension), and follow transformers' torch path op for op, which is
-what `generate` runs when the extras are absent. The prefill stays the model's own forward (fla and causal-conv1d
+what `generate` runs when the extras are absent. The step's cost is reading the fp32 state (2 MB a sequence per
+layer at the 35B-A3B shape), which these ops pass over six times; `trace_hf.kernels.gated_delta` does it in one
+read and one write (``HybridDecoder(delta_rule="triton")``, same function up to fp32 summation order). The prefill stays the model's own forward (fla and causal-conv1d
 speed it up when installed: ``pip install trace-hf[qwen35]``), and its final conv and recurrent states are copied
 into the decoder's state (`HybridDecoder.load_states`). transformers zeroes the hidden states of padded positions
 before the linear-attention projections, so a left-padded row's states equal those of its unpadded prompt and are
@@ -227,14 +229,22 @@ class HybridDecoder(FastDecoder):
     """`FastDecoder` for Qwen3.5 MoE: K/V caches at full-attention layers only, static conv and recurrent states
     at linear-attention layers (`conv_states` [B, C, kernel] in the model dtype, `recurrent_states`
     [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook; the kernels
-    are called directly (``use_ops`` is not offered)."""
+    are called directly (``use_ops`` is not offered).
+
+    ``delta_rule``: ``"torch"`` (transformers' recurrent step, op for op) or ``"triton"``
+    (`trace_hf.kernels.gated_delta`: the state read and written once instead of six passes; the same function up
+    to fp32 summation order)."""
 
     round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
 
     def __init__(self, weights: HybridDecodeWeights, batch: int, max_len: int, kv_fp4: bool = True,
-                 record_hints: bool = True, use_ops: bool = False, record_routing: bool = False, sample=None):  # fmt: skip
+                 record_hints: bool = True, use_ops: bool = False, record_routing: bool = False, sample=None,
+                 delta_rule: str = "torch"):  # fmt: skip
         if use_ops:
             raise ValueError("HybridDecoder calls its kernels directly: use_ops=True is not implemented.")
+        if delta_rule not in ("torch", "triton"):
+            raise ValueError(f"delta_rule={delta_rule!r}: use 'torch' or 'triton'.")
+        self.delta_rule = delta_rule
         super().__init__(weights, batch, max_len, kv_fp4, record_hints, False, record_routing, sample)
         d, dev = self.dims, self.device
         linear = [t == "linear_attention" for t in d.layer_types]
@@ -289,24 +299,35 @@ class HybridDecoder(FastDecoder):
         x = F.silu(F.conv1d(st.to(lw.conv.dtype), lw.conv.unsqueeze(1), groups=d.conv_dim)).squeeze(-1).to(xn.dtype)
         q, k, v = x.split([Hk * Dk, Hk * Dk, Hv * Dv], -1)
         q, k = _l2norm(q.view(B, Hk, Dk).float()), _l2norm(k.view(B, Hk, Dk).float())
-        if Hv != Hk:
-            q, k = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
         q = q / Dk**0.5
         beta = torch.sigmoid(b).float()
         g = -lw.a_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
+        S = self.recurrent_states[i]
+        if self.delta_rule == "triton":
+            from trace_hf.kernels.gated_delta import gated_delta_step
+
+            out = gated_delta_step(S, q, k, v.view(B, Hv, Dv), g.exp(), beta).to(xn.dtype)
+            return self._gated_norm_out(out, z, lw)
+        if Hv != Hk:
+            q, k = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
         # the gated delta rule, one token: S <- exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q. In place and
         # with matrix-vector products, so the [B, Hv, Dk, Dv] state is read 4 times and written twice, no temporaries.
-        S = self.recurrent_states[i]
         S.mul_(g.exp()[..., None, None])
         Sf = S.view(B * Hv, Dk, Dv)
         kv_mem = torch.bmm(k.reshape(B * Hv, 1, Dk), Sf).view(B, Hv, Dv)
         delta = (v.view(B, Hv, Dv).float() - kv_mem) * beta[..., None]
         S.addcmul_(k[..., None], delta[:, :, None, :])
         out = torch.bmm(q.reshape(B * Hv, 1, Dk), Sf).view(B, Hv, Dv).to(xn.dtype)
-        # gated RMSNorm (norm, weight, then * silu(z)) and the output projection
+        return self._gated_norm_out(out, z, lw)
+
+    def _gated_norm_out(self, out, z, lw: HybridLayerWeights) -> torch.Tensor:
+        """Gated RMSNorm (norm, weight, then * silu(z)) per value head, and the output projection."""
+        d, B = self.dims, self.batch
+        Hv, Dv = d.lin_v_heads, d.lin_v_dim
+        dec = _kernels()[0]
         h = out.float()
-        h = lw.gate_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)).to(xn.dtype)
-        h = (h * F.silu(z.reshape(B, Hv, Dv).float())).to(xn.dtype)
+        h = lw.gate_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)).to(out.dtype)
+        h = (h * F.silu(z.reshape(B, Hv, Dv).float())).to(out.dtype)
         return dec.linear(h.reshape(B, -1), lw.w_out)
 
     def _shared_expert(self, xn, lw: HybridLayerWeights) -> torch.Tensor:
