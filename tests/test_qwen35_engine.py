@@ -259,3 +259,21 @@ def test_qwen35_engine_graphs_match_eager_gpu():
     assert [r[0] for r in g.completion_ids] == [r[0] for r in e.completion_ids]
     agree = sum(x == y for r, s in zip(g.completion_ids, e.completion_ids, strict=True) for x, y in zip(r, s))
     print(f"bf16 greedy tokens equal to generate's: {agree}/{sum(map(len, g.completion_ids))}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
+def test_decode_benchmark_smoke(tmp_path):
+    """`benchmarks/decode_qwen35.py --smoke` steps every setup (BF16, FP4, FP4 with the Triton delta rule)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_qwen35.py"
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=str(tmp_path),
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert [c["setup"] for c in cells] == ["bf16", "fp4", "fp4_triton"] and all("step_ms" in c for c in cells), cells
