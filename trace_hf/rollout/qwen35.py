@@ -14,15 +14,15 @@ slots the next norm sums.
   static [B, C, kernel] state and a depthwise ``F.conv1d`` over it, then one step of the gated delta rule on a
   static fp32 state [B, Hv, Dk, Dv], the gated RMSNorm and ``out_proj``.
 
-Kernels: the Gated DeltaNet step is written here in torch, not taken from flash-linear-attention
-(``fused_recurrent_gated_delta_rule``) or causal-conv1d (``causal_conv1d_update``). A decode step is one token: its
-conv is K multiply-adds per channel and its delta rule two [Dk, Dv] matrix-vector products per head, a few tensor
-ops that a CUDA graph replays without launch cost, so a fused kernel buys little; these ops run on any device and
-under the CPU Triton interpreter (CI), are captured by CUDA graphs on any Triton (fla's kernels need a Triton its
-version accepts, and causal-conv1d is a CUDA extension), and follow transformers' torch path op for op, which is
-what `generate` runs when the extras are absent. The step's cost is reading the fp32 state (2 MB a sequence per
-layer at the 35B-A3B shape), which these ops pass over six times; `trace_hf.kernels.gated_delta` does it in one
-read and one write (``HybridDecoder(delta_rule="triton")``, same function up to fp32 summation order). The prefill stays the model's own forward (fla and causal-conv1d
+Kernels: the Gated DeltaNet step is written here, not taken from flash-linear-attention
+(``fused_recurrent_gated_delta_rule``) or causal-conv1d (``causal_conv1d_update``). Ours run on any device, under
+the CPU Triton interpreter (CI) and inside CUDA graphs whatever the Triton (fla gates its kernels on Triton
+versions: its chunked backward refuses the H200 image's 3.6; causal-conv1d is a CUDA extension), and the default
+torch ops follow transformers' torch path op for op, which is what `generate` runs when the extras are absent.
+Per token the conv is K multiply-adds a channel, a few graph-replayed launches; the cost is reading the fp32
+delta-rule state (2 MB a sequence per layer at the 35B-A3B shape), which the torch ops pass over six times.
+`trace_hf.kernels.gated_delta` reads and writes it once (``HybridDecoder(delta_rule="triton")``: the same function
+up to fp32 summation order; not yet the default). The prefill stays the model's own forward (fla and causal-conv1d
 speed it up when installed: ``pip install trace-hf[qwen35]``), and its final conv and recurrent states are copied
 into the decoder's state (`HybridDecoder.load_states`). transformers zeroes the hidden states of padded positions
 before the linear-attention projections, so a left-padded row's states equal those of its unpadded prompt and are
