@@ -28,6 +28,7 @@ def warm(model, tok, steps: int, seed: int = 0):
     """Next-token training on lines like ``12+7=19``: a model whose predictions are peaked, not random."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss = torch.tensor(float("nan"))  # --warm-steps 0: the random model
     model.train()
     for _ in range(steps):
         lines = []
