@@ -25,7 +25,8 @@ from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, H, eps, NADD: tl.constexpr,
-                        QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                        QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr, PDL: tl.constexpr,
+                        ROUND_NORMED: tl.constexpr = True):  # fmt: skip
     wait_for_producer(PDL)
     # A row as [1, NBT, 16]: NVFP4 blocks of 16 along the last axis, the layout `quantize_rows_nvfp4` takes.
     r = tl.program_id(0).to(tl.int64)
@@ -41,7 +42,10 @@ def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, 
         tl.store(res_ptr + r * H + h, x, mask=m)
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / H + eps)[:, None, None]
-    y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + h, mask=m, other=0.0).to(tl.float32)
+    y = x * rstd
+    if ROUND_NORMED:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = y * tl.load(w_ptr + h, mask=m, other=0.0).to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r * H + h, y, mask=m)
     if QUANT:
@@ -108,18 +112,29 @@ def _check(t: torch.Tensor) -> None:
 
 
 def add_rmsnorm(
-    res: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    res: torch.Tensor,
+    add: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    round_normalized: bool = True,
 ) -> torch.Tensor:
     """``res += add.sum(1)`` in place (``add`` [M, n, H], any float dtype; None: no add), then RMSNorm(res) * weight
-    in ``res.dtype`` (Qwen3's RMSNorm: fp32 statistics, normalized value rounded to the dtype before the weight)."""
+    in ``res.dtype`` (Qwen3's RMSNorm: fp32 statistics, normalized value rounded to the dtype before the weight;
+    ``round_normalized=False``: Qwen3.5's, the fp32 normalized value times an fp32 ``weight``, rounded once)."""
     _check(res)
     out = torch.empty_like(res) if out is None else out
-    _launch_add_rmsnorm(res, add, weight, eps, out, None, None, None, None)
+    _launch_add_rmsnorm(res, add, weight, eps, out, None, None, None, None, round_normalized)
     return out
 
 
 def add_rmsnorm_fp4(
-    res: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float, hints: FP4Hints | None = None
+    res: torch.Tensor,
+    add: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    hints: FP4Hints | None = None,
+    round_normalized: bool = True,
 ) -> tuple[torch.Tensor, FP4Tensor]:
     """`add_rmsnorm`, and its output quantized as ``fp4.quantize(out, "nvfp4", "row")`` in the same launch: the
     MoE input of the decode step, one launch per layer instead of two. Returns ``(out, FP4Tensor)``.
@@ -148,11 +163,11 @@ def add_rmsnorm_fp4(
                                  f"got {t.dtype} {list(t.shape)} on {t.device}: the buffers are written in place.")  # fmt: skip
     out = torch.empty_like(res)
     packed = torch.empty(M, H // 2, dtype=torch.uint8, device=dev)
-    _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits)
+    _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized)
     return out, FP4Tensor(packed, scale, g, "nvfp4")
 
 
-def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits) -> None:
+def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized=True) -> None:
     M, H = res.shape
     quant = packed is not None
     dummy = res  # never touched: its constexpr switch is off
@@ -160,8 +175,8 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits) -> N
         res, add.contiguous() if add is not None else res, weight, out, packed if quant else dummy,
         scale if quant else dummy, g if quant else dummy, bits if bits is not None else dummy, H, eps,
         NADD=0 if add is None else add.shape[1], QUANT=quant, WRITE_BITS=bits is not None,
-        NBT=triton.next_power_of_2(triton.cdiv(H, 16)), num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False,
-        **launch_options(res.device),
+        NBT=triton.next_power_of_2(triton.cdiv(H, 16)), ROUND_NORMED=round_normalized, num_warps=4 if H <= 4096 else 8,
+        enable_fp_fusion=False, **launch_options(res.device),
     )  # fmt: skip
 
 

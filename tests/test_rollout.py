@@ -218,10 +218,10 @@ def test_engine_refuses_what_it_does_not_implement():
         EngineRollout()(model, _prompts(model), _gc(num_beams=2))
     with pytest.raises(ValueError, match="num_beams"):
         GenerateRollout()(model, _prompts(model), _gc(num_beams=2))
-    hybrid = T.tiny_model("qwen3_5_moe").eval()
+    biased = T.tiny_model(num_hidden_layers=2, attention_bias=True).eval()  # Qwen3.5: tests/test_qwen35_engine.py
     with pytest.raises(ValueError, match="cannot roll out"):
-        make_rollout(hybrid, "engine")
-    assert isinstance(make_rollout(hybrid, "auto"), GenerateRollout)
+        make_rollout(biased, "engine")
+    assert isinstance(make_rollout(biased, "auto"), GenerateRollout)
     assert isinstance(make_rollout(model, "auto"), GenerateRollout)  # CPU: auto means generate
     assert isinstance(make_rollout(model, "engine"), EngineRollout)  # ... unless asked (interpreter)
 

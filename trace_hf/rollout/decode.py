@@ -113,6 +113,15 @@ class DecodeWeights:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a K/V cache."""
+        return self.dims.num_layers
+
+    def state_bytes_per_row(self) -> int:
+        """Bytes of per-sequence state other than the K/V cache (none for Qwen3)."""
+        return 0
+
     def expert_bytes(self) -> int:
         """Bytes of one expert (gate_up + down) as stored."""
         lw = self.layers[0]
@@ -339,6 +348,9 @@ class FastDecoder:
     `logits` [B, V] the step's logits.
     """
 
+    #: The norms round the normalized value to the model dtype before the weight (Qwen3's RMSNorm; `add_rmsnorm`).
+    round_normalized = True
+
     def __init__(
         self,
         weights: DecodeWeights,
@@ -361,8 +373,9 @@ class FastDecoder:
         self.record_hints = record_hints and self.fp4_experts
         self.caches = [
             A.allocate_kv_cache(batch, d.num_kv_heads, max_len, d.head_dim, kv_fp4, self.dtype, self.device)
-            for _ in range(d.num_layers)
-        ]
+            if self._has_kv(i) else None
+            for i in range(d.num_layers)
+        ]  # fmt: skip
         self.cos, self.sin = rope_tables(d, max_len, self.dtype, self.device)
         hopper = A.uses_hopper_kernel(kv_fp4, d.head_dim, self.device)
         self.splits = A.num_splits(batch, d.num_kv_heads, max_len, hopper)
@@ -387,6 +400,10 @@ class FastDecoder:
 
     # -- pieces ---------------------------------------------------------------------------------------------
 
+    def _has_kv(self, layer: int) -> bool:
+        """Whether decoder layer `layer` keeps a K/V cache (every Qwen3 layer does; see `HybridDecoder`)."""
+        return True
+
     def _hinted_at(self, site: str) -> list[int]:
         if not self.fp4_experts:
             return []
@@ -404,7 +421,8 @@ class FastDecoder:
         if self.record_hints and self.w.layers[layer].hinted:
             j = self.hinted.index(layer)
             hints = fp4.FP4Hints(self.hint_bits[j], self.hint_scale[j], self.hint_g[j].view(-1, 1), "nvfp4")
-        return _kernels()[0].add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints)
+        return _kernels()[0].add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints,
+                                             round_normalized=self.round_normalized)  # fmt: skip
 
     def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
         """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they

@@ -17,8 +17,9 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
 Before every rollout the engine refreshes what it reads from the model: packed FP4 experts are re-quantized from
 the masters in place (`TraceFP4Experts.refresh_packed`), the fused QKV weight is re-copied, and any parameter whose
 storage moved (reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it
-was made. Under FSDP2 the engine owns full copies of what it reads, refreshed by gathering one layer at a time
-(`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
+was made. What it reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.layouts`
+(Qwen3 MoE: `FastDecoder`; Qwen3.5 MoE: `trace_hf.rollout.qwen35.HybridDecoder`). Under FSDP2 the engine owns
+full copies of what it reads, refreshed by gathering one layer at a time (`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from ..kv_cache import FP4KVLayer, fp4_cache
 from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, weights_from_hf
 from .generate import check_sampling
+from .layouts import layout_of, supported_model_types
+from .qwen35 import HybridDecoder
 from .sampling import SamplingSettings, draw, process_logits, sampler_logprobs
 
 
@@ -48,21 +51,30 @@ def kv_format(model) -> str | None:
 
 
 def unsupported_reason(model, require_cuda: bool = True) -> str | None:
-    """Why the engine cannot roll out this model (None: it can). The engine implements Qwen3 MoE-style decoders
-    whose every layer is full-attention MoE (q/k norms, default RoPE, SiLU experts, softmax top-k router)."""
+    """Why the engine cannot roll out this model (None: it can). The engine implements the families of
+    `trace_hf.rollout.layouts`: Qwen3 MoE-style decoders whose every layer is full-attention MoE (q/k norms, default
+    RoPE, SiLU experts, softmax top-k router), and Qwen3.5 MoE (Gated DeltaNet and gated full attention, shared
+    expert)."""
     lm = causal_lm(model)
     adapters = _adapter_problems(lm)
     if adapters:
         return adapters
     text = lm.config.get_text_config(decoder=True)
-    if getattr(text, "model_type", None) not in ("qwen3_moe",):
-        return f"model type {getattr(text, 'model_type', None)!r} is not one the engine implements (qwen3_moe)"
+    layout = layout_of(lm.config)
+    if layout is None:
+        return (f"model type {getattr(text, 'model_type', None)!r} is not one the engine implements "
+                f"({', '.join(supported_model_types())})")  # fmt: skip
     try:
         Dims.from_config(lm.config)
     except ValueError as e:
         return str(e)
-    if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
-        return "not every layer is full attention"
+    mixers = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if not mixers <= set(layout.mixers):
+        return f"layer types {sorted(mixers - set(layout.mixers))} are not implemented for {layout.family}"
+    if layout.hybrid and any(hasattr(m, "lora_A") for m in lm.modules()):
+        return f"LoRA adapters are not folded into the {layout.family} engine's weights"
+    if layout.hybrid and _sharded(lm):
+        return f"FSDP2-sharded {layout.family} models are not implemented (Qwen3 MoE ones are)"
     if getattr(text, "use_sliding_window", False):
         return "sliding-window attention is not implemented"
     if getattr(text, "hidden_act", "silu") != "silu":
@@ -295,11 +307,12 @@ class _ShardedWeights:
 class _Runner:
     """Static buffers, the decoder and (on CUDA) the captured step of one (batch, length, sampling) bucket."""
 
-    def __init__(self, w: DecodeWeights, batch: int, max_len: int, s: SamplingSettings, kv_fp4: bool, record: bool):
+    def __init__(self, w: DecodeWeights, batch: int, max_len: int, s: SamplingSettings, kv_fp4: bool, record: bool,
+                 decoder: type[FastDecoder] = FastDecoder):  # fmt: skip
         d = w.dims
         self.s, self.batch, self.record = s, batch, record
-        self.dec = FastDecoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record, use_ops=False,
-                               record_routing=record, sample=self._sample)  # fmt: skip
+        self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record, use_ops=False,
+                           record_routing=record, sample=self._sample)  # fmt: skip
         dev = self.dec.device
         n = s.max_new_tokens
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -379,7 +392,7 @@ class EngineRollout:
     def _weights_for(self, lm) -> DecodeWeights:
         if self._model is not lm:
             self._runners.clear()
-            self._weights, self._model = (_ShardedWeights if _sharded(lm) else _Weights)(lm), lm
+            self._weights, self._model = layout_of(lm.config).weights(lm), lm
         elif not self._weights.refresh():
             self._runners.clear()
         return self._weights.w
@@ -394,7 +407,7 @@ class EngineRollout:
         dev = w.embed.device
         self._check_memory(w, batch, length, s, kv_fp4, record, dev)
         try:
-            runner = _Runner(w, batch, length, s, kv_fp4, record)
+            runner = _Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder)
             graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
             if graphs and s.max_new_tokens > 3:
                 runner.capture()
@@ -417,8 +430,9 @@ class EngineRollout:
             return
         d = w.dims
         A = _kernels()[1]
-        kv = A.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size()) * d.num_layers
+        kv = A.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size()) * w.num_kv_layers
         need = batch * length * kv + 8 * batch * d.vocab * 4  # cache + the sampler's [B, V] fp32 temporaries
+        need += batch * w.state_bytes_per_row()
         if record:
             n_hidden = sum(lw.hinted and "experts_hidden" in lw.hint_sites for lw in w.layers)
             need += batch * s.max_new_tokens * (d.num_layers * (d.hidden // 8 + d.hidden // 16 + 4) + 2 * d.top_k
@@ -520,7 +534,8 @@ class EngineRollout:
 
     @staticmethod
     def _load_cache(dec: FastDecoder, cache, lengths: torch.Tensor, P: int) -> None:
-        """Copy the prefill's K/V into the decoder's cache, left padding removed (slot j = position j)."""
+        """Copy the prefill's K/V into the decoder's cache, left padding removed (slot j = position j), and the
+        linear-attention layers' conv and recurrent states (per row: no padding to remove)."""
         B = lengths.shape[0]
         src = (torch.arange(P, device=lengths.device)[None, :] + (P - lengths)[:, None]).clamp(max=P - 1)
 
@@ -528,7 +543,11 @@ class EngineRollout:
             idx = src.view(B, 1, P, *([1] * (t.ndim - 3))).expand(B, t.shape[1], P, *t.shape[3:])
             dst[:B, :, :P].copy_(torch.gather(t, 2, idx).view(dst[:B, :, :P].shape))
 
+        if isinstance(dec, HybridDecoder):
+            dec.load_states(cache, B)
         for c, layer in zip(dec.caches, cache.layers, strict=True):
+            if c is None:  # linear attention: its states were loaded above
+                continue
             if isinstance(layer, FP4KVLayer):
                 for q, (codes, scale, g) in ((layer._k, (c.k, c.k_scale, c.k_g)), (layer._v, (c.v, c.v_scale, c.v_g))):
                     put(codes, q.packed)

@@ -1,0 +1,162 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Decode-step time of the rollout engine's `HybridDecoder` on a random Qwen3.5-35B-A3B shape, FP4 against BF16.
+
+    python benchmarks/decode_qwen35.py --out outputs/decode_qwen35.json              # H200: 40 layers
+    python benchmarks/decode_qwen35.py --smoke --out /tmp/decode_qwen35_smoke.json   # CPU, interpreter
+
+The shape: hidden 2048, 40 layers (Gated DeltaNet 3 of every 4, gated full attention every 4th: 16 query / 2 KV
+heads of 256), 256 experts of width 512 top-8 plus a 512-wide shared expert, vocabulary 151,936. Random weights
+built as tensors (no transformers model); every sequence holds ``context`` tokens of random K/V and random
+linear-attention states. ``bf16``: dense experts, BF16 KV cache; ``fp4``: NVFP4 W4A4 experts (the BF16 ones
+quantized in place, so one copy is alive), FP4 KV cache, hints recorded at the last half of the layers;
+``fp4_triton``: the same with the delta rule in `trace_hf.kernels.gated_delta` (``delta_rule="triton"``). Each cell
+captures the step in a CUDA graph and times ``--steps`` replays (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def dims(layers: int, smoke: bool):
+    from trace_hf.rollout.qwen35 import HybridDims
+
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
+    if smoke:
+        return HybridDims(64, 4, 2, 32, 8, 2, 32, 300, layers, layer_types=types, rotary_dim=8, lin_k_heads=2,
+                          lin_v_heads=4, lin_k_dim=16, lin_v_dim=16, conv_kernel=4, shared_dim=32)  # fmt: skip
+    return HybridDims(2048, 16, 2, 256, 256, 8, 512, 151936, layers, layer_types=types, rotary_dim=64,
+                      lin_k_heads=16, lin_v_heads=32, lin_k_dim=128, lin_v_dim=128, conv_kernel=4,
+                      shared_dim=512)  # fmt: skip
+
+
+def random_weights(d, dtype, device, seed=0):
+    from trace_hf.rollout.qwen35 import HybridDecodeWeights, HybridLayerWeights
+
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n, dt=torch.float32):
+        return torch.ones(n, dtype=dt, device=device)
+
+    H, D, E, NI = d.hidden, d.head_dim, d.num_experts, d.expert_dim
+    layers = []
+    for i, kind in enumerate(d.layer_types):
+        common = {"ln_post": ones(H), "w_router": rnd(E, H), "gate_up": rnd(E, 2 * NI, H), "down": rnd(E, H, NI),
+                  "w_shared": rnd(2 * d.shared_dim + 1, H), "w_shared_down": rnd(H, d.shared_dim),
+                  "hinted": i >= d.num_layers // 2}  # fmt: skip
+        if kind == "full_attention":
+            lw = HybridLayerWeights(kind, ones(H), rnd((2 * d.num_heads + 2 * d.num_kv_heads) * D, H),
+                                    rnd(H, d.num_heads * D), q_norm=ones(D), k_norm=ones(D), **common)  # fmt: skip
+        else:
+            vd = d.lin_v_heads * d.lin_v_dim
+            lw = HybridLayerWeights(kind, ones(H), rnd(d.conv_dim + vd + 2 * d.lin_v_heads, H), rnd(H, vd),
+                                    conv=rnd(d.conv_dim, d.conv_kernel) * 10, a_log=torch.zeros(d.lin_v_heads, device=device),
+                                    dt_bias=ones(d.lin_v_heads, dtype), gate_norm=ones(d.lin_v_dim, dtype), **common)  # fmt: skip
+        layers.append(lw)
+    return HybridDecodeWeights(d, rnd(d.vocab, H), ones(H), rnd(d.vocab, H), layers)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--cells", default="64x1024,64x32768", help="batch x context, comma-separated")
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if not args.smoke:
+            print("No CUDA device: run with --smoke.", file=sys.stderr)
+            return 2
+    if args.smoke:
+        args.layers, args.cells, args.steps = 4, "2x16", 2
+    from trace_hf.rollout.decode import quantize_experts
+    from trace_hf.rollout.qwen35 import HybridDecoder
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    d = dims(args.layers, args.smoke)
+    w = random_weights(d, dtype, dev)
+    cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
+    res = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "cells": []}
+    for setup in ("bf16", "fp4", "fp4_triton"):
+        fp4 = setup.startswith("fp4")
+        if setup == "fp4":
+            for lw in w.layers:  # in place: the BF16 experts are freed as each layer is quantized
+                lw.gate_up, lw.down = quantize_experts(lw.gate_up, lw.down)
+                if cuda:
+                    torch.cuda.empty_cache()
+        for B, T in cells:
+            t0 = time.perf_counter()
+            try:
+                dec = HybridDecoder(w, B, T + args.steps + 8, kv_fp4=fp4, record_hints=fp4,
+                                    delta_rule="triton" if setup.endswith("triton") else "torch")  # fmt: skip
+                g = torch.Generator(device=dev).manual_seed(0)
+                for c in dec.caches:
+                    if c is not None:
+                        _fill(c, g)
+                for s in dec.recurrent_states:
+                    if s is not None:
+                        s.normal_(0, 0.05, generator=g)
+                dec.positions.fill_(T)
+                dec.tokens.random_(0, d.vocab, generator=g)
+                if cuda:
+                    dec.capture()
+                    dec.run()
+                    torch.cuda.synchronize()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(args.steps):
+                        dec.run()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    step_s = e0.elapsed_time(e1) * 1e-3 / args.steps
+                else:
+                    t = time.perf_counter()
+                    for _ in range(args.steps):
+                        dec.run()
+                    step_s = (time.perf_counter() - t) / args.steps
+                assert torch.isfinite(dec.logits).all(), "non-finite logits"
+                cell = {"setup": setup, "batch": B, "context": T, "step_ms": step_s * 1e3, "tokens_per_s": B / step_s,
+                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
+                del dec
+            except Exception as e:  # keep the other cells
+                cell = {"setup": setup, "batch": B, "context": T, "error": f"{type(e).__name__}: {e}"[:300]}
+            cell["wall_s"] = time.perf_counter() - t0
+            res["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    by = {(c["setup"], c["batch"], c["context"]): c for c in res["cells"] if "error" not in c}
+    res["fp4_over_bf16"] = {f"{B}x{T}": by[("fp4", B, T)]["tokens_per_s"] / by[("bf16", B, T)]["tokens_per_s"]
+                            for B, T in cells if ("fp4", B, T) in by and ("bf16", B, T) in by}  # fmt: skip
+    res["triton_rule_over_torch_rule"] = {
+        f"{B}x{T}": by[("fp4_triton", B, T)]["tokens_per_s"] / by[("fp4", B, T)]["tokens_per_s"]
+        for B, T in cells
+        if ("fp4_triton", B, T) in by and ("fp4", B, T) in by
+    }
+    print(json.dumps(res["fp4_over_bf16"]), json.dumps(res["triton_rule_over_torch_rule"]))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+def _fill(cache, g):
+    from trace_hf.rollout.decode import _kernels
+
+    _kernels()[1].fill_random(cache, g)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The rollout engine on Qwen3.5 MoE (Gated DeltaNet + gated full attention + shared expert) against `generate`,
+its freshness, and the trainer rolling out through it. CPU: eager through the Triton interpreter, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trace_hf import TraceFP4Config
+from trace_hf import testing as T
+from trace_hf.experts import fp4_experts
+from trace_hf.quantizer import quantize_model
+from trace_hf.rollout import EngineRollout, GenerateRollout, make_rollout, unsupported_reason
+from trace_hf.rollout.layouts import QWEN3_5_MOE, QWEN3_MOE, layout_of
+from trace_hf.rollout.qwen35 import HybridDecoder
+
+
+pytest.importorskip("trace_hf.kernels.sampling")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+SITES = ("experts_input", "experts_hidden", "kv")
+
+
+def _model(fp4: bool, device="cpu", sites=SITES, **overrides):
+    """Two layers: linear attention (Gated DeltaNet), then gated full attention; both MoE with a shared expert."""
+    model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=2, **overrides)
+    assert model.config.layer_types == ["linear_attention", "full_attention"]
+    if fp4:
+        quantize_model(model, TraceFP4Config(hint_layers=2, hint_sites=list(sites)))
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _prompts(model, lengths=(6, 2, 9), seed=1):
+    """Left padding of different widths; the 2-token prompt is shorter than the conv kernel (4)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def _gc(**kw):
+    base = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": [1], "pad_token_id": 0}
+    return GenerationConfig(**{**base, **kw})
+
+
+def test_layouts_name_each_family_once():
+    assert layout_of(T.tiny_qwen3_5_moe_config()) is QWEN3_5_MOE and QWEN3_5_MOE.hybrid
+    assert layout_of(T.tiny_qwen3_moe_config()) is QWEN3_MOE and not QWEN3_MOE.hybrid
+    assert "qwen3_5_moe" in QWEN3_5_MOE.model_types and QWEN3_5_MOE.decoder is HybridDecoder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_add_rmsnorm_follows_qwen35_rmsnorm(dtype):
+    """`add_rmsnorm(..., round_normalized=False)` with the fp32 ``1 + w`` computes transformers' Qwen3.5 RMSNorm of
+    the residual (up to the kernel's fp32 rsqrt and sum order; in bf16 more often equal than Qwen3's rounding of the
+    normalized value would be), and `add_rmsnorm_fp4` quantizes exactly what it returns. bf16 on the GPU only: the
+    interpreter's fp32 -> bf16 casts do not round as the GPU's (and torch's) do."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+    from trace_hf import fp4
+    from trace_hf.kernels import decode_ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    res, add = torch.randn(64, 64, generator=g).to(dev, dtype), torch.randn(64, 2, 64, generator=g).to(dev)
+    norm = Qwen3_5MoeRMSNorm(64).to(dev, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g).to(dev) * 0.3)
+        summed = (res.float() + add[:, 0] + add[:, 1]).to(dtype)
+        want = norm(summed)
+        w = norm.weight.float() + 1.0
+        r1, r2 = res.clone(), res.clone()
+        out = decode_ops.add_rmsnorm(r1, add, w, norm.eps, round_normalized=False)
+        out4, q = decode_ops.add_rmsnorm_fp4(r2, add, w, norm.eps, round_normalized=False)
+        qwen3_way = decode_ops.add_rmsnorm(summed.clone(), None, w, norm.eps)
+    torch.testing.assert_close(r1, summed, rtol=1e-6, atol=1e-6)
+    tol = {"rtol": 2**-7, "atol": 1e-5} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(out, want, **tol)
+    assert torch.equal(out4, out) and torch.equal(q.packed, fp4.quantize(out, "nvfp4", "row").packed)
+    if dtype == torch.bfloat16:
+        assert (out == want).float().mean() > (qwen3_way == want).float().mean()
+
+
+def test_gated_delta_step_kernel_is_transformers_recurrent_step():
+    """`gated_delta_step` (state in place, grouped key heads) against transformers' torch recurrent gated delta rule
+    over 3 tokens from a random state: outputs and final state equal up to fp32 summation order."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_recurrent_gated_delta_rule
+
+    from trace_hf.kernels.gated_delta import gated_delta_step
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    B, HK, HV, DK, DV, T_ = 3, 2, 4, 16, 64, 3
+    q, k = torch.randn(B, T_, HK, DK, generator=g), torch.randn(B, T_, HK, DK, generator=g)
+    v = torch.randn(B, T_, HV, DV, generator=g)
+    decay_log = -torch.rand(B, T_, HV, generator=g)
+    beta = torch.rand(B, T_, HV, generator=g)
+    s0 = torch.randn(B, HV, DK, DV, generator=g)
+    q, k, v, decay_log, beta, s0 = (t.to(dev) for t in (q, k, v, decay_log, beta, s0))
+    want, want_state = torch_recurrent_gated_delta_rule(q, k, v, decay_log, beta, initial_state=s0.clone(),
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
+    state, outs = s0.clone(), []
+    for t in range(T_):
+        qt = q[:, t] * torch.rsqrt((q[:, t] ** 2).sum(-1, keepdim=True) + 1e-6) / DK**0.5
+        kt = k[:, t] * torch.rsqrt((k[:, t] ** 2).sum(-1, keepdim=True) + 1e-6)
+        outs.append(gated_delta_step(state, qt, kt, v[:, t], decay_log[:, t].exp(), beta[:, t]))
+    torch.testing.assert_close(torch.stack(outs, 1), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_delta_rule_decodes_as_torch():
+    """The decoder with ``delta_rule="triton"`` steps the same logits as with the torch rule."""
+    from trace_hf.rollout.layouts import QWEN3_5_MOE
+
+    model = _model(False)
+    w = QWEN3_5_MOE.weights(model).w
+    logits = []
+    for rule in ("torch", "triton"):
+        dec = HybridDecoder(w, 2, 8, kv_fp4=False, record_hints=False, delta_rule=rule)
+        dec.tokens.copy_(torch.tensor([5, 9]))
+        for st in dec.recurrent_states[:1]:
+            st.copy_(torch.randn(st.shape, generator=torch.Generator().manual_seed(0)))
+        for _ in range(3):
+            dec.step()
+        logits.append(dec.logits.clone())
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp4", [True, False])
+def test_engine_greedy_matches_generate(fp4):
+    """Left-padded prompts: same greedy tokens; log-probs within 1e-4 (fp32, summation order only); hints at every
+    site (experts input, experts hidden, FP4 K/V of the full-attention layer) and routing equal on > 99.9%."""
+    model = _model(fp4)
+    assert unsupported_reason(model, require_cuda=False) is None
+    assert isinstance(make_rollout(model, "engine"), EngineRollout)
+    prompts = _prompts(model)
+    a = GenerateRollout()(model, prompts, _gc(), record=fp4)
+    b = EngineRollout()(model, prompts, _gc(), record=fp4)
+    assert a.completion_ids == b.completion_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-4, rtol=0)
+    if not fp4:  # left padding leaves no trace in the linear-attention states: a padded row rolls out as alone
+        alone = EngineRollout()(model, prompts[1:2], _gc())
+        assert alone.completion_ids[0] == b.completion_ids[1]
+        torch.testing.assert_close(torch.tensor(alone.logprobs[0]), torch.tensor(b.logprobs[1]), atol=1e-4, rtol=0)
+        return
+    ha, hb = a.hints, b.hints
+    assert torch.equal(ha.lengths, hb.lengths) and ha.hint_layers == hb.hint_layers and hb.sites == SITES
+    assert {k: v.shape for k, v in ha.to_inputs().items()} == {k: v.shape for k, v in hb.to_inputs().items()}
+    assert (ha.mantissa_bits == hb.mantissa_bits).float().mean() > 0.999
+    assert (ha.block_scale == hb.block_scale).float().mean() > 0.999
+    assert (ha.routing == hb.routing).float().mean() > 0.999
+    torch.testing.assert_close(ha.global_scale, hb.global_scale, rtol=1e-5, atol=0)
+    for site in SITES[1:]:
+        (bits_a, scale_a, g_a), (bits_b, scale_b, g_b) = ha.site_hints[site], hb.site_hints[site]
+        assert bits_b.any() and (g_b > 0).any()
+        assert (bits_a == bits_b).float().mean() > 0.999, site
+        assert (scale_a == scale_b).float().mean() > 0.999, site
+        torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=0)
+
+
+def test_engine_seeded_sampling_and_per_row_stop():
+    """Seeded draws repeat; a row that emits an EOS stops there while the others (their own conv and recurrent
+    states) roll on unchanged."""
+    model = _model(False)
+    prompts = _prompts(model)
+    gc = {"do_sample": True, "temperature": 1.3, "top_k": 50, "max_new_tokens": 6}
+    eng = EngineRollout()
+    torch.manual_seed(5)
+    a = eng(model, prompts, _gc(**gc, eos_token_id=None))
+    torch.manual_seed(5)
+    assert eng(model, prompts, _gc(**gc, eos_token_id=None)).completion_ids == a.completion_ids
+    eos = a.completion_ids[0][1]
+    torch.manual_seed(5)
+    d = eng(model, prompts, _gc(**gc, eos_token_id=[eos]))
+    assert d.completion_ids[0] == a.completion_ids[0][:2]
+    others = [r for r in (1, 2) if eos not in a.completion_ids[r]]
+    assert others and all(d.completion_ids[r] == a.completion_ids[r] for r in others)
+
+
+def test_engine_sees_updates_of_every_qwen35_weight():
+    """`.data` edits of weights the engine fuses or offsets (linear-attention projections, decay, conv, shared
+    expert and its gate, a zero-centred norm, the gated q_proj) and of the experts' masters reach its next rollout,
+    with no new decoder (the graphs stay valid)."""
+    model = _model(True, sites=("experts_input",))
+    prompts = _prompts(model)
+    eng = EngineRollout()
+    a = eng(model, prompts, _gc(max_new_tokens=3))
+    dec = next(iter(eng._runners.values())).dec
+    lin, full = model.model.layers[0], model.model.layers[1]
+    with torch.no_grad():
+        for p in (lin.linear_attn.in_proj_qkv.weight, lin.linear_attn.conv1d.weight, lin.mlp.shared_expert.up_proj.weight,
+                  full.self_attn.q_proj.weight, lin.mlp.shared_expert_gate.weight):  # fmt: skip
+            p.data.mul_(-3.0)
+        lin.linear_attn.A_log.data.sub_(2.0)
+        full.post_attention_layernorm.weight.data.add_(1.5)
+        for m in fp4_experts(model):
+            m.down_proj.data.mul_(-2.0)
+    b = eng(model, prompts, _gc(max_new_tokens=3))
+    assert next(iter(eng._runners.values())).dec is dec
+    c = GenerateRollout()(model, prompts, _gc(max_new_tokens=3))
+    assert b.completion_ids == c.completion_ids and b.completion_ids != a.completion_ids
+    for x, y in zip(b.logprobs, c.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-4, rtol=0)
+
+
+def test_trainer_rolls_out_qwen35_through_the_engine(tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+
+    path = T.save_tiny_model(tmp_path / "tiny", "qwen3_5_moe_text", num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 quantization_config=TraceFP4Config(hint_layers=2))  # fmt: skip
+    ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
+    args = TraceGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_completion_length=3,
+        max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = TraceGRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                               train_dataset=ds, processing_class=T.build_char_tokenizer())  # fmt: skip
+    trainer.train()
+    assert isinstance(trainer._trace_rollout, EngineRollout)
+    logged = {k for h in trainer.state.log_history for k in h}
+    for key in ("trace/hint_flip_rate", "trace/routing_mismatch", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                "trace/kl_rollout_train", "trace/hint_bytes_per_token", "sampling/importance_sampling_ratio/mean", "trace/hint_coverage",
+                "trace/rollout/tokens_per_second", "trace/train/hint_flip_rate"):  # fmt: skip
+        assert key in logged, key
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    for part in ("experts", "linear_attn", "self_attn", "shared_expert"):
+        assert any(part in n for n in changed), part
+
+
+@pytest.mark.gpu
+def test_qwen35_engine_graphs_match_eager_gpu():
+    """On the GPU (bf16, CUDA graphs): the captured step replays what the eager step computes, hints included, and
+    the greedy engine's first token equals generate's (later bf16 tokens may part on near-ties)."""
+    model = _model(True, "cuda")
+    prompts = _prompts(model, (9, 3, 17, 5, 12))
+    gc = _gc(do_sample=True, temperature=0.9, top_p=0.9, max_new_tokens=24)
+    torch.manual_seed(3)
+    a = EngineRollout(use_graphs=True)(model, prompts, gc, record=True)
+    torch.manual_seed(3)
+    b = EngineRollout(use_graphs=False)(model, prompts, gc, record=True)
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert torch.equal(a.hints.mantissa_bits, b.hints.mantissa_bits)
+    for site in SITES[1:]:
+        for x, y in zip(a.hints.site_hints[site], b.hints.site_hints[site], strict=True):
+            assert torch.equal(x, y), site
+    g = GenerateRollout()(model, prompts, _gc(max_new_tokens=8))
+    e = EngineRollout()(model, prompts, _gc(max_new_tokens=8))
+    assert [r[0] for r in g.completion_ids] == [r[0] for r in e.completion_ids]
+    agree = sum(x == y for r, s in zip(g.completion_ids, e.completion_ids, strict=True) for x, y in zip(r, s))
+    print(f"bf16 greedy tokens equal to generate's: {agree}/{sum(map(len, g.completion_ids))}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
+def test_decode_benchmark_smoke(tmp_path):
+    """`benchmarks/decode_qwen35.py --smoke` steps every setup (BF16, FP4, FP4 with the Triton delta rule)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_qwen35.py"
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=str(tmp_path),
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = json.loads(out.read_text())["cells"]
+    assert [c["setup"] for c in cells] == ["bf16", "fp4", "fp4_triton"] and all("step_ms" in c for c in cells), cells

@@ -1,0 +1,379 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The decode step of Qwen3.5 MoE (hybrid Gated DeltaNet / gated full attention), for the rollout engine.
+
+Per layer: add + RMSNorm (`decode_ops`, the model's ``1 + w`` norm weights kept in fp32), then the layer's token
+mixer, then what Qwen3's step does (add + RMSNorm fused with the experts' input quantization and its hints, router,
+routed experts through `fp4_moe`) plus the shared expert and its sigmoid gate, whose output joins the routed
+slots the next norm sums.
+
+* Full-attention layers (`layer_types` ``"full_attention"``): one projection [q; k; v; output gate], q/k RMSNorm
+  and partial RoPE in torch (transformers' ops, in its order and dtypes), K/V written to the engine's static cache
+  by `fp4_attention.qkv_post` (norm and RoPE off: it only quantizes and stores, so the FP4 cache holds what
+  transformers' FP4 cache holds), `fp4_attention.decode_attention`, ``* sigmoid(gate)``, ``o_proj``.
+* Linear-attention layers (Gated DeltaNet): one projection [q k v; z; b; a], the causal conv1d as a shift of a
+  static [B, C, kernel] state and a depthwise ``F.conv1d`` over it, then one step of the gated delta rule on a
+  static fp32 state [B, Hv, Dk, Dv], the gated RMSNorm and ``out_proj``.
+
+Kernels: the Gated DeltaNet step is written here, not taken from flash-linear-attention
+(``fused_recurrent_gated_delta_rule``) or causal-conv1d (``causal_conv1d_update``). Ours run on any device, under
+the CPU Triton interpreter (CI) and inside CUDA graphs whatever the Triton (fla gates its kernels on Triton
+versions: its chunked backward refuses the H200 image's 3.6; causal-conv1d is a CUDA extension), and the default
+torch ops follow transformers' torch path op for op, which is what `generate` runs when the extras are absent.
+Per token the conv is K multiply-adds a channel, a few graph-replayed launches; the cost is reading the fp32
+delta-rule state (2 MB a sequence per layer at the 35B-A3B shape), which the torch ops pass over six times.
+`trace_hf.kernels.gated_delta` reads and writes it once (``HybridDecoder(delta_rule="triton")``: the same function
+up to fp32 summation order; not yet the default). The prefill stays the model's own forward (fla and causal-conv1d
+speed it up when installed: ``pip install trace-hf[qwen35]``), and its final conv and recurrent states are copied
+into the decoder's state (`HybridDecoder.load_states`). transformers zeroes the hidden states of padded positions
+before the linear-attention projections, so a left-padded row's states equal those of its unpadded prompt and are
+copied as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .decode import DecodeWeights, Dims, FastDecoder, _kernels
+
+
+@dataclass
+class HybridDims(Dims):
+    """`Dims` plus what Qwen3.5's layers add: the layer pattern, partial RoPE, Gated DeltaNet and shared expert."""
+
+    layer_types: tuple[str, ...] = ()
+    rotary_dim: int = 0
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 0
+    shared_dim: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> HybridDims:
+        base = Dims.from_config(config)
+        c = config.get_text_config(decoder=True)
+        rope = getattr(c, "rope_parameters", None) or {}
+        rotary = int(base.head_dim * rope.get("partial_rotary_factor", 1.0))
+        return cls(
+            **dataclasses.asdict(base), layer_types=tuple(c.layer_types), rotary_dim=rotary,
+            lin_k_heads=c.linear_num_key_heads, lin_v_heads=c.linear_num_value_heads, lin_k_dim=c.linear_key_head_dim,
+            lin_v_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim,
+            shared_dim=c.shared_expert_intermediate_size,
+        )  # fmt: skip
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+
+@dataclass
+class HybridLayerWeights:
+    """One Qwen3.5 decoder layer. ``w_in``: full attention [q; k; v; gate] rows, linear attention [qkv; z; b; a]
+    rows. Norm weights are the model's ``1 + w`` in fp32."""
+
+    kind: str  # "full_attention" | "linear_attention"
+    ln_in: torch.Tensor
+    w_in: torch.Tensor
+    w_out: torch.Tensor
+    ln_post: torch.Tensor
+    w_router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    w_shared: torch.Tensor  # [gate_proj; up_proj; shared_expert_gate] rows
+    w_shared_down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    conv: torch.Tensor | None = None  # [C, kernel]
+    a_log: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    gate_norm: torch.Tensor | None = None  # the gated RMSNorm's weight (not offset)
+    hinted: bool = False
+    hint_sites: tuple[str, ...] = ("experts_input",)
+
+
+@dataclass
+class HybridDecodeWeights(DecodeWeights):
+    @property
+    def num_kv_layers(self) -> int:
+        return sum(t == "full_attention" for t in self.dims.layer_types)
+
+    def state_bytes_per_row(self) -> int:
+        d = self.dims
+        n = len(d.layer_types) - self.num_kv_layers
+        return n * (
+            d.conv_dim * d.conv_kernel * self.embed.element_size() + d.lin_v_heads * d.lin_k_dim * d.lin_v_dim * 4
+        )
+
+
+class HybridWeights:
+    """The `HybridDecodeWeights` of a Qwen3.5 model, refreshed in place before each rollout (what the engine's
+    `_Weights` is for Qwen3): packed FP4 experts re-quantized from their masters, every derived tensor (fused
+    projections, ``1 + w`` norms) recomputed from the parameters; a parameter whose storage moved rebuilds all."""
+
+    def __init__(self, lm, layout):
+        from ..experts import fp4_experts
+
+        self.lm, self.layout = lm, layout
+        self.experts = fp4_experts(lm)
+        self._build()
+
+    def _build(self) -> None:
+        self._derived: list[tuple[torch.Tensor, object]] = []
+        self.w = self._read()
+        self._ptrs = self._pointers()
+
+    def _pointers(self) -> list[int]:
+        return [p.data_ptr() for p in self.lm.parameters()]
+
+    def _derive(self, make) -> torch.Tensor:
+        t = make()
+        self._derived.append((t, make))
+        return t
+
+    def _norm(self, module) -> torch.Tensor:
+        off = self.layout.norm_offset
+        return self._derive(lambda: module.weight.detach().float() + off)
+
+    def _read(self) -> HybridDecodeWeights:
+        from ..experts import TraceFP4Experts
+
+        lm, lay = self.lm, self.layout
+        dims = HybridDims.from_config(lm.config)
+        inner = lm.model
+        D, Hq = dims.head_dim, dims.num_heads
+        shared_name, shared_gate_name = lay.shared_expert
+        layers = []
+        with torch.no_grad():
+            for i, layer in enumerate(inner.layers):
+                kind = dims.layer_types[i]
+                mixer, mlp = getattr(layer, lay.mixers[kind]), layer.mlp
+                if kind == "full_attention":
+
+                    def qkvg(a=mixer):
+                        q = a.q_proj.weight.detach().view(Hq, 2 * D, -1)  # per head: query rows, then gate rows
+                        H = q.shape[-1]
+                        return torch.cat([q[:, :D].reshape(-1, H), a.k_proj.weight.detach(),
+                                          a.v_proj.weight.detach(), q[:, D:].reshape(-1, H)])  # fmt: skip
+
+                    extra = {"q_norm": self._norm(mixer.q_norm), "k_norm": self._norm(mixer.k_norm)}
+                    w_in, w_out = self._derive(qkvg), mixer.o_proj.weight.detach()
+                else:
+
+                    def inproj(a=mixer):
+                        return torch.cat([a.in_proj_qkv.weight, a.in_proj_z.weight, a.in_proj_b.weight,
+                                          a.in_proj_a.weight]).detach()  # fmt: skip
+
+                    extra = {"conv": mixer.conv1d.weight.detach().squeeze(1), "a_log": mixer.A_log.detach(),
+                             "dt_bias": mixer.dt_bias.detach(), "gate_norm": mixer.norm.weight.detach()}  # fmt: skip
+                    w_in, w_out = self._derive(inproj), mixer.out_proj.weight.detach()
+                ex = mlp.experts
+                if isinstance(ex, TraceFP4Experts):
+                    gu, dn = ex.packed_weights()
+                    hinted, sites = ex.hinted, ex.hint_sites or ("experts_input",)
+                else:
+                    gu, dn, hinted, sites = ex.gate_up_proj.detach(), ex.down_proj.detach(), False, ()
+                sh, sg = getattr(mlp, shared_name), getattr(mlp, shared_gate_name)
+
+                def shared(sh=sh, sg=sg):
+                    return torch.cat([sh.gate_proj.weight, sh.up_proj.weight, sg.weight]).detach()
+
+                layers.append(HybridLayerWeights(
+                    kind, self._norm(layer.input_layernorm), w_in, w_out, self._norm(layer.post_attention_layernorm),
+                    mlp.gate.weight.detach(), gu, dn, self._derive(shared), sh.down_proj.weight.detach(),
+                    hinted=hinted, hint_sites=sites, **extra,
+                ))  # fmt: skip
+            return HybridDecodeWeights(dims, inner.embed_tokens.weight.detach(), self._norm(inner.norm),
+                                       lm.lm_head.weight.detach(), layers)  # fmt: skip
+
+    def refresh(self) -> bool:
+        """Bring the weights up to date with the model; False if they had to be rebuilt (graphs are stale)."""
+        with torch.no_grad():
+            for ex in self.experts:
+                ex.refresh_packed()
+            stale = self._pointers() != self._ptrs or any(
+                ex._packed[1] is not lw.gate_up or ex._packed[2] is not lw.down
+                for ex, lw in zip(self.experts, self.w.layers, strict=False)
+            )
+            if stale:
+                self._build()
+                return False
+            for dst, make in self._derived:
+                dst.copy_(make())
+        return True
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm with its fp32 scale ``w`` (= 1 + weight), as transformers computes it."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).type_as(x)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first ``cos.shape[-1]`` dims of each head (partial rotary), the rest passed on."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+    return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, xp], -1)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class HybridDecoder(FastDecoder):
+    """`FastDecoder` for Qwen3.5 MoE: K/V caches at full-attention layers only, static conv and recurrent states
+    at linear-attention layers (`conv_states` [B, C, kernel] in the model dtype, `recurrent_states`
+    [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook; the kernels
+    are called directly (``use_ops`` is not offered).
+
+    ``delta_rule``: ``"torch"`` (transformers' recurrent step, op for op) or ``"triton"``
+    (`trace_hf.kernels.gated_delta`: the state read and written once instead of six passes; the same function up
+    to fp32 summation order)."""
+
+    round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
+
+    def __init__(self, weights: HybridDecodeWeights, batch: int, max_len: int, kv_fp4: bool = True,
+                 record_hints: bool = True, use_ops: bool = False, record_routing: bool = False, sample=None,
+                 delta_rule: str = "torch"):  # fmt: skip
+        if use_ops:
+            raise ValueError("HybridDecoder calls its kernels directly: use_ops=True is not implemented.")
+        if delta_rule not in ("torch", "triton"):
+            raise ValueError(f"delta_rule={delta_rule!r}: use 'torch' or 'triton'.")
+        self.delta_rule = delta_rule
+        super().__init__(weights, batch, max_len, kv_fp4, record_hints, False, record_routing, sample)
+        d, dev = self.dims, self.device
+        linear = [t == "linear_attention" for t in d.layer_types]
+        self.conv_states = [torch.zeros(batch, d.conv_dim, d.conv_kernel, dtype=self.dtype, device=dev) if lin else None
+                            for lin in linear]  # fmt: skip
+        self.recurrent_states = [
+            torch.zeros(batch, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim, dtype=torch.float32, device=dev) if lin else None
+            for lin in linear
+        ]  # fmt: skip
+        # transformers' partial RoPE tables: fp32 angles, rounded to the model dtype.
+        r = d.rotary_dim
+        inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(self.dtype).to(dev), emb.sin().to(self.dtype).to(dev)
+
+    def _has_kv(self, layer: int) -> bool:
+        return self.w.dims.layer_types[layer] == "full_attention"
+
+    def load_states(self, cache, rows: int) -> None:
+        """Copy the prefill's conv and recurrent states (transformers' cache) into rows ``:rows``; zero the rest."""
+        for i, layer in enumerate(cache.layers):
+            if self.conv_states[i] is None:
+                continue
+            for dst, src in ((self.conv_states[i], layer.conv_states[0]),
+                             (self.recurrent_states[i], layer.recurrent_states[0])):  # fmt: skip
+                dst[:rows].copy_(src)
+                dst[rows:].zero_()
+
+    # -- the mixers -------------------------------------------------------------------------------------------
+
+    def _full_attention(self, xn, lw: HybridLayerWeights, i: int, cos, sin, lengths) -> torch.Tensor:
+        d, B = self.dims, self.batch
+        dec, A, _, _ = _kernels()
+        D, Hq, Hkv = d.head_dim, d.num_heads, d.num_kv_heads
+        q, k, v, gate = dec.linear(xn, lw.w_in).split([Hq * D, Hkv * D, Hkv * D, Hq * D], -1)
+        q = _rope(_rmsnorm(q.view(B, Hq, D), lw.q_norm, d.eps), cos, sin)
+        k = _rope(_rmsnorm(k.view(B, Hkv, D), lw.k_norm, d.eps), cos, sin)
+        c = self.caches[i]
+        q = A.qkv_post(torch.cat([q.flatten(1), k.flatten(1), v], 1), c, self.positions, Hq, Hkv)  # stores K/V
+        attn = A.decode_attention(q, c, lengths, splits=self.splits)
+        return dec.linear(attn.reshape(B, -1) * torch.sigmoid(gate), lw.w_out)
+
+    def _linear_attention(self, xn, lw: HybridLayerWeights, i: int) -> torch.Tensor:
+        d, B = self.dims, self.batch
+        dec = _kernels()[0]
+        Hk, Hv, Dk, Dv = d.lin_k_heads, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim
+        mixed, z, b, a = dec.linear(xn, lw.w_in).split([d.conv_dim, Hv * Dv, Hv, Hv], -1)
+        # causal conv1d: shift the window of the last `kernel` inputs, one depthwise product over it, SiLU
+        st = self.conv_states[i]
+        st.copy_(torch.cat([st[:, :, 1:], mixed.unsqueeze(-1).to(st.dtype)], -1))
+        x = F.silu(F.conv1d(st.to(lw.conv.dtype), lw.conv.unsqueeze(1), groups=d.conv_dim)).squeeze(-1).to(xn.dtype)
+        q, k, v = x.split([Hk * Dk, Hk * Dk, Hv * Dv], -1)
+        q, k = _l2norm(q.view(B, Hk, Dk).float()), _l2norm(k.view(B, Hk, Dk).float())
+        q = q / Dk**0.5
+        beta = torch.sigmoid(b).float()
+        g = -lw.a_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
+        S = self.recurrent_states[i]
+        if self.delta_rule == "triton":
+            from trace_hf.kernels.gated_delta import gated_delta_step
+
+            out = gated_delta_step(S, q, k, v.view(B, Hv, Dv), g.exp(), beta).to(xn.dtype)
+            return self._gated_norm_out(out, z, lw)
+        if Hv != Hk:
+            q, k = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
+        # the gated delta rule, one token: S <- exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q. In place and
+        # with matrix-vector products, so the [B, Hv, Dk, Dv] state is read 4 times and written twice, no temporaries.
+        S.mul_(g.exp()[..., None, None])
+        Sf = S.view(B * Hv, Dk, Dv)
+        kv_mem = torch.bmm(k.reshape(B * Hv, 1, Dk), Sf).view(B, Hv, Dv)
+        delta = (v.view(B, Hv, Dv).float() - kv_mem) * beta[..., None]
+        S.addcmul_(k[..., None], delta[:, :, None, :])
+        out = torch.bmm(q.reshape(B * Hv, 1, Dk), Sf).view(B, Hv, Dv).to(xn.dtype)
+        return self._gated_norm_out(out, z, lw)
+
+    def _gated_norm_out(self, out, z, lw: HybridLayerWeights) -> torch.Tensor:
+        """Gated RMSNorm (norm, weight, then * silu(z)) per value head, and the output projection."""
+        d, B = self.dims, self.batch
+        Hv, Dv = d.lin_v_heads, d.lin_v_dim
+        dec = _kernels()[0]
+        h = out.float()
+        h = lw.gate_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)).to(out.dtype)
+        h = (h * F.silu(z.reshape(B, Hv, Dv).float())).to(out.dtype)
+        return dec.linear(h.reshape(B, -1), lw.w_out)
+
+    def _shared_expert(self, xn, lw: HybridLayerWeights) -> torch.Tensor:
+        dec = _kernels()[0]
+        gate, up, sg = dec.linear(xn, lw.w_shared).split([self.dims.shared_dim, self.dims.shared_dim, 1], -1)
+        return torch.sigmoid(sg) * dec.linear(F.silu(gate) * up, lw.w_shared_down)
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
+        d = self.dims
+        dec, _, moe, _ = _kernels()
+        res = F.embedding(self.tokens, self.w.embed)
+        lengths = self.positions + 1
+        pos = self.positions.long()
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        pending = None
+        for i, lw in enumerate(self.w.layers):
+            xn = dec.add_rmsnorm(res, pending, lw.ln_in, d.eps, round_normalized=self.round_normalized)
+            if lw.kind == "full_attention":
+                o = self._full_attention(xn, lw, i, cos, sin, lengths)
+            else:
+                o = self._linear_attention(xn, lw, i)
+            if self.fp4_experts:
+                xn, xq = self._add_rmsnorm_fp4(res, o.unsqueeze(1), lw.ln_post, i)
+            else:
+                xn = xq = dec.add_rmsnorm(
+                    res, o.unsqueeze(1), lw.ln_post, d.eps, round_normalized=self.round_normalized
+                )
+            ids, tw = dec.router_topk(dec.linear(xn, lw.w_router), d.top_k, d.norm_topk_prob)
+            if self.record_routing:
+                self.routing[i].copy_(ids)
+            if self.record_hints and i in self.hidden_hinted:
+                routed = self._experts_recording_hidden(xq, ids, tw, i)
+            else:
+                routed = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
+            pending = torch.cat([routed, self._shared_expert(xn, lw).unsqueeze(1).to(routed.dtype)], 1)
+        xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps, round_normalized=self.round_normalized)
+        logits = F.linear(xn, self.w.lm_head)
+        self.logits.copy_(logits)
+        if self.sample is None:
+            self.tokens.copy_(torch.argmax(logits, dim=-1))
+        else:
+            self.sample(self)
+        self.positions.add_(1)
+
+
+__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridWeights", "HybridDecoder"]
