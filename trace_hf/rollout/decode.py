@@ -184,6 +184,16 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
                          model.lm_head.weight.detach(), layers)  # fmt: skip
 
 
+def experts_moved(experts, layers) -> bool:
+    """Whether a refresh left any FP4 experts module holding packed tensors other than the ones these decode weights
+    point at (it had to reallocate them): then the weights are rebuilt and the captured graphs dropped."""
+    for ex, lw in zip(experts, layers, strict=False):
+        gate_up, down = ex.packed_weights()
+        if gate_up is not lw.gate_up or down is not lw.down:
+            return True
+    return False
+
+
 def rope_tables(dims: Dims, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_len, D] as transformers computes them (fp32, then rounded to the model dtype), kept fp32."""
     D = dims.head_dim

@@ -37,7 +37,7 @@ from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
 from ..hints import HintRecorder, hint_batch_from_columns, kv_rows
 from ..kv_cache import FP4KVLayer, fp4_cache
 from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
-from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, weights_from_hf
+from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, experts_moved, weights_from_hf
 from .generate import check_sampling
 from .layouts import layout_of, supported_model_types
 from .qwen35 import HybridDecoder
@@ -208,10 +208,7 @@ class _Weights:
         with torch.no_grad():
             for ex in self.experts:
                 ex.refresh_packed()
-            stale = self._pointers() != self._ptrs or any(
-                ex._packed[1] is not lw.gate_up or ex._packed[2] is not lw.down
-                for ex, lw in zip(self.experts, self.w.layers, strict=False)
-            )
+            stale = self._pointers() != self._ptrs or experts_moved(self.experts, self.w.layers)
             if stale:
                 self.w = weights_from_hf(self.lm)
                 self._ptrs = self._pointers()

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decode import DecodeWeights, Dims, FastDecoder, _kernels
+from .decode import DecodeWeights, Dims, FastDecoder, _kernels, experts_moved
 
 
 @dataclass
@@ -195,10 +195,7 @@ class HybridWeights:
         with torch.no_grad():
             for ex in self.experts:
                 ex.refresh_packed()
-            stale = self._pointers() != self._ptrs or any(
-                ex._packed[1] is not lw.gate_up or ex._packed[2] is not lw.down
-                for ex, lw in zip(self.experts, self.w.layers, strict=False)
-            )
+            stale = self._pointers() != self._ptrs or experts_moved(self.experts, self.w.layers)
             if stale:
                 self._build()
                 return False
