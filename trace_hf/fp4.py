@@ -24,15 +24,10 @@ Formats (docs/numerics.md says why each rule is what it is):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 
-
-Format = Literal["nvfp4", "mxfp4"]
-ScaleMode = Literal["row", "tensor", "expert"]
-Backend = Literal["auto", "torch", "triton"]
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -285,7 +280,6 @@ class FP4Hints:
     block_scale: torch.Tensor
     global_scale: torch.Tensor
     fmt: str = "nvfp4"
-    extras: dict = field(default_factory=dict, repr=False)
 
     @property
     def width(self) -> int:

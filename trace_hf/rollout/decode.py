@@ -524,10 +524,6 @@ class FastDecoder:
 
     # -- content --------------------------------------------------------------------------------------------
 
-    def hints(self) -> fp4.FP4Hints:
-        """This step's hints, [n_hinted, B, ...] (copies)."""
-        return fp4.FP4Hints(self.hint_bits.clone(), self.hint_scale.clone(), self.hint_g.clone().unsqueeze(-1))
-
 
 __all__ = [
     "Dims",
