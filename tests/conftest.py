@@ -73,3 +73,45 @@ def gluon_sass_counts() -> list[dict]:
     sass = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sass)
     return sass.run_clean(str(script))
+
+
+_ENGINE_GRPO_METRICS = (
+    "trace/hint_flip_rate", "trace/routing_mismatch", "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max", "trace/kl_rollout_train", "trace/hint_bytes_per_token",
+    "sampling/importance_sampling_ratio/mean", "trace/hint_coverage", "trace/rollout/tokens_per_second",
+    "trace/train/hint_flip_rate",
+)  # fmt: skip
+
+
+@pytest.fixture
+def engine_grpo_metrics() -> tuple[str, ...]:
+    """The metrics an engine-rollout GRPO step must log (`engine_grpo_step`)."""
+    return _ENGINE_GRPO_METRICS
+
+
+@pytest.fixture
+def engine_grpo_step(tmp_path):
+    """One TraceGRPOTrainer step of a model with `rollout_engine="engine"` (CPU, eager): returns the trainer, the
+    logged metric names and the names of the parameters that changed."""
+
+    def run(model):
+        from datasets import Dataset
+
+        from trace_hf import testing as T
+        from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+
+        ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
+        args = TraceGRPOConfig(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
+            max_completion_length=3, max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+            report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
+        )  # fmt: skip
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = TraceGRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+                                   train_dataset=ds, processing_class=T.build_char_tokenizer())  # fmt: skip
+        trainer.train()
+        logged = {k for h in trainer.state.log_history for k in h}
+        changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+        return trainer, logged, changed
+
+    return run

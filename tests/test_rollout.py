@@ -240,33 +240,16 @@ def test_engine_sees_data_updates():
     assert b.completion_ids == c.completion_ids and b.completion_ids != a.completion_ids
 
 
-def test_trainer_rolls_out_through_the_engine(tmp_path):
-    from datasets import Dataset
-
-    from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
-
-    path = T.save_tiny_model(tmp_path / "tiny")
+def test_trainer_rolls_out_through_the_engine(tmp_path, engine_grpo_step, engine_grpo_metrics):
     from transformers import AutoModelForCausalLM
 
+    path = T.save_tiny_model(tmp_path / "tiny")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  quantization_config=TraceFP4Config(hint_layers=2))  # fmt: skip
-    ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
-    args = TraceGRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_completion_length=3,
-        max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
-    )  # fmt: skip
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = TraceGRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,
-                               train_dataset=ds, processing_class=T.build_char_tokenizer())  # fmt: skip
-    trainer.train()
+    trainer, logged, changed = engine_grpo_step(model)
     assert isinstance(trainer._trace_rollout, EngineRollout)
-    logged = {k for h in trainer.state.log_history for k in h}
-    for key in ("trace/hint_flip_rate", "trace/routing_mismatch", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-                "trace/kl_rollout_train", "trace/hint_bytes_per_token", "sampling/importance_sampling_ratio/mean", "trace/hint_coverage",
-                "trace/rollout/tokens_per_second", "trace/train/hint_flip_rate"):  # fmt: skip
+    for key in engine_grpo_metrics:
         assert key in logged, key
-    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert any("experts" in n for n in changed) and any("q_proj" in n for n in changed)
 
 

@@ -488,6 +488,11 @@ class FastDecoder:
             else:
                 pending = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
         xn = self._add_rmsnorm(res, pending, self.w.norm)
+        self._next_token(xn)
+
+    def _next_token(self, xn: torch.Tensor) -> None:
+        """The step's tail, shared by every decoder: lm_head logits of the final-normed hidden ``xn``, the sampler
+        (greedy without one), and the positions one further."""
         logits = F.linear(xn, self.w.lm_head)
         self.logits.copy_(logits)
         if self.sample is None:

@@ -364,13 +364,7 @@ class HybridDecoder(FastDecoder):
                 routed = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
             pending = torch.cat([routed, self._shared_expert(xn, lw).unsqueeze(1).to(routed.dtype)], 1)
         xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps, round_normalized=self.round_normalized)
-        logits = F.linear(xn, self.w.lm_head)
-        self.logits.copy_(logits)
-        if self.sample is None:
-            self.tokens.copy_(torch.argmax(logits, dim=-1))
-        else:
-            self.sample(self)
-        self.positions.add_(1)
+        self._next_token(xn)
 
 
 __all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridWeights", "HybridDecoder"]
