@@ -93,7 +93,7 @@ def build_model(args, fp4: bool, dev):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from trace_hf import TraceFP4Config
-    from trace_hf.quantizer import quantize_model
+    from trace_hf.quant.quantizer import quantize_model
 
     if args.smoke:
         shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -126,8 +126,8 @@ def build_frozen(cfg, fp4: bool, dev, dtype):
     from transformers import AutoModelForCausalLM
 
     from trace_hf import TraceFP4Config
-    from trace_hf.experts import TraceFP4Experts
-    from trace_hf.quantizer import quantize_model
+    from trace_hf.quant.experts import TraceFP4Experts
+    from trace_hf.quant.quantizer import quantize_model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -346,7 +346,7 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
     import torch
     from datasets import Dataset
 
-    from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+    from trace_hf import TraceGRPOConfig, TraceGRPOTrainer
 
     fp4 = name.endswith("fp4")
     model = build_model(args, fp4, dev)
@@ -392,7 +392,7 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
 
         engine = make_rollout(trainer.accelerator.unwrap_model(trainer.model), "engine", trainer.generation_config)
         phases.watch_engine(engine)
-        trainer._trace_rollout = Waves(engine, args.wave_rows) if args.wave_rows and not fp4 else engine
+        trainer.rollout = Waves(engine, args.wave_rows) if args.wave_rows and not fp4 else engine
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
                 lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
     phases.wrap(trainer.accelerator, "backward", "backward")

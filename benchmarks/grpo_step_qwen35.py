@@ -28,7 +28,7 @@ def build_model(args, fp4: bool, dev):
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
 
     from trace_hf import TraceFP4Config
-    from trace_hf.quantizer import quantize_model
+    from trace_hf.quant.quantizer import quantize_model
 
     if args.smoke:
         shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,

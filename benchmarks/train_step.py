@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from trace_hf import TraceFP4Config
-    from trace_hf.experts import fp4_experts
     from trace_hf.hints import HintRecorder, use_hints
-    from trace_hf.quantizer import quantize_model
+    from trace_hf.quant.experts import fp4_experts
+    from trace_hf.quant.quantizer import quantize_model
 
     dev = torch.device("cuda" if cuda else "cpu")
     if args.smoke:

@@ -4,7 +4,7 @@
 Layout (static, preallocated, so that a CUDA graph can capture the decode step): per layer
 ``K/V codes [B, Hkv, Tmax, D/2]`` uint8, ``block scales [B, Hkv, Tmax, D/16]`` uint8 (E4M3), ``row scales
 [B, Hkv, Tmax]`` fp32. A token's K (and V) of one head is quantized exactly as ``fp4.quantize(k, "nvfp4",
-"row")`` (what `trace_hf.kv_cache.FP4KVLayer` stores and the training side fake-quantizes), bit for bit.
+"row")`` (what `trace_hf.quant.kv_cache.FP4KVLayer` stores and the training side fake-quantizes), bit for bit.
 
 `qkv_post` is the write: it takes the fused QKV projection of the decode tokens, applies Qwen3's per-head
 q/k RMSNorm and RoPE, writes the post-RoPE Q (for the attention) and stores K and V in the cache at each

@@ -97,8 +97,8 @@ def engine_grpo_step(tmp_path):
     def run(model):
         from datasets import Dataset
 
+        from trace_hf import TraceGRPOConfig, TraceGRPOTrainer
         from trace_hf import testing as T
-        from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
 
         ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
         args = TraceGRPOConfig(

@@ -24,7 +24,7 @@ def main(out_dir: str) -> None:
 
     from trace_hf import HintRecorder, TraceFP4Config, fp4, use_hints
     from trace_hf import testing as T
-    from trace_hf.experts import fp4_experts
+    from trace_hf.quant.experts import fp4_experts
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])

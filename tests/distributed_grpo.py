@@ -81,7 +81,7 @@ def main(out_dir: str) -> None:
 def check_packed_weights(trainer) -> bool:
     """One more rollout-path forward, then compare every packed expert weight with its master's quantization."""
     from trace_hf import fp4
-    from trace_hf.experts import fp4_experts
+    from trace_hf.quant.experts import fp4_experts
 
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     model.eval()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from trace_hf import TraceFP4Config
-from trace_hf.quantizer import quantize_model
+from trace_hf.quant.quantizer import quantize_model
 from trace_hf.testing import tiny_model
 
 

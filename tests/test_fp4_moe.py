@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from trace_hf import fp4
-from trace_hf.experts import TraceFP4Experts
+from trace_hf.quant.experts import TraceFP4Experts
+from trace_hf.quant.sites import HintSite
 
 
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
@@ -198,10 +199,10 @@ def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
 
 def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     class Stub:  # stands in for HintRecorder, which the module calls back
-        def record_input(self, module, q):
+        def record_input(self, site, q):
             self.q = q
 
-        def record_routing(self, module, ids):
+        def record_routing(self, site, ids):
             self.ids = ids
 
     ids, w = _routing(9, 4, 2, seed=6)
@@ -209,8 +210,9 @@ def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     got = {}
     for kernel in ("torch", "triton"):
         mod = _experts(4, 64, 32, seed=5, kernel=kernel)
-        mod._trace_recorder = Stub()
-        got[kernel] = (mod(x, ids, w), mod._trace_recorder)
+        stub = Stub()
+        mod.sites = {s: HintSite(s, 0, recorder=stub) for s in ("routing", "experts_input")}
+        got[kernel] = (mod(x, ids, w), stub)
     assert _rel(got["triton"][0], got["torch"][0]) < 1e-5
     q_kernel, q_torch = got["triton"][1].q, got["torch"][1].q
     # The input quantization is the same function on both paths, so the hints are too.

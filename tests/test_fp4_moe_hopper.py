@@ -139,7 +139,7 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
 def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
     from torch import nn
 
-    from trace_hf.experts import TraceFP4Experts
+    from trace_hf.quant.experts import TraceFP4Experts
 
     E, H, NI, K, M = 16, 256, 128, 4, 40
     g = torch.Generator().manual_seed(5)

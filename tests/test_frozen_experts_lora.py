@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trace_hf import TraceFP4Config, fp4
 from trace_hf import testing as T
-from trace_hf.experts import TraceFP4Experts, fp4_experts
+from trace_hf.quant.experts import TraceFP4Experts, fp4_experts
 from trace_hf.rollout import EngineRollout, GenerateRollout, make_rollout
 
 
@@ -169,7 +169,7 @@ def test_engine_folds_the_current_adapter(model_dir):
 def _trainer(model, tmp_path, peft_config=None, **kw):
     from datasets import Dataset
 
-    from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+    from trace_hf import TraceGRPOConfig, TraceGRPOTrainer
 
     ds = Dataset.from_dict({"prompt": ["Q: 1+2\nA:", "Q: 3+3\nA:"]})
     args = TraceGRPOConfig(**{
@@ -204,7 +204,7 @@ def test_trainer_lora_with_frozen_experts_through_the_engine(model_dir, tmp_path
     codes = [b.clone() for m in fp4_experts(model) for b in m.buffers()]
     assert lora_before and all(q.requires_grad for n, q in model.named_parameters() if "lora_" in n)
     trainer.train()
-    assert isinstance(trainer._trace_rollout, EngineRollout)
+    assert isinstance(trainer.rollout, EngineRollout)
     now = dict(model.named_parameters())
     assert any(not torch.equal(v, now[n]) for n, v in lora_before.items())
     assert all(torch.equal(a, b) for a, b in zip(codes, [b for m in fp4_experts(model) for b in m.buffers()]))

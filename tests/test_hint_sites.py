@@ -9,18 +9,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
-from trace_hf import HintBatch, HintRecorder, TraceFP4Config, fp4, use_hints
+from trace_hf import HintBatch, HintRecorder, TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer, fp4, use_hints
 from trace_hf import data as D
 from trace_hf import testing as T
-from trace_hf.hints import (
-    _Guide,
-    _SiteGuide,
-    hint_bytes_per_token,
-    hint_bytes_per_token_by_site,
-    position_ids_from_mask,
-)
+from trace_hf.hints import hint_bytes_per_token, hint_bytes_per_token_by_site, position_ids_from_mask
+from trace_hf.hints.replay import Guide
 from trace_hf.rollout import EngineRollout, make_rollout, unsupported_reason
-from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
 
 
 SITES = ("experts_input", "experts_hidden", "kv")
@@ -78,10 +72,9 @@ class CodeRecorder(HintRecorder):
         self.codes = {}
         return super().__enter__()
 
-    def record_input(self, module, q):
-        super().record_input(module, q)
-        if module.moe_index in self.plan.get("experts_input", ()):
-            self.codes.setdefault(("experts_input", module.moe_index), []).append(self._shape(q.codes()))
+    def record_input(self, site, q):
+        super().record_input(site, q)
+        self.codes.setdefault(("experts_input", site.moe_layer), []).append(self._shape(q.codes()))
 
     def _record_site(self, site, layer, rows):
         super()._record_site(site, layer, rows)
@@ -103,18 +96,13 @@ def rollout(model, n=5, new_tokens=8, recorder=CodeRecorder, seed=0):
 def spy(monkeypatch):
     """Captures (site, layer, training input, hints, has) of every guided quantization in the training forward."""
     seen = []
-    guide_fq, site_q = _Guide.fake_quantize, _SiteGuide.quantize
-
-    def on_input(self, module, x):
-        seen.append(("experts_input", self.layer, x.detach(), self.hints, self.has))
-        return guide_fq(self, module, x)
+    quantize = Guide.quantize
 
     def on_site(self, x, hints, has):
         seen.append((self.site, self.layer, x.detach(), hints, has))
-        return site_q(self, x, hints, has)
+        return quantize(self, x, hints, has)
 
-    monkeypatch.setattr(_Guide, "fake_quantize", on_input)
-    monkeypatch.setattr(_SiteGuide, "quantize", on_site)
+    monkeypatch.setattr(Guide, "quantize", on_site)
     return seen
 
 

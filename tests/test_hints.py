@@ -8,8 +8,9 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from trace_hf import HintBatch, HintRecorder, TraceFP4Config, fp4, use_hints
 from trace_hf.data import arithmetic_dataset, format_prompt
-from trace_hf.experts import TraceFP4Experts
-from trace_hf.hints import _Guide, hint_bytes_per_token, position_ids_from_mask
+from trace_hf.hints import hint_bytes_per_token, position_ids_from_mask
+from trace_hf.hints.replay import Guide
+from trace_hf.quant.experts import TraceFP4Experts
 from trace_hf.testing import build_char_tokenizer, tiny_model
 
 
@@ -20,10 +21,9 @@ class CodeRecorder(HintRecorder):
         self.codes = {i: [] for i in self.hint_layers}
         return super().__enter__()
 
-    def record_input(self, module, q):
-        super().record_input(module, q)
-        if module.hinted:
-            self.codes[module.moe_index].append(self._shape(q.codes()))
+    def record_input(self, site, q):
+        super().record_input(site, q)
+        self.codes[site.moe_layer].append(self._shape(q.codes()))
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +127,13 @@ def test_record_generate_and_replay_matches_rollout_codes(warmed, tokenizer, mon
 
     # Capture the codes the training forward actually used at hinted layers.
     seen = []
-    original = _Guide.fake_quantize
+    original = Guide.experts_input
 
-    def spy(self, module, x):
-        seen.append((module.moe_index, fp4.guided_quantize(x.detach(), self.hints).codes(), self.has))
-        return original(self, module, x)
+    def spy(self, x):
+        seen.append((self.layer, fp4.guided_quantize(x.detach(), self.hints).codes(), self.has))
+        return original(self, x)
 
-    monkeypatch.setattr(_Guide, "fake_quantize", spy)
+    monkeypatch.setattr(Guide, "experts_input", spy)
     perm_logp, reports = completion_logp(model, seq, mask, p, hints=hints, replay=True)
     monkeypatch.undo()
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trace_hf import TraceFP4Config, fp4
-from trace_hf.experts import fp4_experts
 from trace_hf.export import EXPERTS_FILE, export_fp4, load_fp4
-from trace_hf.quantizer import quantize_model
+from trace_hf.quant.experts import fp4_experts
+from trace_hf.quant.quantizer import quantize_model
 from trace_hf.testing import save_tiny_model, tiny_model
 
 

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trace_hf import TraceFP4Config, fp4, use_hints
-from trace_hf.experts import fp4_experts
 from trace_hf.hints import StaleHintsWarning
+from trace_hf.quant.experts import fp4_experts
 from trace_hf.rollout import make_rollout
 from trace_hf.testing import save_tiny_model
 

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from trace_hf import TraceFP4Config, fp4
-from trace_hf.experts import TraceFP4Experts, fp4_experts
 from trace_hf.export import export_fp4, load_fp4
-from trace_hf.kv_cache import FP4KVLayer, kv_bytes_per_token
+from trace_hf.quant.experts import TraceFP4Experts, fp4_experts
+from trace_hf.quant.kv_cache import FP4KVLayer, kv_bytes_per_token
 from trace_hf.testing import save_tiny_model, tiny_config
 
 

@@ -12,8 +12,8 @@ from transformers import GenerationConfig
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
-from trace_hf.experts import fp4_experts
-from trace_hf.quantizer import quantize_model
+from trace_hf.quant.experts import fp4_experts
+from trace_hf.quant.quantizer import quantize_model
 from trace_hf.rollout import EngineRollout, GenerateRollout, make_rollout, unsupported_reason
 from trace_hf.rollout.layouts import QWEN3_5_MOE, QWEN3_MOE, layout_of
 from trace_hf.rollout.qwen35 import HybridDecoder
@@ -221,7 +221,7 @@ def test_trainer_rolls_out_qwen35_through_the_engine(tmp_path, engine_grpo_step,
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  quantization_config=TraceFP4Config(hint_layers=2))  # fmt: skip
     trainer, logged, changed = engine_grpo_step(model)
-    assert isinstance(trainer._trace_rollout, EngineRollout)
+    assert isinstance(trainer.rollout, EngineRollout)
     for key in engine_grpo_metrics:
         assert key in logged, key
     for part in ("experts", "linear_attn", "self_attn", "shared_expert"):

@@ -43,6 +43,6 @@ def test_readme_snippets_run(tmp_path, monkeypatch):
     assert metrics["trace/hint_coverage"] > 0 and metrics["trace/routing_mismatch"] >= 0
     # Frozen FP4 experts + LoRA: one step, and the merged export reloads with frozen packed experts.
     assert namespace["lora_trainer"].state.global_step == 1
-    from trace_hf.experts import fp4_experts
+    from trace_hf.quant.experts import fp4_experts
 
     assert all(m.frozen for m in fp4_experts(namespace["policy"]))

@@ -11,9 +11,10 @@ import torch
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
-from trace_hf.experts import fp4_experts, refresh_fp4_weights
 from trace_hf.hints import HintRecorder, MismatchReport, use_hints
-from trace_hf.quantizer import quantize_model
+from trace_hf.quant.experts import fp4_experts
+from trace_hf.quant.freshness import refresh_fp4_weights
+from trace_hf.quant.quantizer import quantize_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,9 +70,9 @@ def test_data_edits_reach_generate_and_training():
 
 
 def test_debug_mode_catches_stale_training_weights(monkeypatch):
-    import trace_hf.experts as E
+    from trace_hf.quant import freshness
 
-    monkeypatch.setattr(E, "_DEBUG", True)
+    monkeypatch.setattr(freshness, "DEBUG", True)
     model = _fp4()
     ids, mask = _batch(model)
     model.train()

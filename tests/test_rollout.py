@@ -10,9 +10,9 @@ from transformers import GenerationConfig
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
-from trace_hf.experts import fp4_experts
 from trace_hf.hints import use_hints
-from trace_hf.quantizer import quantize_model
+from trace_hf.quant.experts import fp4_experts
+from trace_hf.quant.quantizer import quantize_model
 from trace_hf.rollout import EngineRollout, GenerateRollout, SamplingSettings, make_rollout, unsupported_reason
 
 
@@ -247,7 +247,7 @@ def test_trainer_rolls_out_through_the_engine(tmp_path, engine_grpo_step, engine
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  quantization_config=TraceFP4Config(hint_layers=2))  # fmt: skip
     trainer, logged, changed = engine_grpo_step(model)
-    assert isinstance(trainer._trace_rollout, EngineRollout)
+    assert isinstance(trainer.rollout, EngineRollout)
     for key in engine_grpo_metrics:
         assert key in logged, key
     assert any("experts" in n for n in changed) and any("q_proj" in n for n in changed)

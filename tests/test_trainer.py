@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from datasets import Dataset
@@ -13,8 +11,8 @@ from transformers import AutoModelForCausalLM
 from trace_hf import TraceFP4Config, fp4
 from trace_hf import data as D
 from trace_hf import testing as T
-from trace_hf.experts import fp4_experts
-from trace_hf.trainer import TraceGRPOConfig, TraceGRPOTrainer
+from trace_hf.quant.experts import fp4_experts
+from trace_hf.train import TraceGRPOConfig, TraceGRPOTrainer, importance_sampling_ratio
 
 
 METRICS = (
@@ -164,12 +162,7 @@ def test_is_ratio_modes():
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
 
     def ratio(mode, lo=None, hi=3.0):
-        args = types.SimpleNamespace(
-            rollout_importance_sampling_mode=mode,
-            rollout_importance_sampling_clip_min=lo,
-            rollout_importance_sampling_clip_max=hi,
-        )
-        return TraceGRPOTrainer._trace_is_ratio(types.SimpleNamespace(args=args), old, sampling, mask)
+        return importance_sampling_ratio(old, sampling, mask, mode, lo, hi)
 
     e = torch.exp(torch.tensor(1.0))
     torch.testing.assert_close(ratio("token_truncate"), torch.tensor([[1.0, e, 1 / e], [1.0, 3.0, 1.0]]))

@@ -44,8 +44,8 @@ _find_kernels()
 _warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 from . import fp4  # noqa: E402
-from .config import TraceFP4Config  # noqa: E402
-from .quantizer import TraceFP4HfQuantizer  # noqa: E402
+from .quant.config import TraceFP4Config  # noqa: E402
+from .quant.quantizer import TraceFP4HfQuantizer  # noqa: E402
 
 
 __version__ = "0.1.0"
@@ -57,11 +57,11 @@ _LAZY = {
     "MismatchReport": "hints",
     "hint_bytes_per_token": "hints",
     "hint_bytes_per_token_by_site": "hints",
-    "refresh_fp4_weights": "experts",
+    "refresh_fp4_weights": "quant.freshness",
     "make_rollout": "rollout",
     "RolloutOutput": "rollout",
-    "TraceGRPOConfig": "trainer",
-    "TraceGRPOTrainer": "trainer",
+    "TraceGRPOConfig": "train",
+    "TraceGRPOTrainer": "train",
 }
 
 

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging
 
 from . import fp4
-from .experts import TraceFP4Experts
+from .quant.experts import TraceFP4Experts
 
 
 logger = logging.get_logger(__name__)

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 
 from . import fp4
-from .experts import TraceFP4Experts
+from .quant.experts import TraceFP4Experts
 
 
 logger = logging.get_logger(__name__)
@@ -505,7 +505,7 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .config import TraceFP4Config
+    from .quant.config import TraceFP4Config
 
     config = from_pretrained_kwargs.pop("config", None) or AutoConfig.from_pretrained(directory)
     qc = getattr(config, "quantization_config", None)

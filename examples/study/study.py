@@ -134,7 +134,7 @@ def qwen35_35b_config():
 def hint_bytes(regime: str, config) -> int:
     """Hint bytes per token a rollout keeps for training under `regime` (0 without hints), from the config alone."""
     from trace_hf import hint_bytes_per_token
-    from trace_hf.hints import num_moe_layers
+    from trace_hf.models import num_moe_layers
 
     r = REGIMES[regime]
     if not r.hints:
@@ -308,7 +308,7 @@ def plain_copy(model):
 def fp4_copy(model):
     """The same master weights with FP4 experts and KV cache (FP4 inference; PTQ for a BF16-trained policy)."""
     from trace_hf import TraceFP4Config
-    from trace_hf.quantizer import quantize_model
+    from trace_hf.quant.quantizer import quantize_model
 
     return quantize_model(plain_copy(model), TraceFP4Config())
 
@@ -328,7 +328,7 @@ def grpo(args) -> None:
 
     from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
     from trace_hf.data import arithmetic_reward
-    from trace_hf.experts import fp4_experts
+    from trace_hf.quant.experts import fp4_experts
 
     regime = REGIMES[args.regime]
     set_seed(args.seed)
@@ -462,7 +462,7 @@ def smooth(y: list[float], window: int) -> list[float]:
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     """Per regime, every quantity averaged over seeds (a run's per-step metrics first reduced by `run_stat`)."""
-    from trace_hf.config import HINT_SITES
+    from trace_hf.quant.config import HINT_SITES
 
     summary = {}
     for regime, runs in results.items():

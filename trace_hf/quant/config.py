@@ -8,7 +8,8 @@ from typing import Any
 from transformers.quantizers import register_quantization_config
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .fp4 import FORMATS
+from ..fp4 import FORMATS
+from ..models import default_hint_layers
 
 
 QUANT_METHOD = "trace_fp4"
@@ -190,7 +191,7 @@ class TraceFP4Config(QuantizationConfigMixin):
     def num_hint_layers(self, num_moe_layers: int) -> int:
         if self.activations != "fp4":
             return 0
-        n = (num_moe_layers + 1) // 2 if self.hint_layers is None else self.hint_layers
+        n = default_hint_layers(num_moe_layers) if self.hint_layers is None else self.hint_layers
         if n > num_moe_layers:
             raise ValueError(
                 f"hint_layers={n} but the model has only {num_moe_layers} MoE layers; use at most {num_moe_layers}."

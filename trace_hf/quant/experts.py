@@ -15,108 +15,28 @@ token-expert pairs by expert and runs grouped GEMMs (FP4 needs a quantization be
 projection, which transformers' `ExpertsInterface` kernels have no place for), so the model's
 `experts_implementation` setting does not apply to FP4 experts. In eval on CUDA the experts run the fused Triton
 kernels of `trace_hf.kernels.fp4_moe` instead (``kernel="auto"``), which read the packed weights: the same
-function up to summation order, as a separate rollout engine would compute it. Hints and routing
-are recorded and replayed through two attributes that `trace_hf.hints` sets: `_trace_recorder` and
-`_trace_guide` (MoE blocks receive no forward kwargs, so state has to live on the module).
+function up to summation order, as a separate rollout engine would compute it. Hints and routing are recorded and
+replayed through the module's declared `HintSite`s (``sites``, `trace_hf.quant.sites`). When the packed weights are
+re-quantized from the masters is `trace_hf.quant.freshness`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-import weakref
-
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import fp4
+from .. import fp4
+from ..models import decoder_layers, full_attention_layers, is_skipped
+from . import freshness
+from .sites import HintSite, bind_attention
 
-
-# Every live FP4 experts module: an optimizer step anywhere invalidates their packed rollout weights. Parameter
-# version counters alone are not enough (fused/foreach optimizer kernels may update in place without bumping them).
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def _invalidate_after_step(optimizer, args, kwargs) -> None:
-    for m in list(_LIVE):
-        m.invalidate_packed()
-
-
-register_optimizer_step_post_hook(_invalidate_after_step)
 
 #: The two projections, and the buffer-name suffix of each `FP4Tensor` field of a frozen one: the codes keep the
 #: parameter's own name (as transformers' NVFP4 layers keep theirs under `weight`), so a BF16 checkpoint's tensor
 #: loads, and is quantized, under it.
 _PROJS = ("gate_up_proj", "down_proj")
 _FROZEN_SUFFIXES = {"packed": "", "block_scale": "_block_scale", "global_scale": "_global_scale"}
-_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _refuse_frozen_in_optimizer(optimizer, args, kwargs) -> None:
-    """An optimizer handed the packed weights of frozen experts would step nothing there, silently."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if _CHECKED_OPTIMIZERS.get(optimizer) == len(params):
-        return
-    frozen = {id(b) for m in list(_LIVE) if m.frozen for b in m.buffers(recurse=False)}
-    if any(id(p) in frozen for p in params):
-        raise ValueError(
-            "The optimizer holds packed weights of frozen FP4 experts (TraceFP4Config(freeze_experts=True)): they "
-            "are fixed FP4 codes and scales with no gradient, and stepping them would do nothing. Hand the optimizer "
-            "only trainable parameters, e.g. [p for p in model.parameters() if p.requires_grad]."
-        )
-    _CHECKED_OPTIMIZERS[optimizer] = len(params)
-
-
-register_optimizer_step_pre_hook(_refuse_frozen_in_optimizer)
-
-# TRACE_HF_DEBUG=1: every reuse of packed weights checks that the masters still hold what was quantized (one pass
-# over them, and a host sync), so an update that bypassed every refresh path raises instead of training on stale FP4.
-_DEBUG = os.environ.get("TRACE_HF_DEBUG", "0") not in ("", "0")
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SKIP_REFRESH = threading.local()
-
-
-def refresh_fp4_weights(model: nn.Module) -> None:
-    """Re-quantize every FP4 experts module's packed weights from its masters, now.
-
-    The packed weights follow the masters on their own after optimizer steps and after in-place edits that bump the
-    parameters' version counters, every eval forward that starts a sequence (a `generate` call, a prefill)
-    refreshes them, and a training forward re-quantizes them when a sample of the masters changed (a
-    ``p.data.copy_(...)`` of the whole tensor, a weight sync). Call this after an edit that the sample may miss
-    (``p.data[e, i] = ...`` on a few elements) before a training forward."""
-    for m in fp4_experts(model):
-        m.refresh_packed()
-
-
-@contextlib.contextmanager
-def no_prefill_refresh():
-    """Inside, eval forwards do not refresh the packed weights (a caller that just refreshed them, e.g. the rollout
-    engine before its prefill)."""
-    prev = getattr(_SKIP_REFRESH, "on", False)
-    _SKIP_REFRESH.on = True
-    try:
-        yield
-    finally:
-        _SKIP_REFRESH.on = prev
-
-
-def install_prefill_refresh(model: nn.Module) -> None:
-    """Refresh the packed weights at every eval forward that starts a sequence (no cache, or an empty one): once per
-    `generate` call, so no rollout ever runs on packed weights older than the masters, however they were changed."""
-
-    def hook(module, args, kwargs):
-        if module.training or getattr(_SKIP_REFRESH, "on", False):
-            return None
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is None or (hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0):
-            refresh_fp4_weights(module)
-        return None
-
-    if not getattr(model, "_trace_prefill_refresh", False):
-        model.register_forward_pre_hook(hook, with_kwargs=True)
-        model._trace_prefill_refresh = True
 
 
 class TraceFP4Experts(nn.Module):
@@ -156,14 +76,12 @@ class TraceFP4Experts(nn.Module):
         self.qat = qat  # False: train in the model dtype (the naive FP4-rollout baseline); rollout stays FP4
         self.kernel = kernel  # eval path: "triton" (fused kernels), "torch" (reference) or "auto"
         self.cache_qat_weights = cache_qat_weights  # keep the dequantized weights between optimizer steps
-        # Set by assign_hint_layers and by trace_hf.hints.
-        self.moe_index = 0
+        # Set by assign_hint_layers.
+        self.moe_index = 0  # this module's MoE layer (0 = the first MoE layer, not a decoder-layer index)
         self.hinted = False
         self.hint_sites: tuple[str, ...] = ()  # the sites hinted at this layer (`TraceFP4Config.hint_sites`)
         self.kv_layer: int | None = None  # decoder layer whose FP4 K/V are hinted with this layer ("kv" site)
-        self._trace_recorder = None
-        self._trace_guide = None
-        self._trace_hidden_guide = None
+        self.sites: dict[str, HintSite] = {"routing": HintSite("routing", 0)}  # "routing" and each hinted site
         self._packed = None
         self._packed_storage = None  # the packed tensors, kept across invalidations so refreshes reuse them
         self._packed_sample = ()  # `_masters_sample()` when the packed weights were made
@@ -175,7 +93,7 @@ class TraceFP4Experts(nn.Module):
             # The parameters themselves are adopted (they may still be on the meta device before weight loading).
             self.gate_up_proj = gate_up_proj
             self.down_proj = down_proj
-        _LIVE.add(self)
+        freshness.LIVE.add(self)
 
     def _register_frozen(self, name: str, w: torch.Tensor, packed_placeholders: bool) -> None:
         """The buffers of one frozen projection: quantized from `w` now, or, on a meta skeleton, placeholders that
@@ -265,7 +183,7 @@ class TraceFP4Experts(nn.Module):
         # In training, also a sample of the masters: `.data` edits and weight syncs bump no version counter.
         if self._packed is None or self._packed[0] != version or (self.training and self._masters_edited()):
             self.refresh_packed()
-        elif _DEBUG and self._fingerprint() != self._packed_fingerprint:
+        elif freshness.DEBUG and self._fingerprint() != self._packed_fingerprint:
             raise RuntimeError(
                 "TraceFP4Experts: the BF16 masters changed without a refresh (an in-place `.data` edit or a weight "
                 "sync), so the packed FP4 weights are stale. Call trace_hf.refresh_fp4_weights(model) after such "
@@ -334,7 +252,7 @@ class TraceFP4Experts(nn.Module):
         # A new tuple: the dequantized QAT cache (`_fake`) is keyed on its identity.
         self._packed = (self._version(), gu, d)
         self._packed_sample = self._masters_sample()
-        if _DEBUG:
+        if freshness.DEBUG:
             self._packed_fingerprint = self._fingerprint()
 
     def fake_quantized_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,14 +319,14 @@ class TraceFP4Experts(nn.Module):
     def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "none":
             return x
+        site = self.sites.get("experts_input")
         if self.training:
-            guide = self._trace_guide
-            if guide is not None and self.hinted:
-                return guide.fake_quantize(self, x)
+            if site is not None and site.guide is not None:
+                return site.guide.experts_input(x)
             return fp4.fake_quantize(x, self.fmt, "row")
         q = fp4.quantize(x, self.fmt, "row")
-        if self._trace_recorder is not None:
-            self._trace_recorder.record_input(self, q)
+        if site is not None and site.recorder is not None:
+            site.recorder.record_input(site, q)
         return q.dequantize(x.dtype)
 
     def _uses_kernel(self, x: torch.Tensor) -> bool:
@@ -418,8 +336,9 @@ class TraceFP4Experts(nn.Module):
         return self.kernel == "triton"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self._trace_recorder is not None and not self.training:
-            self._trace_recorder.record_routing(self, top_k_index)
+        routing = self.sites["routing"]
+        if routing.recorder is not None and not self.training:
+            routing.recorder.record_routing(routing, top_k_index)
         if self.training and not self.qat:
             return self._routed(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, False)
         if not self.training and self._uses_kernel(hidden_states):
@@ -446,17 +365,18 @@ class TraceFP4Experts(nn.Module):
 
         gu, d = self.packed_weights()
         xq = x
+        site, hidden_site = self.sites.get("experts_input"), self.sites.get("experts_hidden")
         if self.activations == "fp4":
             xq = fp4.quantize(x, self.fmt, "row")
-            if self._trace_recorder is not None:
-                self._trace_recorder.record_input(self, xq)
+            if site is not None and site.recorder is not None:
+                site.recorder.record_input(site, xq)
         # Expert-parallel sentinels (>= E, another rank's expert) contribute nothing, as in `_routed`.
         valid = top_k_index < self.num_experts
         ids = top_k_index.clamp(max=self.num_experts - 1)
         w, hidden_fp4 = top_k_weights * valid, self.activations == "fp4"
-        if self._trace_recorder is not None and "experts_hidden" in self.hint_sites:
+        if hidden_site is not None and hidden_site.recorder is not None:
             y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True)
-            self._trace_recorder.record_hidden(self, hidden.q, hidden.positions(), top_k_index.shape[1])
+            hidden_site.recorder.record_hidden(hidden_site, hidden.q, hidden.positions(), top_k_index.shape[1])
         else:
             y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4)
         return y.sum(1).to(x.dtype)
@@ -489,13 +409,14 @@ class TraceFP4Experts(nn.Module):
     def _quantize_hidden(self, h, top_k_index, order, inverse) -> torch.Tensor:
         """The down projection's input, FP4 per (token, expert) row. Rows arrive sorted by expert; hints are kept per
         token and top-k slot, so recording and guiding see them in that order (``h[inverse]`` is [T * k, I])."""
-        if self.training and self._trace_hidden_guide is not None:
+        site = self.sites.get("experts_hidden")
+        if self.training and site is not None and site.guide is not None:
             t, k = top_k_index.shape
-            y = self._trace_hidden_guide.fake_quantize_hidden(self, h[inverse].unflatten(0, (t, k)), top_k_index)
+            y = site.guide.experts_hidden(h[inverse].unflatten(0, (t, k)), top_k_index)
             return y.flatten(0, 1)[order]
-        if not self.training and self._trace_recorder is not None and "experts_hidden" in self.hint_sites:
+        if not self.training and site is not None and site.recorder is not None:
             q = fp4.quantize(h, self.fmt, "row")
-            self._trace_recorder.record_hidden(self, q, inverse, top_k_index.shape[1])
+            site.recorder.record_hidden(site, q, inverse, top_k_index.shape[1])
             return q.dequantize(h.dtype)
         return fp4.fake_quantize(h, self.fmt, "row")
 
@@ -608,10 +529,6 @@ def check_fused_experts(module: nn.Module) -> None:
         )
 
 
-def _skipped(name: str, modules_to_not_convert: list[str]) -> bool:
-    return any(name == m or name.endswith("." + m) or name.startswith(m + ".") for m in modules_to_not_convert)
-
-
 def replace_experts(model: nn.Module, config, packed_placeholders: bool = False) -> list[str]:
     """Swap every fused experts module for a `TraceFP4Experts` configured by a `TraceFP4Config` (experts named in
     its `modules_to_not_convert` stay); returns the names replaced (in layer order)."""
@@ -623,7 +540,7 @@ def replace_experts(model: nn.Module, config, packed_placeholders: bool = False)
         )
     replaced = []
     for name in names:
-        if _skipped(name, config.modules_to_not_convert):
+        if is_skipped(name, config.modules_to_not_convert):
             continue
         model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), config, packed_placeholders))
         replaced.append(name)
@@ -635,48 +552,35 @@ def fp4_experts(model: nn.Module) -> list[TraceFP4Experts]:
     return [m for m in model.modules() if isinstance(m, TraceFP4Experts)]
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The decoder layers (the module list that holds the FP4 experts), or None."""
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and any(isinstance(m, TraceFP4Experts) for m in mod.modules()):
-            return mod
-    return None
-
-
 def kv_attention_of(model: nn.Module, layer: int) -> nn.Module:
     """The attention module of decoder layer `layer`, whose K/V the "kv" hint site guides."""
-    attn = getattr(decoder_layers(model)[layer], "self_attn", None)
+    attn = getattr(decoder_layers(model, TraceFP4Experts)[layer], "self_attn", None)
     if attn is None:
         raise ValueError(f"Decoder layer {layer} has no `self_attn` module; the 'kv' hint site needs one.")
     return attn
 
 
 def assign_hint_layers(model: nn.Module, num_hint_layers: int, sites=("experts_input",)) -> None:
-    """Mark the last `num_hint_layers` MoE layers as hinted at `sites`; for "kv", the full-attention layer of the
-    same decoder layer (`kv_layer`; None where the decoder layer has linear attention, which caches no K/V)."""
-    from .kv_cache import _full_attention_layers
-
+    """Mark the last `num_hint_layers` MoE layers as hinted at `sites` and install their `HintSite`s; for "kv", the
+    full-attention layer of the same decoder layer (`kv_layer`; None where the decoder layer has linear attention,
+    which caches no K/V), whose attention module the site is bound to."""
     experts = fp4_experts(model)
-    layers = decoder_layers(model) if "kv" in sites else None
+    layers = decoder_layers(model, TraceFP4Experts)
     where = {}
     if layers is not None:
         for j, layer in enumerate(layers):
             where.update({id(m): j for m in layer.modules() if isinstance(m, TraceFP4Experts)})
-    full = set(_full_attention_layers(model.config)) if layers is not None else set()
+    full = set(full_attention_layers(model.config)) if layers is not None else set()
     for i, m in enumerate(experts):
+        j = where.get(id(m))
         m.moe_index = i
         m.hinted = i >= len(experts) - num_hint_layers
         m.hint_sites = tuple(sites) if m.hinted else ()
-        j = where.get(id(m))
         m.kv_layer = j if "kv" in m.hint_sites and j in full and hasattr(layers[j], "self_attn") else None
-
-
-def router_of(model: nn.Module, experts: TraceFP4Experts) -> nn.Module:
-    """The router (`gate`) beside an experts module in its MoE block."""
-    for block in model.modules():
-        if getattr(block, "experts", None) is experts:
-            gate = getattr(block, "gate", None) or getattr(block, "router", None)
-            if gate is None:
-                raise ValueError(f"{type(block).__name__} has no `gate`/`router` module next to its experts.")
-            return gate
-    raise ValueError("The experts module is not part of this model.")
+        m.sites = {"routing": HintSite("routing", i, j)}
+        m.sites.update({s: HintSite(s, i, j) for s in m.hint_sites if s != "kv"})
+        if j is not None and j in full and hasattr(layers[j], "self_attn"):
+            kv = HintSite("kv", i, j) if m.kv_layer is not None else None
+            if kv is not None:
+                m.sites["kv"] = kv
+            bind_attention(layers[j].self_attn, kv)

@@ -10,6 +10,7 @@ swapped, which `transformers.QuantizedCache` cannot do.
 
 from __future__ import annotations
 
+import weakref
 from types import MethodType
 
 import torch
@@ -18,7 +19,14 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import fp4
+from .. import fp4
+from ..models import full_attention_layers, head_dim
+from .sites import HintSite, attention_site
+
+
+# K tensors an FP4KVLayer returned (id -> tensor, weakly): the attention wrapper skips quantizing those. A weak
+# map, not a flag on the tensor: an entry goes when its tensor does, and a reused id cannot match another tensor.
+_FROM_FP4_CACHE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class FP4KVLayer(DynamicLayer):
@@ -31,6 +39,7 @@ class FP4KVLayer(DynamicLayer):
     def __init__(self, fmt: str = "nvfp4"):
         super().__init__()
         self.fmt = fmt
+        self.site: HintSite | None = None  # the "kv" hint site of this decoder layer, bound by the HintRecorder
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         fp4.check_last_dim(key_states, self.fmt)
@@ -55,15 +64,13 @@ class FP4KVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         qk, qv = fp4.quantize(key_states, self.fmt, "row"), fp4.quantize(value_states, self.fmt, "row")
-        recorder = getattr(self, "_trace_recorder", None)  # (HintRecorder, layer index) while recording "kv" hints
-        if recorder is not None:
-            recorder[0].record_kv(recorder[1], qk, qv)
+        if self.site is not None and self.site.recorder is not None:
+            self.site.recorder.record_kv(self.site, qk, qv)
         self._k = self._append(self._k, qk)
         self._v = self._append(self._v, qv)
         self.keys, self.values = self._k.packed, self._v.packed
         k, v = self._k.dequantize(self.dtype), self._v.dequantize(self.dtype)
-        # Already FP4 values: tell the attention wrapper not to quantize them a second time.
-        k._trace_fp4_kv = v._trace_fp4_kv = True
+        _FROM_FP4_CACHE[id(k)] = k  # already FP4 values: the attention wrapper must not quantize them again
         return k, v
 
     def _map(self, fn) -> None:
@@ -102,16 +109,10 @@ class FP4KVLayer(DynamicLayer):
         return 0 if self._k is None else self._k.nbytes() + self._v.nbytes()
 
 
-def _full_attention_layers(config) -> list[int]:
-    config = config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [i for i, t in enumerate(types) if t == "full_attention"]
-
-
 def fp4_cache(config, fmt: str = "nvfp4") -> DynamicCache:
     """A `DynamicCache` for `config` whose full-attention layers store FP4; other layer types are untouched."""
     cache = DynamicCache(config=config)
-    for i in _full_attention_layers(config):
+    for i in full_attention_layers(config):
         if type(cache.layers[i]) is DynamicLayer:
             cache.layers[i] = FP4KVLayer(fmt)
     return cache
@@ -120,16 +121,20 @@ def fp4_cache(config, fmt: str = "nvfp4") -> DynamicCache:
 def kv_bytes_per_token(config, fmt: str | None = "nvfp4", dtype_bytes: int = 2) -> int:
     """Bytes of K and V one token adds to the cache over all full-attention layers (FP4 if `fmt`, else BF16)."""
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    rows = 2 * text.num_key_value_heads * len(_full_attention_layers(config))
+    hd = head_dim(config)
+    rows = 2 * text.num_key_value_heads * len(full_attention_layers(config))
     if fmt is None:
-        return rows * head_dim * dtype_bytes
+        return rows * hd * dtype_bytes
     f = fp4.get_format(fmt)
-    return rows * (head_dim // 2 + head_dim // f.block_size + (4 if f.has_global_scale else 0))
+    return rows * (hd // 2 + hd // f.block_size + (4 if f.has_global_scale else 0))
 
 
 def install_fp4_generate_cache(model, fmt: str) -> None:
-    """Make `model.generate` build an FP4 cache unless the caller passes a cache of their own."""
+    """Make `model.generate` build an FP4 cache unless the caller passes a cache of their own.
+
+    The one instance patch of a transformers internal in trace-hf: `generate` builds its default cache in
+    `_prepare_cache_for_generation`, and no public hook (``cache_implementation`` names only transformers' own
+    caches) lets a quantization method give it another one. Patched per model instance, calling the original."""
     original = type(model)._prepare_cache_for_generation
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -154,10 +159,10 @@ def _kv_attention(base: str, fmt: str, qat: bool):
     def attention(module, query, key, value, attention_mask, **kwargs):
         # Quantization is per token and head, so quantizing every K/V row here gives exactly the values an FP4
         # cache would hold; K/V that come out of an FP4KVLayer are FP4 already. Without QAT training keeps BF16.
-        if not getattr(key, "_trace_fp4_kv", False) and (qat or not module.training):
-            guide = getattr(module, "_trace_kv_guide", None)  # set by `trace_hf.hints.use_hints` ("kv" site)
-            if guide is not None and module.training:
-                key, value = guide.fake_quantize_kv(key, value)
+        if _FROM_FP4_CACHE.get(id(key)) is not key and (qat or not module.training):
+            site = attention_site(module)
+            if site is not None and site.guide is not None and module.training:
+                key, value = site.guide.kv(key, value)
             else:
                 key = fp4.fake_quantize(key, fmt, "row")
                 value = fp4.fake_quantize(value, fmt, "row")
@@ -184,8 +189,14 @@ def install_kv_fake_quant(model, fmt: str, qat: bool = True) -> None:
     if name not in ALL_ATTENTION_FUNCTIONS:
         ALL_ATTENTION_FUNCTIONS.register(name, _kv_attention(base, fmt, qat))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    model.config._attn_implementation = name
+    model.config._attn_implementation = name  # `kv_format` reads the format back from this name
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and cfg is not model.config and getattr(cfg, "_attn_implementation", None) == base:
             cfg._attn_implementation = name
+
+
+def kv_format(model) -> str | None:
+    """The FP4 format of the model's KV cache (`TraceFP4Config.kv_cache`), None for a cache in the model dtype."""
+    impl = getattr(model.config, "_attn_implementation", None) or ""
+    return impl.split(":")[1] if impl.startswith(_PREFIX + ":") else None

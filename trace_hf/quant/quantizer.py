@@ -1,5 +1,6 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""The `HfQuantizer` behind `TraceFP4Config`: a thin layer over `trace_hf.experts` and `trace_hf.kv_cache`."""
+"""The `HfQuantizer` behind `TraceFP4Config`: a thin layer over `trace_hf.quant.experts` and
+`trace_hf.quant.kv_cache`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantizer
 from transformers.utils import logging
 
+from ..models import is_skipped, softmax_topk_problems
 from .config import QUANT_METHOD, TraceFP4Config
+from .experts import is_fused_experts
 
 
 logger = logging.get_logger(__name__)
@@ -19,30 +22,6 @@ SUPPORTED_FAMILIES = (
 )
 
 
-def _softmax_topk_problems(model) -> list[str]:
-    """Why the routers of `model` are not plain softmax top-k, the rule routing replay rebuilds weights with."""
-    from .experts import is_fused_experts
-
-    text = model.config.get_text_config(decoder=True)
-    problems = []
-    scoring = getattr(text, "scoring_func", None)
-    if scoring not in (None, "softmax"):
-        problems.append(f"scoring_func={scoring!r}")
-    method = getattr(text, "topk_method", None)
-    if method not in (None, "greedy"):
-        problems.append(f"topk_method={method!r}")
-    factor = getattr(text, "routed_scaling_factor", None)
-    if factor not in (None, 1, 1.0):
-        problems.append(f"routed_scaling_factor={factor}")
-    for block in model.modules():
-        experts, gate = getattr(block, "experts", None), getattr(block, "gate", None)
-        if experts is not None and gate is not None and (is_fused_experts(experts) or hasattr(experts, "fmt")):
-            if hasattr(gate, "e_score_correction_bias"):
-                problems.append(f"{type(gate).__name__} (sigmoid scores with a selection bias, grouped top-k)")
-            break
-    return problems
-
-
 def check_supported(model, config: TraceFP4Config) -> None:
     """Refuse at load time what would otherwise run and compute something else than TRACE describes."""
     text = model.config.get_text_config(decoder=True)
@@ -52,7 +31,7 @@ def check_supported(model, config: TraceFP4Config) -> None:
             f"cache does not model; pass TraceFP4Config(kv_cache=None) to keep the model's own cache (FP4 KV is "
             f"supported for {SUPPORTED_FAMILIES})."
         )
-    problems = _softmax_topk_problems(model)
+    problems = softmax_topk_problems(model, lambda m: is_fused_experts(m) or hasattr(m, "fmt"))
     if problems:
         raise ValueError(
             f"{text.model_type}'s router is not softmax top-k ({', '.join(problems)}): trace-hf's routing replay "
@@ -64,12 +43,11 @@ def check_supported(model, config: TraceFP4Config) -> None:
 
 def _check_modules_to_not_convert(model, config: TraceFP4Config) -> None:
     """A name that matches no module would leave the experts it meant quantized, silently."""
-    from .experts import _skipped, is_fused_experts
 
     if not config.modules_to_not_convert:
         return
     names = [n for n, _ in model.named_modules() if n]
-    unknown = [m for m in config.modules_to_not_convert if not any(_skipped(n, [m]) for n in names)]
+    unknown = [m for m in config.modules_to_not_convert if not any(is_skipped(n, [m]) for n in names)]
     if unknown:
         experts = [n for n, m in model.named_modules() if is_fused_experts(m) or hasattr(m, "fmt")]
         shown = experts[:8] + (["..."] if len(experts) > 8 else [])
@@ -94,10 +72,11 @@ def convert_experts(model, config: TraceFP4Config, packed_placeholders: bool = F
     return replaced
 
 
-def install_kv_cache(model, config: TraceFP4Config) -> None:
-    """FP4 KV for `generate` and the matching K/V fake quantization in training, if the config asks for it; and the
-    refresh of the packed FP4 experts at the start of every rollout (`experts.install_prefill_refresh`)."""
-    from .experts import install_prefill_refresh
+def install_rollout_hooks(model, config: TraceFP4Config) -> None:
+    """What runs around the model's own forward once its experts are FP4: the refresh of the packed experts at the
+    start of every rollout (`freshness.install_prefill_refresh`) and, if the config asks for an FP4 KV cache, that
+    cache for `generate` with the matching K/V fake quantization in training."""
+    from .freshness import install_prefill_refresh
     from .kv_cache import install_fp4_generate_cache, install_kv_fake_quant
 
     install_prefill_refresh(model)
@@ -111,7 +90,7 @@ def quantize_model(model, config: TraceFP4Config):
     while loading); returns the model. Frozen experts of a model still on the meta device get placeholders in the
     packed layout, to be filled with `TraceFP4Experts.load_packed_weights` / `pack_from` layer by layer."""
     convert_experts(model, config, packed_placeholders=True)
-    install_kv_cache(model, config)
+    install_rollout_hooks(model, config)
     model.config.quantization_config = config
     model.is_quantized = True
     model.quantization_method = config.quant_method
@@ -129,7 +108,7 @@ class TraceFP4Quantize(ConversionOps):
         self.hf_quantizer = hf_quantizer
 
     def convert(self, input_dict, source_patterns=None, target_patterns=None, **kwargs):
-        from . import fp4
+        from .. import fp4
         from .experts import _FROZEN_SUFFIXES
 
         fmt = self.hf_quantizer.quantization_config.fmt
@@ -184,7 +163,7 @@ class TraceFP4HfQuantizer(HfQuantizer):
         return TraceFP4Quantize(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        install_kv_cache(model, self.quantization_config)
+        install_rollout_hooks(model, self.quantization_config)
         return model
 
     def _dequantize(self, model, dtype=None):

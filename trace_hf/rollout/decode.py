@@ -143,7 +143,7 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
     FP4 experts (`TraceFP4Experts`) give their cached packed weights and hinted flags; plain experts stay dense
     unless ``fp4_experts=True`` (then they are quantized here, and the last half of the layers is hinted).
     """
-    from ..experts import TraceFP4Experts
+    from ..quant.experts import TraceFP4Experts
 
     dims = Dims.from_config(model.config)
     inner = model.model

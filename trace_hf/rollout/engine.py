@@ -33,21 +33,16 @@ import torch
 from transformers import DynamicCache
 
 from .. import fp4
-from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
 from ..hints import HintRecorder, hint_batch_from_columns, kv_rows
-from ..kv_cache import FP4KVLayer, fp4_cache
+from ..quant.experts import TraceFP4Experts, fp4_experts
+from ..quant.freshness import no_prefill_refresh
+from ..quant.kv_cache import FP4KVLayer, fp4_cache, kv_format
 from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, experts_moved, weights_from_hf
 from .generate import check_sampling
 from .layouts import layout_of, supported_model_types
 from .qwen35 import HybridDecoder
 from .sampling import SamplingSettings, draw, process_logits, sampler_logprobs
-
-
-def kv_format(model) -> str | None:
-    """The FP4 format of the model's KV cache (`TraceFP4Config.kv_cache`), None for a cache in the model dtype."""
-    impl = getattr(model.config, "_attn_implementation", None) or ""
-    return impl.split(":")[1] if impl.startswith("trace_fp4_kv:") else None
 
 
 def unsupported_reason(model, require_cuda: bool = True) -> str | None:

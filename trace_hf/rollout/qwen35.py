@@ -116,7 +116,7 @@ class HybridWeights:
     projections, ``1 + w`` norms) recomputed from the parameters; a parameter whose storage moved rebuilds all."""
 
     def __init__(self, lm, layout):
-        from ..experts import fp4_experts
+        from ..quant.experts import fp4_experts
 
         self.lm, self.layout = lm, layout
         self.experts = fp4_experts(lm)
@@ -140,7 +140,7 @@ class HybridWeights:
         return self._derive(lambda: module.weight.detach().float() + off)
 
     def _read(self) -> HybridDecodeWeights:
-        from ..experts import TraceFP4Experts
+        from ..quant.experts import TraceFP4Experts
 
         lm, lay = self.lm, self.layout
         dims = HybridDims.from_config(lm.config)

@@ -1,0 +1,269 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Replay: `use_hints` guides the training forward with the rollout's hints and routing."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import fp4
+from ..models import router_of
+from ..quant.experts import fp4_experts
+from .batch import HintBatch
+from .plan import hint_plan, site_on
+from .report import MismatchReport, _warn_if_off_policy
+from .routing import check_replayable, routing_hook
+
+
+class Guide:
+    """The rollout's hints of one (site, MoE layer), laid out per token of the flattened [B * S] training batch, and
+    the one rule that applies them: guided where a token has a hint (`trace_hf.fp4.guided_quantize`), nearest with
+    the training scales elsewhere; every flip the hints correct is counted in the report under (site, layer).
+
+    Call it as its site's module does: the experts input [B * S, H]; the experts hidden activation [T, top_k, I] and
+    the router's top-k; the attention's K and V [B, kv_heads, S, D].
+    """
+
+    def __init__(self, site: str, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report: MismatchReport,
+                 apply: bool, routing: torch.Tensor | None = None):  # fmt: skip
+        self.site, self.hints, self.has, self.layer, self.report, self.apply = site, hints, has, layer, report, apply
+        self.routing = routing  # experts_hidden: [B * S, top_k], the rollout's expert of each slot
+
+    def _check(self, tokens: int) -> None:
+        if tokens != self.has.shape[0]:
+            raise ValueError(
+                f"use_hints: {self.site} of MoE layer {self.layer} got {tokens} tokens but the hints were laid out for "
+                f"{self.has.shape[0]} (batch x sequence of the attention_mask); pass the mask of this forward."
+            )
+
+    def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize ``x`` (its rows: ``has``'s shape, then the row width), straight-through in backward."""
+        with torch.no_grad():
+            near = fp4.quantize(x, hints.fmt, "row")
+            guided = fp4.guided_quantize(x, hints)
+            cn, cg = near.codes(), guided.codes()
+            m = has.unsqueeze(-1)
+            # A flip: the nearest code (training scales) is not the code the rollout's hint selects (+-0 agree).
+            flips = ((cn != cg) & (((cn | cg) & 7) != 0) & m).sum()
+            y = near.dequantize(x.dtype)
+            if self.apply:
+                y = torch.where(m, guided.dequantize(x.dtype), y)
+        # Counted again when checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
+        self.report.count(self.site, self.layer, flips, has.sum() * x.shape[-1])
+        return fp4.straight_through(x, y)
+
+    def experts_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [B * S, H], the MoE block's flattened input."""
+        self._check(x.shape[0])
+        return self.quantize(x, self.hints, self.has)
+
+    def experts_hidden(self, h: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        """``h`` [T, top_k, I] in (token, slot) order. A hint belongs to (token, expert): training's top-k slot of an
+        expert takes the hint of the rollout's slot of the same expert; an expert the rollout did not route the token
+        to has no hint."""
+        self._check(h.shape[0])
+        rec = self.routing.to(top_k_index.device)
+        if rec.shape != top_k_index.shape:
+            raise ValueError(
+                f"use_hints: experts_hidden hints of MoE layer {self.layer} were recorded for top-k {rec.shape[1]}, "
+                f"the router chose {top_k_index.shape[1]}; record and train the same model."
+            )
+        with torch.no_grad():
+            match = top_k_index.unsqueeze(-1) == rec.unsqueeze(-2)  # [T, k (training slot), k (rollout slot)]
+            src = match.long().argmax(-1)
+            has = match.any(-1) & self.has.to(match.device).unsqueeze(-1)
+
+            def take(t):
+                idx = src.to(t.device).reshape(*src.shape, *([1] * (t.ndim - 2))).expand(*src.shape, *t.shape[2:])
+                return torch.gather(t, 1, idx)
+
+            hi = self.hints
+            hints = fp4.FP4Hints(take(hi.mantissa_bits), take(hi.block_scale), take(hi.global_scale), hi.fmt)
+        return self.quantize(h, hints, has.to(hints.mantissa_bits.device))
+
+    def kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key``, ``value`` [B, kv_heads, S, D], as the attention function receives them."""
+        b, heads, s, _ = key.shape
+        self._check(b * s)
+        x = torch.stack([key, value], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1)  # [B * S, 2, heads, D]
+        has = self.has.to(x.device)[:, None, None].expand(-1, 2, heads)
+        y = self.quantize(x, self.hints, has).unflatten(0, (b, s)).permute(0, 2, 3, 1, 4)  # [B, 2, heads, S, D]
+        return y[:, 0].contiguous(), y[:, 1].contiguous()
+
+
+def _positions(hint_batch: HintBatch, attention_mask: torch.Tensor):
+    """Per padded column: the sample position it holds, and whether a hint exists there."""
+    mask = attention_mask.to(torch.bool)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    lengths = hint_batch.lengths.to(pos.device).unsqueeze(1)
+    has = mask & (pos < lengths)
+    return pos.clamp(max=max(hint_batch.routing.shape[1] - 1, 0)), has, mask
+
+
+def _gather(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """t [B, L, ...], pos [B, S] -> [B * S, ...]."""
+    idx = pos.to(t.device).reshape(*pos.shape, *([1] * (t.ndim - 2))).expand(*pos.shape, *t.shape[2:])
+    return torch.gather(t, 1, idx).flatten(0, 1)
+
+
+@contextlib.contextmanager
+def use_hints(
+    model: torch.nn.Module,
+    hint_batch: HintBatch,
+    attention_mask: torch.Tensor,
+    routing_replay: bool = True,
+    apply_hints: bool = True,
+    align_positions: bool = True,
+):
+    """Apply hints (and optionally routing replay) to the training forwards inside the block.
+
+    At hinted layers, tokens with a hint are quantized with the rollout's scales and recorded mantissa bits
+    (`trace_hf.fp4.guided_quantize`); other tokens round to nearest. With ``routing_replay`` every MoE router
+    takes the rollout's top-k ids, with weights from the training logits at those ids (so the router still
+    learns). Keep the backward pass inside the block: gradient checkpointing recomputes the forward there.
+
+    With ``apply_hints=False`` every token rounds to nearest (the "no hints" baseline) while the report still
+    counts the flips the hints would have corrected. With ``align_positions`` a forward that passes no
+    ``position_ids`` gets them from the attention mask
+    (``cumsum - 1``), as `generate` computes them for left-padded prompts; TRL's training forward passes none,
+    and the shifted rotary positions alone change the activations enough to flip many FP4 codes.
+
+    Yields a `MismatchReport` that fills as forwards run.
+    """
+    if not isinstance(hint_batch, HintBatch):
+        raise TypeError(
+            f"use_hints needs the rollout's HintBatch, got {'None' if hint_batch is None else type(hint_batch).__name__}"
+            ": the hints were not recorded (a rollout called with record=False, or generate outside a HintRecorder). "
+            "Roll out with record=True (or generate inside `with HintRecorder(model) as rec:` and pass "
+            "rec.collect(attention_mask)); for a training forward without hints, leave use_hints out "
+            "(trace_hf.hints.aligned_positions still gives it generate's position ids)."
+        )
+    experts = fp4_experts(model)
+    hinted = [m for m in experts if m.hinted]
+    plan = hint_plan(model)
+    inputs_hinted = [m for m in hinted if site_on(m, "experts_input")]
+    b, s = attention_mask.shape
+    if len(hint_batch) != b:
+        raise ValueError(f"use_hints: {len(hint_batch)} hint rows for an attention_mask of {b} rows.")
+    if tuple(m.moe_index for m in hinted) != tuple(hint_batch.hint_layers):
+        raise ValueError(
+            f"use_hints: hints were recorded at MoE layers {list(hint_batch.hint_layers)} but this model hints "
+            f"{[m.moe_index for m in hinted]}; record and train with the same TraceFP4Config.hint_layers."
+        )
+    if tuple(plan) != hint_batch.sites:
+        raise ValueError(
+            f"use_hints: hints were recorded at sites {list(hint_batch.sites)} but this model hints {list(plan)}; "
+            "record and train with the same TraceFP4Config.hint_sites."
+        )
+    if hinted and hint_batch.fmt != hinted[0].fmt:
+        raise ValueError(
+            f"use_hints: the hints are {hint_batch.fmt} but this model's experts are {hinted[0].fmt}; record and train "
+            "with the same TraceFP4Config.fmt."
+        )
+    if routing_replay:
+        for m in experts:
+            check_replayable(router_of(model, m))
+    if inputs_hinted and hint_batch.width != hinted[0].hidden_dim:
+        raise ValueError(f"use_hints: hints of width {hint_batch.width} for experts of width {hinted[0].hidden_dim}.")
+    if hint_batch.routing.shape[2] != len(experts):
+        raise ValueError(
+            f"use_hints: routing recorded for {hint_batch.routing.shape[2]} MoE layers, the model has {len(experts)}."
+        )
+    if experts and not model.training:
+        raise RuntimeError(
+            "use_hints guides the training (QAT) forward, but the model is in eval mode, where the experts run the "
+            "rollout path and would apply no hint. Call model.train() inside the block (or leave use_hints out for "
+            "an eval forward)."
+        )
+    pos, has, mask = _positions(hint_batch, attention_mask)
+    report = MismatchReport(
+        hinted_tokens=int(has.sum()) if hinted else 0,
+        real_tokens=int(mask.sum()),
+        hint_bytes_per_token=hint_batch.bytes_per_token(),
+    )
+    has_flat = has.flatten()
+    handles, guided = [], []
+    try:
+        for site in plan:
+            for j, layer in enumerate(plan[site]):
+                bits, scales, gscale = (_gather(t[:, :, j], pos) for t in hint_batch.site(site))
+                hints = fp4.FP4Hints(bits, scales, gscale.unsqueeze(-1), hint_batch.fmt)
+                m = experts[layer]
+                routing = None
+                if site == "experts_hidden":
+                    if hints.width != m.intermediate_dim:
+                        raise ValueError(
+                            f"use_hints: experts_hidden hints of width {hints.width} for experts of intermediate "
+                            f"size {m.intermediate_dim}; record and train the same model."
+                        )
+                    routing = _gather(hint_batch.routing[:, :, layer], pos).long()
+                point = m.sites[site]
+                point.guide = Guide(site, hints, has_flat.to(bits.device), layer, report, apply_hints, routing)
+                guided.append(point)
+        if align_positions:
+            handles.append(_register_position_hook(model, attention_mask))
+        if hint_batch.token_ids is not None:
+            handles.append(_register_token_check(model, hint_batch.token_ids, pos, has))
+        for m in experts:
+            recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
+            hook = routing_hook(recorded, has_flat, routing_replay, report)
+            handles.append(router_of(model, m).register_forward_hook(hook))
+        yield report
+        _warn_if_off_policy(model, report)
+    finally:
+        for point in guided:
+            point.guide = None
+        for h in handles:
+            h.remove()
+
+
+def _register_token_check(model: torch.nn.Module, token_ids: torch.Tensor, pos: torch.Tensor, has: torch.Tensor):
+    """Every forward inside `use_hints` must feed, at each hinted position, the token the rollout fed there."""
+    want = torch.gather(token_ids, 1, pos.to(token_ids.device))
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or ids.shape != want.shape:
+            return None
+        bad = ((ids.to(want.device) != want) & has.to(want.device)).sum()
+        if int(bad):
+            raise ValueError(
+                f"use_hints: at {int(bad)} of {int(has.sum())} hinted positions the forward's tokens differ from "
+                "the ones the rollout recorded: the hint rows belong to other sequences, are permuted against "
+                "these rows, or the attention_mask does not mark these rows' real tokens. Pass hint_batch[rows] "
+                "with the same rows, in the same order, and their own attention mask."
+            )
+        return None
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as `generate` makes them for left-padded prompts: ``cumsum(mask) - 1``, pads at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _register_position_hook(model: torch.nn.Module, attention_mask: torch.Tensor):
+    def hook(module, args, kwargs):
+        if kwargs.get("position_ids") is None:
+            mask = kwargs.get("attention_mask")
+            mask = attention_mask if mask is None else mask
+            kwargs["position_ids"] = position_ids_from_mask(mask).to(mask.device)
+        return args, kwargs
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def aligned_positions(model: torch.nn.Module, attention_mask: torch.Tensor):
+    """Forwards inside get ``position_ids`` from the attention mask when they pass none, as `generate` does.
+
+    TRL's training forward passes none, so left-padded rows would otherwise see rotary positions shifted by their
+    padding, in every regime (BF16 included), and compute other activations than the rollout did.
+    """
+    handle = _register_position_hook(model, attention_mask)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -1,0 +1,194 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""`TraceGRPOConfig`: TRL's `GRPOConfig` plus the TRACE options (kept apart from the trainer, as TRL keeps
+`grpo_config.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from ..rollout import ROLLOUT_ENGINES
+from .importance import IS_MODES
+from .trl_options import check_trl_options
+
+
+# TRL's vLLM importance-sampling fields and their counterparts here (same meaning, applied to the FP4 sampler).
+_TRL_IS_FIELDS = (
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+)
+ROLLOUT_PRECISIONS = ("fp4", "bf16")
+
+
+@dataclass
+class TraceGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for the [`TraceGRPOTrainer`]: [`~trl.GRPOConfig`] plus the TRACE options.
+
+    Rollouts run through the model's own FP4 path (the rollout engine or `model.generate`, in eval mode), never vLLM,
+    so `use_vllm` must stay `False`. TRL's `vllm_importance_sampling_{correction,mode,clip_min,clip_max}` have
+    counterparts here, `rollout_importance_sampling{,_mode,_clip_min,_clip_max}`, that correct for the FP4 sampler
+    instead; setting TRL's raises. The shared quantities are logged under TRL's names
+    (`sampling/sampling_logp_difference/{mean,max}`, `sampling/importance_sampling_ratio/{min,mean,max}`), TRACE's own
+    under `trace/*`.
+
+    Parameters:
+        > Parameters that control the rollout
+
+        rollout_precision (`str`, *optional*, defaults to `"fp4"`):
+            `"fp4"`: roll out with the packed FP4 experts (and FP4 KV cache) of a model loaded with
+            [`TraceFP4Config`]. `"bf16"`: roll out with the model's unquantized weights; needs a plain model (no
+            `TraceFP4Config`) and `trace_hints=False`, `routing_replay=False`. This is the unquantized baseline.
+        rollout_engine (`str`, *optional*, defaults to `"auto"`):
+            What generates the rollouts (`trace_hf.rollout`). `"engine"`: the static-shape, CUDA-graph decode engine
+            (Qwen3 MoE-style models whose every layer is full-attention MoE; FP4 or BF16). `"generate"`:
+            `model.generate` (any transformers MoE, Qwen3.5 hybrids included). `"auto"`: the engine on CUDA for a
+            model it supports, otherwise `generate`, with one log line that says why.
+        trace_hints (`bool`, *optional*, defaults to `True`):
+            Record the rollout's FP4 rounding hints at the hinted MoE layers and apply them in every training-side
+            forward (old, reference and current log-probs). With `False` the trainer still rolls out in FP4 and trains
+            with QAT (the "no hints" baseline).
+        routing_replay (`bool`, *optional*, defaults to `True`):
+            Replay the rollout's routed experts (top-k ids) in the training forwards; the router weights still come
+            from the training logits, so the router keeps learning.
+        trace_hint_storage (`str`, *optional*, defaults to `"device"`):
+            Where recorded hints live between rollout and training: `"device"` or `"cpu"` (pinned when CUDA exists).
+
+        > Parameters that control the importance-sampling correction against the FP4 sampler
+
+        rollout_importance_sampling (`bool`, *optional*, defaults to `True`):
+            Weight the per-token loss by the ratio of the trainer's (hint-guided) probability to the sampler's, as
+            TRL does for vLLM rollouts.
+        rollout_importance_sampling_mode (`str`, *optional*, defaults to `"token_truncate"`):
+            One of `"token_truncate"`, `"token_mask"`, `"sequence_truncate"`, `"sequence_mask"`, with the meaning of
+            [`~trl.GRPOConfig.vllm_importance_sampling_mode`].
+        rollout_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
+            Upper bound of the ratio: truncated to it (`*_truncate`) or masked above it (`*_mask`).
+        rollout_importance_sampling_clip_min (`float`, *optional*):
+            Lower bound of the ratio, as `rollout_importance_sampling_clip_max`; `None` for no lower bound.
+
+        > Parameters that control logging
+
+        trace_metrics (`bool`, *optional*, defaults to `True`):
+            Log the `trace/*` metrics: hint flip rate, routing mismatch, hint coverage and bytes, rollout/train
+            log-prob difference and KL, and the IS ratio.
+    """
+
+    rollout_precision: str = field(
+        default="fp4",
+        metadata={
+            "help": "'fp4': roll out with the packed FP4 experts of a TraceFP4Config model. 'bf16': roll out with the "
+            "unquantized weights of a plain model (the baseline; needs trace_hints=False, routing_replay=False).",
+            "choices": list(ROLLOUT_PRECISIONS),
+        },
+    )
+    rollout_engine: str = field(
+        default="auto",
+        metadata={
+            "help": "'engine': the CUDA-graph decode engine (full-attention MoE models); 'generate': model.generate "
+            "(any MoE); 'auto': the engine on CUDA when the model is supported, else generate.",
+            "choices": list(ROLLOUT_ENGINES),
+        },
+    )
+    trace_hints: bool = field(
+        default=True,
+        metadata={"help": "Record FP4 rounding hints at rollout and apply them in every training-side forward."},
+    )
+    routing_replay: bool = field(
+        default=True,
+        metadata={"help": "Replay the rollout's routed experts (top-k ids) in the training forwards."},
+    )
+    trace_hint_storage: str = field(
+        default="device",
+        metadata={
+            "help": "Where recorded hints live until training: 'device' or 'cpu'.",
+            "choices": ["device", "cpu"],
+        },
+    )
+    rollout_importance_sampling: bool = field(
+        default=True,
+        metadata={"help": "Correct the loss with the importance-sampling ratio trainer/sampler probability."},
+    )
+    rollout_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "How the ratio is formed and bounded: token_truncate, token_mask, sequence_truncate, "
+            "sequence_mask (as vllm_importance_sampling_mode).",
+            "choices": list(IS_MODES),
+        },
+    )
+    rollout_importance_sampling_clip_max: float | None = field(
+        default=3.0,
+        metadata={"help": "Upper bound of the IS ratio (truncated to it, or masked above it)."},
+    )
+    rollout_importance_sampling_clip_min: float | None = field(
+        default=None,
+        metadata={"help": "Lower bound of the IS ratio (truncated to it, or masked below it); None for none."},
+    )
+    trace_metrics: bool = field(
+        default=True,
+        metadata={"help": "Log the trace/* metrics (hint flips, routing mismatch, rollout/train log-prob gap)."},
+    )
+    # TRL's default `gradient_checkpointing=True` is transformers 5's deprecated alias of `activation_checkpointing`
+    # and warns on every config. Unset here; `__post_init__` applies TRL's default under the new name instead.
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing` (transformers 5); unset, TRL's default (on) applies.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
+
+    def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's GRPOConfig default, without the deprecated name
+        super().__post_init__()
+        check_trl_options(self)  # TRL options this trainer cannot honour (trace_hf.train.trl_options)
+        if self.use_vllm:
+            raise ValueError(
+                "TraceGRPOConfig(use_vllm=True) is not supported: TraceGRPOTrainer generates through the model's own "
+                "FP4 path (packed experts, FP4 KV cache), which is what the hints are recorded from. Set use_vllm=False."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "TraceGRPOConfig(use_transformers_continuous_batching=True) is not supported: rollouts must go through "
+                "model.generate so that hints and sampler log-probs can be recorded. Set it to False."
+            )
+        if self.rollout_precision not in ROLLOUT_PRECISIONS:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_precision={self.rollout_precision!r}: use 'fp4' (TraceFP4Config model) or "
+                "'bf16' (plain model)."
+            )
+        changed = [f for f in _TRL_IS_FIELDS if getattr(self, f) != GRPOConfig.__dataclass_fields__[f].default]
+        if changed:
+            raise ValueError(
+                f"TraceGRPOConfig: {changed} configure TRL's correction for vLLM rollouts, which TraceGRPOTrainer does "
+                "not use. Its correction for the FP4 sampler has the same meaning under rollout_importance_sampling, "
+                "rollout_importance_sampling_mode, rollout_importance_sampling_clip_min and "
+                "rollout_importance_sampling_clip_max: set those instead."
+            )
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_engine={self.rollout_engine!r}: use 'auto', 'engine' or 'generate'."
+            )
+        if self.rollout_precision == "bf16" and (self.trace_hints or self.routing_replay):
+            raise ValueError(
+                "rollout_precision='bf16' rolls out without FP4, so there are no hints or recorded routing to replay: "
+                "set trace_hints=False and routing_replay=False."
+            )
+        if self.trace_hint_storage not in ("device", "cpu"):
+            raise ValueError(f"TraceGRPOConfig.trace_hint_storage={self.trace_hint_storage!r}: use 'device' or 'cpu'.")
+        if self.rollout_importance_sampling_mode not in IS_MODES:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_importance_sampling_mode={self.rollout_importance_sampling_mode!r}: use one "
+                f"of {list(IS_MODES)}."
+            )
+        lo, hi = self.rollout_importance_sampling_clip_min, self.rollout_importance_sampling_clip_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"rollout_importance_sampling_clip_min={lo} is above rollout_importance_sampling_clip_max={hi}."
+            )
