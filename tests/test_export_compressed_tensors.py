@@ -19,7 +19,7 @@ from compressed_tensors.quantization.utils.helpers import generate_gparam  # noq
 
 from trace_hf import HintRecorder, TraceFP4Config, fp4  # noqa: E402
 from trace_hf.export import export_fp4, load_fp4  # noqa: E402
-from trace_hf.export_compressed import trace_global_scale, weight_global_scale  # noqa: E402
+from trace_hf.export.compressed import trace_global_scale, weight_global_scale  # noqa: E402
 from trace_hf.quant.experts import fp4_experts  # noqa: E402
 from trace_hf.testing import build_char_tokenizer, save_tiny_model  # noqa: E402
 

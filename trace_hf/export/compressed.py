@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from . import fp4
-from .quant.experts import TraceFP4Experts
+from .. import fp4
+from ..quant.experts import TraceFP4Experts
 
 
 logger = logging.get_logger(__name__)
@@ -127,7 +127,7 @@ def _split(model, name: str, proj: str, t: torch.Tensor) -> dict[str, torch.Tens
 
 
 def _calibration_batches(calibration) -> Iterable[dict]:
-    from .hints import HintBatch
+    from ..hints import HintBatch
 
     items = [calibration] if isinstance(calibration, (torch.Tensor, dict, HintBatch)) else calibration
     for item in items:
@@ -505,7 +505,7 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .quant.config import TraceFP4Config
+    from ..quant.config import TraceFP4Config
 
     config = from_pretrained_kwargs.pop("config", None) or AutoConfig.from_pretrained(directory)
     qc = getattr(config, "quantization_config", None)

@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging
 
-from . import fp4
-from .quant.experts import TraceFP4Experts
+from .. import fp4
+from ..quant.experts import TraceFP4Experts
 
 
 logger = logging.get_logger(__name__)
@@ -54,7 +54,7 @@ def _identity(config) -> dict:
 def _merged_state(model) -> dict[str, torch.Tensor]:
     """The plain model's state dict, with the active PEFT LoRA adapters merged into their linears' weights (the
     model itself is left as it is): what the policy computes, under the names a plain checkpoint has."""
-    from .rollout.engine import lora_weight
+    from ..rollout.engine import lora_weight
 
     lora = {name: m for name, m in model.named_modules() if getattr(m, "base_layer", None) is not None}
     out = {}
@@ -87,7 +87,7 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
 
     `format="trace_fp4"` (trace-hf's own, read by `load_fp4`); `format="compressed-tensors"`: the NVFP4 checkpoint
     vLLM, SGLang and transformers load, with `options` (`scheme`, `calibration`, `tokenizer`) as in
-    `trace_hf.export_compressed.export_compressed_tensors`. For `"trace_fp4"` a PEFT model is exported with its LoRA
+    `trace_hf.export.compressed.export_compressed_tensors`. For `"trace_fp4"` a PEFT model is exported with its LoRA
     adapters merged into the dense weights (the experts are FP4 already).
     """
     from accelerate.utils import is_peft_model
@@ -98,7 +98,7 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
                 "export_fp4(format='compressed-tensors') takes a plain model: merge the LoRA adapters first with "
                 "`model = model.merge_and_unload()` (PEFT), or export with format='trace_fp4', which merges them itself."
             )
-        from .export_compressed import export_compressed_tensors
+        from .compressed import export_compressed_tensors
 
         return export_compressed_tensors(model, directory, **options)
     if format != "trace_fp4":
@@ -223,12 +223,12 @@ def load_fp4(directory: str | os.PathLike, **from_pretrained_kwargs):
     `model.safetensors`, is intact (SHA-256 per tensor) and fits the model built. `from_pretrained` loads the
     non-expert weights (the experts' masters are absent from the file, which it reports as missing); the packed
     experts are installed afterwards. A compressed-tensors NVFP4 checkpoint (`export_fp4(format="compressed-tensors")`
-    or llm-compressor's) loads through `trace_hf.export_compressed.load_compressed_tensors`.
+    or llm-compressor's) loads through `trace_hf.export.compressed.load_compressed_tensors`.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from .export_compressed import is_compressed_tensors_checkpoint, load_compressed_tensors
+    from .compressed import is_compressed_tensors_checkpoint, load_compressed_tensors
 
     if is_compressed_tensors_checkpoint(directory):
         return load_compressed_tensors(directory, **from_pretrained_kwargs)
