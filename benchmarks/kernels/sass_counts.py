@@ -2,7 +2,7 @@
 """Instructions per FP4 element in the main loops of the decode kernels (routed-expert GEMMs, FP4-KV attention), and
 per value in the quantization kernel, in sm_90 machine code, without a GPU.
 
-    python benchmarks/sass_counts.py            # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
+    python -m benchmarks.kernels.sass_counts    # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
 
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
 the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode
