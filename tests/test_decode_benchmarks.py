@@ -164,3 +164,25 @@ def test_time_per_call_and_write_json(tmp_path):
     assert len(calls) == 7 and 0 <= t < 1
     harness.write_json(str(tmp_path / "a" / "b.json"), {"x": 1, "path": tmp_path})
     assert json.loads((tmp_path / "a" / "b.json").read_text()) == {"x": 1, "path": str(tmp_path)}
+
+
+def test_grpo_step_builds_each_setup_with_the_given_model_builder(tmp_path):
+    """`grpo_step.main(build_model=...)` (how `grpo_step_qwen35` swaps the model family) calls that builder for
+    every setup; here it refuses, and each setup records the refusal instead of building the Qwen3-MoE model."""
+    from benchmarks.training import grpo_step
+
+    seen = []
+
+    def refuse(args, fp4, dev):
+        seen.append(fp4)
+        raise RuntimeError("builder called")
+
+    threads = torch.get_num_threads()
+    try:
+        rc = grpo_step.main(["--smoke", "--setups", "engine_bf16,engine_fp4", "--out", str(tmp_path / "g.json")],
+                            build_model=refuse)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)  # the benchmark sets one thread on the CPU
+    results = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert rc == 1 and seen == [False, True]
+    assert [r["error"] for r in results] == ["RuntimeError: builder called"] * 2
