@@ -38,7 +38,8 @@ has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 if has tests; then
   echo "== GPU tests"
   # From $PKG, so that `python -m pytest` (which puts the working directory first on sys.path) finds the
-  # trace_hf with kernels/ linked in, not the repository's source folder.
+  # trace_hf with kernels/ linked in. pytest's `pythonpath` (pyproject.toml) then puts the root first, for the
+  # tests that import `benchmarks`: its trace_hf binds the kernels/ beside it, the same code.
   # TEST_FILES: names under tests/ (default: every file with GPU tests).
   FILES=""
   for f in ${TEST_FILES:-test_fp4_moe.py test_fp4_moe_hopper.py test_hints.py test_fp4_attention.py \
