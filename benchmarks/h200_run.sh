@@ -3,15 +3,17 @@
 # TEST_FILES, default all),
 # `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `attn` (the FP4 decode attention
 # sweep, ATTN_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode benchmark, extra
-# arguments in ROLLOUT_ARGS), `grpo` (whole GRPO steps with generate / the engine, benchmarks/grpo_step.py, extra
+# arguments in ROLLOUT_ARGS), `grpo` (whole GRPO steps with generate / the engine, benchmarks/training/grpo_step.py, extra
 # arguments in GRPO_ARGS). Everything goes under $OUT (default outputs/h200). Each part has a timeout, so
-# a hang in one part does not lose the others.
+# a hang in one part does not lose the others. Run it from the repository root: the benchmarks run as modules
+# (`python -m benchmarks.kernels.fp4_moe_tune`), so the root's trace_hf (with kernels/ bound beside it) is the one
+# they import.
 #
 #   PARTS="tests tune train" bash benchmarks/h200_run.sh
 #   PARTS=decode ROLLOUT_BUDGET_S=190 bash benchmarks/h200_run.sh
 #
-# No pip install needed for trace_hf: it is put on PYTHONPATH with kernels/ linked in as trace_hf/kernels (what
-# the editable install's package-dir mapping does), so this runs on the machine's own python3 and packages
+# No pip install needed for trace_hf: the tests get it on PYTHONPATH with kernels/ linked in as trace_hf/kernels
+# (what the editable install's package-dir mapping does), so this runs on the machine's own python3 and packages
 # (the GPU test of the hints also needs TRL: install the wheels of ../shared/device/wheels.sh first).
 set -u
 ROOT=$(pwd)
@@ -36,7 +38,8 @@ has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 if has tests; then
   echo "== GPU tests"
   # From $PKG, so that `python -m pytest` (which puts the working directory first on sys.path) finds the
-  # trace_hf with kernels/ linked in, not the repository's source folder.
+  # trace_hf with kernels/ linked in. pytest's `pythonpath` (pyproject.toml) then puts the root first, for the
+  # tests that import `benchmarks`: its trace_hf binds the kernels/ beside it, the same code.
   # TEST_FILES: names under tests/ (default: every file with GPU tests).
   FILES=""
   for f in ${TEST_FILES:-test_fp4_moe.py test_fp4_moe_hopper.py test_hints.py test_fp4_attention.py \
@@ -51,7 +54,7 @@ fi
 
 if has tune; then
   echo "== FP4 MoE launch-config sweep"
-  timeout $((${TUNE_BUDGET_S:-150} + 60)) $PY benchmarks/fp4_moe_tune.py --out "$OUT/fp4_moe_tune.json" \
+  timeout $((${TUNE_BUDGET_S:-150} + 60)) $PY -m benchmarks.kernels.fp4_moe_tune --out "$OUT/fp4_moe_tune.json" \
     --budget-s ${TUNE_BUDGET_S:-150} ${TUNE_ARGS:-} > "$OUT/fp4_moe_tune.log" 2>&1
   echo "rc=$?" >> "$OUT/fp4_moe_tune.log"
   tail -n 8 "$OUT/fp4_moe_tune.log"
@@ -59,7 +62,7 @@ fi
 
 if has attn; then
   echo "== FP4 decode attention launch-config sweep"
-  timeout $((${ATTN_BUDGET_S:-150} + 90)) $PY benchmarks/fp4_attention_tune.py --out "$OUT/fp4_attention_tune.json" \
+  timeout $((${ATTN_BUDGET_S:-150} + 90)) $PY -m benchmarks.kernels.fp4_attention_tune --out "$OUT/fp4_attention_tune.json" \
     --budget-s ${ATTN_BUDGET_S:-150} ${ATTN_ARGS:-} > "$OUT/fp4_attention_tune.log" 2>&1
   echo "rc=$?" >> "$OUT/fp4_attention_tune.log"
   tail -n 6 "$OUT/fp4_attention_tune.log"
@@ -67,22 +70,22 @@ fi
 
 if has train; then
   echo "== train step benchmark"
-  timeout 150 $PY benchmarks/train_step.py --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1
+  timeout 150 $PY -m benchmarks.training.train_step --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1
   echo "rc=$?" >> "$OUT/train_step.log"
   tail -n 3 "$OUT/train_step.log"
 fi
 
 if has decode; then
   echo "== rollout decode benchmark"
-  timeout $((${ROLLOUT_BUDGET_S:-250} + 60)) $PY benchmarks/rollout_decode.py --out "$OUT/rollout_decode.json" \
+  timeout $((${ROLLOUT_BUDGET_S:-250} + 60)) $PY -m benchmarks.rollout.rollout_decode --out "$OUT/rollout_decode.json" \
     --budget-s ${ROLLOUT_BUDGET_S:-250} ${ROLLOUT_ARGS:-} > "$OUT/rollout_decode.log" 2>&1
   echo "rc=$?" >> "$OUT/rollout_decode.log"
   tail -n 25 "$OUT/rollout_decode.log"
 fi
 if has grpo; then
   echo "== GRPO step benchmark"
-  # GRPO_WRAP: a runner script and its arguments put before grpo_step.py (e.g. benchmarks/with_hopper_block_t.py 16)
-  timeout ${GRPO_BUDGET_S:-420} $PY ${GRPO_WRAP:-} benchmarks/grpo_step.py --out "$OUT/grpo_step${GRPO_TAG:-}.json" ${GRPO_ARGS:-} \
+  # GRPO_WRAP: a runner module and its arguments put before the benchmark (e.g. benchmarks.kernels.with_hopper_block_t 16)
+  timeout ${GRPO_BUDGET_S:-420} $PY -m ${GRPO_WRAP:-} benchmarks.training.grpo_step --out "$OUT/grpo_step${GRPO_TAG:-}.json" ${GRPO_ARGS:-} \
     > "$OUT/grpo_step${GRPO_TAG:-}.log" 2>&1
   echo "rc=$?" >> "$OUT/grpo_step${GRPO_TAG:-}.log"
   grep -E '^\{"setup"|rc=|Error' "$OUT/grpo_step${GRPO_TAG:-}.log" | tail -n 12

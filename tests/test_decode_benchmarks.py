@@ -1,5 +1,6 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""The rollout-decode and train-step benchmarks run end to end in their --smoke mode (CPU, tiny shapes)."""
+"""The rollout-decode and train-step benchmarks run end to end in their --smoke mode (CPU, tiny shapes), and the
+harness they share (`benchmarks.harness`) changes kernel settings only inside its block."""
 
 from __future__ import annotations
 
@@ -12,17 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import harness
+from benchmarks.kernels import hopper_ab, ncu_summary
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, out: Path, runner: tuple[str, ...] = ()) -> tuple[dict, str]:
-    """Run a benchmark in its --smoke mode (behind ``runner``, a wrapper script and its arguments): its JSON, stdout."""
-    env = dict(os.environ)
+def _run(module: str, out: Path, runner: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """``python -m module --smoke`` from another directory (behind ``runner``, a wrapper module and its arguments):
+    the benchmark's JSON and stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, *runner, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
+        [sys.executable, "-m", *runner, module, "--smoke", "--out", str(out)],
         cwd=str(out.parent), env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,7 +36,7 @@ def _run(script: str, out: Path, runner: tuple[str, ...] = ()) -> tuple[dict, st
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_rollout_decode_smoke(tmp_path):
-    res, _ = _run("rollout_decode.py", tmp_path / "rollout.json")
+    res, _ = _run("benchmarks.rollout.rollout_decode", tmp_path / "rollout.json")
     cells = {(c["setup"], c["batch"]): c for c in res["cells"]}
     for setup in ("hf", "fast_bf16", "fast_fp4"):
         for b in (1, 2):
@@ -43,30 +48,25 @@ def test_rollout_decode_smoke(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_train_step_smoke(tmp_path):
-    res, _ = _run("train_step.py", tmp_path / "train.json")
+    res, _ = _run("benchmarks.training.train_step", tmp_path / "train.json")
     assert res["ratio"] > 0 and res["bf16_step_s"] > 0 and res["qat_step_s"] > 0 and res["qat_uncached_step_s"] > 0
     assert res["weight_cache_gib"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_block_t_runner_sets_the_table_and_runs_the_script(tmp_path):
-    """`benchmarks/with_hopper_block_t.py` (the 16-token-block experiment of docs/benchmarks.md 2d) from another
+    """`benchmarks.kernels.with_hopper_block_t` (the 16-token-block experiment of docs/lab-notes.md 2d) from another
     directory: the table it runs with, and the wrapped benchmark's result."""
-    runner = (str(ROOT / "benchmarks" / "with_hopper_block_t.py"), "16")
-    res, stdout = _run("train_step.py", tmp_path / "train.json", runner)
+    runner = ("benchmarks.kernels.with_hopper_block_t", "16")
+    res, stdout = _run("benchmarks.training.train_step", tmp_path / "train.json", runner)
     table = next(line for line in stdout.splitlines() if line.startswith("HOPPER:"))
     assert "'block_t': 16" in table and "'block_t': 8" in table  # batch 1's entry keeps its 8-token blocks
     assert res["qat_step_s"] > 0
 
 
 def test_ncu_summary_reads_units_and_stalls(tmp_path):
-    """`benchmarks/ncu_summary.py` on an ncu ``--page raw --csv`` export: durations and bytes are converted from the
-    units ncu chose (us, Mbyte), and the stall reasons come out largest first."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ncu_summary
-    finally:
-        sys.path.pop(0)
+    """`benchmarks.kernels.ncu_summary` on an ncu ``--page raw --csv`` export: durations and bytes are converted from
+    the units ncu chose (us, Mbyte), and the stall reasons come out largest first."""
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     cols = {
         "Kernel Name": ("", "gate_up_kernel(int, int)"),
@@ -88,13 +88,8 @@ def test_ncu_summary_reads_units_and_stalls(tmp_path):
 
 
 def test_hopper_ab_patches_name_what_they_change():
-    """`benchmarks/hopper_ab.py`'s patches: slot limits of `HOPPER`, and settings dicts of the kernel modules merged
-    key by key; a key that names nothing is an error, not a variant that silently measures the base."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import hopper_ab
-    finally:
-        sys.path.pop(0)
+    """`benchmarks.kernels.hopper_ab`'s patches: slot limits of `HOPPER`, and settings dicts of the kernel modules
+    merged key by key; a key that names nothing is an error, not a variant that silently measures the base."""
     table = [(8, {"block_t": 8, "split_k": 4}), (256, {"block_t": 8})]
     got = hopper_ab.patched(table, {"*": {"block_t": 16}, "8": {"split_k": 2}, "fp4_quant.CONFIG": {}})
     assert got == [(8, {"block_t": 16, "split_k": 2}), (256, {"block_t": 16})]
@@ -120,3 +115,74 @@ def test_hopper_ab_patches_name_what_they_change():
     finally:
         hopper_ab.apply(dicts, {})
     assert launch == saved
+
+
+def test_override_changes_kernel_settings_in_place_and_restores_them():
+    """`harness.override`: a dict setting gets the given entries (in place: the kernel modules import it by name),
+    a list is replaced in place, a scalar is rebound; all are back after the block, also when it raises."""
+    from trace_hf.kernels import fp4_moe, fp4_moe_configs, pdl
+
+    config, hopper, enabled = fp4_moe_configs.CONFIG, fp4_moe_configs.HOPPER, pdl.ENABLED
+    saved_config, saved_hopper = {**config}, list(hopper)
+    table = [(1 << 62, {"block_t": 16})]
+    settings = {"fp4_moe_configs.CONFIG": {"block_m": 32}, "fp4_moe_configs.HOPPER": table, "pdl.ENABLED": not enabled}
+    with pytest.raises(RuntimeError, match="inside"), harness.override(settings):
+        assert fp4_moe.CONFIG is config and config["block_m"] == 32  # the kernels' own reference sees it
+        assert config["dense"] is saved_config["dense"]  # entries not named stay as they are
+        assert fp4_moe_configs.HOPPER is hopper and hopper == table
+        assert pdl.ENABLED is (not enabled)
+        raise RuntimeError("inside")
+    assert fp4_moe_configs.CONFIG is config and config == saved_config
+    assert fp4_moe_configs.HOPPER is hopper and hopper == saved_hopper and pdl.ENABLED is enabled
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"decode_ops.GEMV": {"block_n": 8}, "fp4_attention.CONFIG": {"target_program": 1}}, "no entries"),
+        ({"fp4_moe_configs.NOT_A_SETTING": 1}, "has no setting"),
+        ({"not_a_module.CONFIG": {}}, "no module"),
+        ({"decode_ops.GEMV": 4}, "is a dict"),
+    ],
+)
+def test_override_names_what_does_not_exist(settings, message):
+    """A setting or an entry that is not there is an error that says so (a typo must not measure the base), and
+    whatever the block had already changed is restored."""
+    from trace_hf.kernels import decode_ops
+
+    saved = dict(decode_ops.GEMV)
+    with pytest.raises(ValueError, match=message), harness.override(settings):
+        pass
+    assert saved == decode_ops.GEMV
+
+
+def test_time_per_call_and_write_json(tmp_path):
+    """`time_per_call` calls ``fn`` warm-up plus timed times and returns seconds per call; `write_json` makes the
+    folder and writes what JSON does not know as text."""
+    calls = []
+    t = harness.time_per_call(lambda: calls.append(1), 5, warmup=2)
+    assert len(calls) == 7 and 0 <= t < 1
+    harness.write_json(str(tmp_path / "a" / "b.json"), {"x": 1, "path": tmp_path})
+    assert json.loads((tmp_path / "a" / "b.json").read_text()) == {"x": 1, "path": str(tmp_path)}
+
+
+def test_grpo_step_builds_each_setup_with_the_given_model_builder(tmp_path):
+    """`grpo_step.main(build_model=...)` (how `grpo_step_qwen35` swaps the model family) calls that builder for
+    every setup; here it refuses, and each setup records the refusal instead of building the Qwen3-MoE model."""
+    from benchmarks.training import grpo_step
+
+    seen = []
+
+    def refuse(args, fp4, dev):
+        seen.append(fp4)
+        raise RuntimeError("builder called")
+
+    threads = torch.get_num_threads()
+    try:
+        rc = grpo_step.main(["--smoke", "--setups", "engine_bf16,engine_fp4", "--out", str(tmp_path / "g.json")],
+                            build_model=refuse)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)  # the benchmark sets one thread on the CPU
+    results = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert rc == 1 and seen == [False, True]
+    assert [r["error"] for r in results] == ["RuntimeError: builder called"] * 2

@@ -9,19 +9,13 @@ max relative); hints must equal the ones `HintRecorder` records from the transfo
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks.rollout import decode_setup
 from trace_hf import TraceFP4Config
 from trace_hf.quant.quantizer import quantize_model
 from trace_hf.testing import tiny_model
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import decode_setup  # noqa: E402
 
 
 fd = pytest.importorskip("trace_hf.rollout.decode")

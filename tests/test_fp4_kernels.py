@@ -339,13 +339,13 @@ def test_reference_same_on_cuda_and_cpu():
 
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "fp4_quant.json"
-    script = os.path.join(ROOT, "benchmarks", "fp4_quant.py")
-    env = dict(os.environ)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     res = subprocess.run(
-        [sys.executable, script, "--smoke", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-m", "benchmarks.kernels.fp4_quant", "--smoke", "--out", str(out)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data["kernels"]) == {"quantize_with_hints", "guided_fake_quantize", "fake_quantize"}

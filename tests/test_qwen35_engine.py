@@ -253,17 +253,18 @@ def test_qwen35_engine_graphs_match_eager_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_decode_benchmark_smoke(tmp_path):
-    """`benchmarks/decode_qwen35.py --smoke` steps every setup (BF16, FP4, FP4 with the Triton delta rule)."""
+    """`benchmarks.rollout.decode_qwen35 --smoke` steps every setup (BF16, FP4, FP4 with the Triton delta rule)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_qwen35.py"
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=str(tmp_path),
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rollout.decode_qwen35", "--smoke", "--out", str(out)],
+                          cwd=str(tmp_path), env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = json.loads(out.read_text())["cells"]
     assert [c["setup"] for c in cells] == ["bf16", "fp4", "fp4_triton"] and all("step_ms" in c for c in cells), cells

@@ -110,10 +110,10 @@ class StaleHintsWarning(UserWarning):
     """Hints applied to a model that disagrees with them far more than the policy that recorded them would."""
 
 
-# Thresholds of the off-policy warning, from `python benchmarks/stale_hints.py` (tiny Qwen3 MoE, CPU, BF16; 3 seeds)
-# and the GPU runs of docs/results.md: a rollout of the same policy shows flip rates of 0.08 (CPU) to 0.19 (H200,
-# QAT without hints) and routing mismatch of 0.02 to 0.22 (H200, naive FP4); another policy of the same shape 0.57
-# and 0.95, and weights moved 10% 0.48 and 0.37. Warn at about twice the largest same-policy rate.
+# Thresholds of the off-policy warning, from `python -m benchmarks.mismatch.stale_hints` (tiny Qwen3 MoE, CPU,
+# BF16; 3 seeds) and the GPU runs of docs/results.md: a rollout of the same policy shows flip rates of 0.08 (CPU) to
+# 0.19 (H200, QAT without hints) and routing mismatch of 0.02 to 0.22 (H200, naive FP4); another policy of the same
+# shape 0.57 and 0.95, and weights moved 10% 0.48 and 0.37. Warn at about twice the largest same-policy rate.
 STALE_FLIP_RATE = 0.40
 STALE_ROUTING_MISMATCH = 0.50
 _STALE_MIN_ELEMENTS, _STALE_MIN_ROUTES = 4096, 64  # fewer: too noisy to call

@@ -1,7 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Sweep the launch configs of the FP4-KV decode attention (`trace_hf.kernels.fp4_attention.CONFIG`) on the GPU.
 
-    python benchmarks/fp4_attention_tune.py --out outputs/fp4_attention_tune.json     # H200, about 2 minutes
+    python -m benchmarks.kernels.fp4_attention_tune --out outputs/fp4_attention_tune.json     # H200, about 2 minutes
 
 One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding one token per sequence over a full
 cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed from a
@@ -9,8 +9,8 @@ CUDA graph, over enough copies of the cache that they do not fit in L2 (a decode
 HBM; batch 1 at 32K is 19 MB), and reports the fraction of the copy bandwidth (measured in the same run) that the
 cache bytes represent. The BF16 cache through the same kernels (default config) is the baseline where it fits.
 Prints the best config per cell (the ``fp4`` entry of ``CONFIG`` plus ``target_programs``; with ``--hopper``, the
-``hopper`` entry of the Gluon kernel against the Triton kernel's current config). Run it as a script (not
-``python -m``) so that the installed trace_hf is imported.
+``hopper`` entry of the Gluon kernel against the Triton kernel's current config). Each config runs under
+`benchmarks.harness.override`, so the committed ``CONFIG`` is back after the sweep.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import itertools
 import math
 import sys
 import time
+
+from benchmarks import harness
 
 
 def parse_args(argv=None):
@@ -49,21 +51,17 @@ def _csv(s: str) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    env = harness.setup_device("fp4_attention_tune.py", gpu_only=True)
+    if env is None:
+        return 2
     import torch
     import triton.testing
-
-    if not torch.cuda.is_available():
-        print("fp4_attention_tune.py needs a CUDA GPU.", file=sys.stderr)
-        return 2
-    # this script's neighbour (run as a script, its folder is on the path)
-    from fp4_moe_tune import copy_bandwidth, save_sweep
 
     from trace_hf.kernels import fp4_attention as A
 
     HQ, HKV, D = 32, 4, 128
-    dev = torch.device("cuda")
-    copy_bw = copy_bandwidth(dev)
-    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in A.CONFIG.items()}
+    dev = env.device
+    copy_bw = harness.copy_bandwidth(dev)
     if args.hopper:
         if not A.uses_hopper_kernel(True, D, dev):
             print("--hopper needs an sm_90+ GPU and a Triton with Gluon.", file=sys.stderr)
@@ -76,7 +74,6 @@ def main(argv=None) -> int:
                     args.block_t, args.stages, args.prefetch, args.maxnreg, args.programs, args.min_chunk)))
                 if not (st and pf)]  # fmt: skip
     else:
-        A.CONFIG["hopper"] = {}  # the Triton kernel's configs
         default = {"kernel": "triton", **A.CONFIG["fp4"], "target_programs": A.CONFIG["target_programs"]}
         grid = [
             {"kernel": "triton", "block_t": bt, "num_warps": w, "num_stages": st, "target_programs": tp}
@@ -108,19 +105,18 @@ def main(argv=None) -> int:
 
         def timed(cache, cfg):
             launch = {k: v for k, v in cfg.items() if k not in ("kernel", "target_programs")}
-            if cfg["kernel"] == "hopper":
-                A.CONFIG["hopper"] = {**launch, "target_programs": cfg["target_programs"]}  # min_chunk in launch
+            if cfg["kernel"] == "hopper":  # min_chunk in launch
+                settings = {"hopper": {**launch, "target_programs": cfg["target_programs"]}}
             else:
-                A.CONFIG["hopper"] = {}
-                A.CONFIG["fp4"] = launch
-                A.CONFIG["target_programs"] = cfg["target_programs"]
-            return bench(cache)
+                settings = {"hopper": {}, "fp4": launch, "target_programs": cfg["target_programs"]}
+            with harness.override({"fp4_attention.CONFIG": settings}):
+                return bench(cache)
 
         t_bf16 = None
         bf16_bytes = A.kv_bytes_per_token(HKV, D, False) * B * T
         if max(bf16_bytes, args.min_copy_mb * 1e6) * 1.2 < torch.cuda.mem_get_info()[0]:
             cache = allocate(False)
-            t_bf16 = bench(cache) * 1e-3
+            t_bf16 = bench(cache) * 1e-3  # a BF16 cache: the Triton kernel whatever CONFIG["hopper"] says
             del cache
         cache = allocate(True)
         need = cache[0].nbytes()
@@ -139,7 +135,6 @@ def main(argv=None) -> int:
             if spec not in best or r["us"] < best[spec]["us"]:
                 best[spec] = r
         del cache
-        A.CONFIG.update(saved)
         d = next((r for r in rows if r["cell"] == spec and "us" in r), None)
         b = best.get(spec)
         if b:
@@ -147,7 +142,7 @@ def main(argv=None) -> int:
             print(f"{spec}: current {d['us']:.1f} us ({d['fraction']:.1%} of copy), best {b['us']:.1f} us "
                   f"({b['fraction']:.1%}; {base}): { {k: v for k, v in b.items() if k not in ('cell', 'us')} }",
                   flush=True)  # fmt: skip
-    save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
+    harness.save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 
 

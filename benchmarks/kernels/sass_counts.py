@@ -2,13 +2,13 @@
 """Instructions per FP4 element in the main loops of the decode kernels (routed-expert GEMMs, FP4-KV attention), and
 per value in the quantization kernel, in sm_90 machine code, without a GPU.
 
-    python benchmarks/sass_counts.py            # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
+    python -m benchmarks.kernels.sass_counts    # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
 
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
 the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode
 (the quantization kernel has no loop: all of it). Why: it shows in seconds, without device time, what a layout or
 decoding change does to the work per element (the Triton expert kernels' ~7 instructions per element made them
-issue-bound; the Gluon ones at 3.1-4 still are from batch 16 on, by Nsight Compute, docs/benchmarks.md 2h), and
+issue-bound; the Gluon ones at 3.1-4 still are from batch 16 on, by Nsight Compute, docs/lab-notes.md 2h), and
 that a config neither spills nor loses its tensor-core MMAs. The H200 image has Triton 3.6; install that version
 (for example with ``pip install --target``) to count exactly what runs there.
 """

@@ -1,8 +1,8 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Sweep the launch configs of the FP4 routed-experts kernels (`trace_hf.kernels.fp4_moe_configs.CONFIG`) on the GPU.
 
-    python benchmarks/fp4_moe_tune.py --out outputs/fp4_moe_tune.json     # H200, about 3 minutes
-    python benchmarks/fp4_moe_tune.py --hopper --out outputs/hopper.json  # the Gluon kernels (`HOPPER`)
+    python -m benchmarks.kernels.fp4_moe_tune --out outputs/fp4_moe_tune.json     # H200, about 3 minutes
+    python -m benchmarks.kernels.fp4_moe_tune --hopper --out outputs/hopper.json  # the Gluon kernels (`HOPPER`)
 
 Qwen3-30B-A3B expert shapes (128 experts top-8, hidden 2048, expert width 768), packed NVFP4 weights, W4A4, for
 decode batches {1, 16, 64} and a 256-token prefill chunk. Each config times the whole `experts_from_quantized`
@@ -11,17 +11,16 @@ turn (so that batch 1's 21 MB of experts are read from HBM, not from L2, as in a
 bandwidth (measured in the same run) that the bytes it must read represent: the packed weights and scales of the
 distinct experts hit, the input and the output. The baseline is the fast BF16 decode path's call: BF16 input and
 weights through the same kernels. Prints the best config per batch, the table `CONFIG["by_slots"]` takes.
-Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 import time
+
+from benchmarks.harness import copy_bandwidth, save_sweep
 
 
 def parse_args(argv=None):
@@ -59,16 +58,6 @@ VARIANTS = {"halves": (True, False), "interleaved": (False, False), "ptx": (True
 
 def _ints(csv: str) -> list[int]:
     return [int(v) for v in csv.split(",")]
-
-
-def copy_bandwidth(dev) -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
-    import torch
-    import triton.testing
-
-    src = torch.empty(2**30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), rep=200) * 1e-3)
 
 
 def main(argv=None) -> int:
@@ -172,18 +161,6 @@ def main(argv=None) -> int:
     configs.CONFIG["by_slots"], configs.CONFIG["dense"], configs.HOPPER = by_slots, dense, hopper
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
-
-
-def save_sweep(path: str, rows: list, best: dict, copy_bw: float, seconds: float) -> None:
-    """Write a sweep's JSON (every config tried, the best per cell) and print its one-line summary."""
-    import torch
-
-    res = {"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows,
-           "best": {str(k): v for k, v in best.items()}, "seconds": seconds}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {len(rows)} configs in {seconds:.0f} s; JSON: {path}")
 
 
 if __name__ == "__main__":

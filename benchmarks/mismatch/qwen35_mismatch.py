@@ -1,7 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Where Qwen3.5's BF16 rollout/training mismatch sits, on a tiny warmed model (CPU, no FP4 anywhere).
 
-    python benchmarks/qwen35_mismatch.py --out docs/runs/qwen35_mismatch_cpu.json
+    python -m benchmarks.mismatch.qwen35_mismatch --out docs/runs/qwen35_mismatch_cpu.json
 
 The tiny Qwen3.5 MoE of `trace_hf.testing` (linear, full, linear, full attention; MoE + shared expert) is first
 warmed by next-token training on arithmetic lines (fp32), then cast to BF16. The rollout is `model.generate`

@@ -2,7 +2,7 @@
 """Summarize Nsight Compute reports exported as CSV (``ncu --import R.ncu-rep --page raw --csv > R.raw.csv``): per
 kernel, the numbers that say whether it waits on memory, on its own instruction stream or on latency.
 
-    python benchmarks/ncu_summary.py runs/h200_40/*.raw.csv --out runs/h200_40/ncu_summary.json
+    python -m benchmarks.kernels.ncu_summary outputs/ncu/*.raw.csv --out outputs/ncu/ncu_summary.json
 
 Columns: duration; DRAM throughput (% of peak); bytes read from DRAM; warp instructions; issue slots busy (the
 schedulers' issue rate); active warps per scheduler; the ALU and FMA pipes' utilization; and the top stall reasons

@@ -3,22 +3,21 @@
 routing replay (`use_hints`), against the plain BF16 model (same weights, same batch, no quantization); with the
 fake-quantized expert weights cached per optimizer step (the default) and without (`cache_qat_weights=False`).
 
-    python benchmarks/train_step.py --out outputs/train_step.json              # H200, under 1.5 minutes
-    python benchmarks/train_step.py --smoke --out /tmp/train_step_smoke.json   # CPU, tiny model
+    python -m benchmarks.training.train_step --out outputs/train_step.json              # H200, under 1.5 minutes
+    python -m benchmarks.training.train_step --smoke --out /tmp/train_step_smoke.json   # CPU, tiny model
 
 The hints are recorded the way a rollout would: an eval forward of the same batch under `HintRecorder`.
 Reported: median seconds per step of each, their ratio (goal: QAT <= 1.2x BF16) and the peak memory of each.
-Run it as a script (not ``python -m``) so that the installed trace_hf is imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
 import time
+
+from benchmarks import harness
 
 
 def parse_args(argv=None):
@@ -41,12 +40,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        print("No CUDA device: run with --smoke or on the GPU.", file=sys.stderr)
+    env = harness.setup_device("train_step.py", args.smoke)
+    if env is None:
         return 2
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    cuda = env.cuda
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from trace_hf import TraceFP4Config
@@ -54,11 +51,11 @@ def main(argv=None) -> int:
     from trace_hf.quant.experts import fp4_experts
     from trace_hf.quant.quantizer import quantize_model
 
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = env.device
     if args.smoke:
         args.layers, args.hidden, args.experts, args.top_k, args.expert_dim = 2, 64, 8, 2, 32
         args.vocab, args.batch, args.seq, args.steps = 128, 2, 16, 1
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = env.dtype
     heads = max(1, args.hidden // 128)
     config = Qwen3MoeConfig(
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=heads,
@@ -99,20 +96,13 @@ def main(argv=None) -> int:
     step_qat, step_lean = step_of(qat), step_of(lean)
 
     def timed(fn) -> float:
-        fn()  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-        ts = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[len(ts) // 2]
+        """Median seconds of ``args.steps`` steps, each timed on its own, after a warm-up step."""
+        fn()
+        ts = sorted(harness.time_per_call(fn, 1, warmup=0) for _ in range(args.steps))
+        return ts[len(ts) // 2]
 
     t0 = time.perf_counter()
-    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "smoke": args.smoke, "config": vars(args)}
+    res = {"device": env.name if cuda else "cpu", "smoke": args.smoke, "config": vars(args)}
     # Alternate, so that drift affects both alike.
     t_base = timed(step_base)
     t_qat = timed(step_qat)
@@ -125,9 +115,7 @@ def main(argv=None) -> int:
     if cuda:
         res["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["seconds"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    harness.write_json(args.out, res)
     print(f"BF16 step {t_base * 1e3:.1f} ms, QAT (FP4 + hints + routing replay) step {t_qat * 1e3:.1f} ms, "
           f"ratio {t_qat / t_base:.2f}x (goal <= 1.2x); without the weight cache {t_lean * 1e3:.1f} ms, "
           f"{t_lean / t_base:.2f}x (saves {res['weight_cache_gib']:.2f} GiB); JSON: {args.out}")  # fmt: skip

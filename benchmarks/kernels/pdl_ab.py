@@ -1,8 +1,9 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Decode throughput with and without programmatic dependent launch (`trace_hf.kernels.pdl`), in one process:
-on, off, on, off (the repeats show the spread), each a `rollout_decode.py` run with the arguments in AB_ARGS.
+on, off, on, off (the repeats show the spread), each a `benchmarks.rollout.rollout_decode` run with the arguments
+in AB_ARGS, and ``--no-pdl`` for the off runs (the benchmark's own switch).
 
-    AB_ARGS="--setups fast_bf16,fast_fp4 --batches 1,64 --contexts 1024" OUT=outputs/ab python benchmarks/pdl_ab.py
+    AB_ARGS="--setups fast_bf16,fast_fp4 --batches 1,64 --contexts 1024" OUT=outputs/ab python -m benchmarks.kernels.pdl_ab
 
 Writes $OUT/ab.json: tokens/s per setting and cell.
 """
@@ -13,18 +14,13 @@ import json
 import os
 import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rollout_decode  # noqa: E402
-
-from trace_hf.kernels import pdl  # noqa: E402
+from benchmarks.rollout import rollout_decode
 
 
 def main() -> int:
     out = os.environ["OUT"]
     res = {}
     for name, on in (("on", True), ("off", False), ("on2", True), ("off2", False)):
-        pdl.ENABLED = on
         path = f"{out}/ab_{name}.json"
         rollout_decode.main(
             ["--out", path, "--steps", "20"] + ([] if on else ["--no-pdl"]) + os.environ["AB_ARGS"].split()

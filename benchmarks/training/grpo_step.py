@@ -1,11 +1,11 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Whole GRPO steps of `TraceGRPOTrainer` on a random Qwen3-30B-A3B-shaped model: what the rollout engine buys.
 
-    python benchmarks/grpo_step.py --out outputs/grpo_step.json                # H200, 8 layers, a few minutes
-    python benchmarks/grpo_step.py --smoke --out /tmp/grpo_step_smoke.json     # CPU, tiny model, interpreter
-    torchrun --nproc_per_node 2 benchmarks/grpo_step.py --setups engine_fp4 --out ...   # DDP, 64 rows per GPU
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml benchmarks/grpo_step.py --setups engine_fp4 \
-        --layers 28 --out ...                                                     # FSDP2 over the GPUs
+    python -m benchmarks.training.grpo_step --out outputs/grpo_step.json              # H200, 8 layers, a few minutes
+    python -m benchmarks.training.grpo_step --smoke --out /tmp/grpo_step_smoke.json   # CPU, tiny model, interpreter
+    torchrun --nproc_per_node 2 -m benchmarks.training.grpo_step --setups engine_fp4 --out ...  # DDP, 64 rows per GPU
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml -m benchmarks.training.grpo_step \
+        --setups engine_fp4 --layers 28 --out ...                                     # FSDP2 over the GPUs
 
 Setups (the same random weights, prompts and TRL settings; one rollout and one optimizer step per GRPO step):
   ``generate_bf16``  the plain model, `model.generate` (what a TRL user gets without vLLM);
@@ -22,9 +22,9 @@ of geometric distributions, truncated at ``--completion``. ``--wave-rows`` split
 engine's rollout into waves of that many rows (the BF16 KV cache of 256 x 1K rows of the full model does not fit
 beside its weights). Every setup also reports a per-phase profile of the last step (``phases_last_step``).
 
-    python benchmarks/grpo_step.py --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
+    python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
         --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
-    python benchmarks/grpo_step.py --layers 48 --freeze-experts --lora-r 32 --prompts 8 --completion 8192 \
+    python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --prompts 8 --completion 8192 \
         --eos-mean 3072 --micro-batch 1 --wave-rows 16 --setups engine_fp4,engine_bf16 --out ...        # 64 x 8K
 
 Batch: ``--prompts`` x ``--num-generations`` rows of ``--prompt-len`` random tokens, completions of
@@ -33,7 +33,7 @@ length). Reported
 per setup: rollout seconds and tokens/s, whole-step seconds (steps after the first, which compiles and captures),
 peak memory (per GPU), and the ratios to ``generate_bf16``; with ``--profile`` also the last step's device time
 by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what). Under several processes every GPU rolls out its own
-64 rows; tokens/s are per GPU and in all (``*_total``), and the main process writes the JSON. Run it as a script so that the installed trace_hf is imported.
+64 rows; tokens/s are per GPU and in all (``*_total``), and the main process writes the JSON.
 """
 
 from __future__ import annotations
@@ -342,14 +342,14 @@ class LastStepProfile:
         self.callback = _CB()
 
 
-def run_setup(name: str, args, dev, tmp: str) -> dict:
+def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     import torch
     from datasets import Dataset
 
     from trace_hf import TraceGRPOConfig, TraceGRPOTrainer
 
     fp4 = name.endswith("fp4")
-    model = build_model(args, fp4, dev)
+    model = build(args, fp4, dev)
     vocab = model.config.vocab_size
     tok = word_tokenizer(vocab)
     rng = random.Random(0)
@@ -441,16 +441,18 @@ def run_setup(name: str, args, dev, tmp: str) -> dict:
     return res
 
 
-def main(argv=None) -> int:
+def main(argv=None, build_model=build_model) -> int:
+    """The benchmark; ``build_model(args, fp4, dev)`` makes each setup's model (another family: grpo_step_qwen35)."""
     args = parse_args(argv)
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        print("No CUDA device: run with --smoke (interpreter) or on the GPU.", file=sys.stderr)
+    from benchmarks import harness
+
+    env = harness.setup_device("grpo_step.py", args.smoke)
+    if env is None:
         return 2
+    cuda = env.cuda
     if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
     if args.smoke:
         args.layers, args.prompts, args.num_generations, args.prompt_len, args.completion, args.steps = (
@@ -472,7 +474,7 @@ def main(argv=None) -> int:
         for name in args.setups.split(","):
             t0 = time.perf_counter()
             try:
-                res = run_setup(name, args, dev, tmp)
+                res = run_setup(name, args, dev, tmp, build_model)
             except Exception as e:  # keep the other setups' numbers
                 res = {"setup": name, "error": f"{type(e).__name__}: {e}"}
             res["wall_s"] = time.perf_counter() - t0

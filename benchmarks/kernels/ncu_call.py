@@ -4,10 +4,10 @@
 (`fp4_attention.decode_attention`, FP4 or BF16 KV cache), Qwen3-30B-A3B shapes, after a warm-up.
 
     ncu --clock-control none --profile-from-start off --set full -o fp4_b64 \\
-        python benchmarks/ncu_call.py experts --path fp4 --batch 64
+        python -m benchmarks.kernels.ncu_call experts --path fp4 --batch 64
     ncu --clock-control none --profile-from-start off --set full -o attn_b64 \\
-        python benchmarks/ncu_call.py attention --path fp4 --batch 64 --context 1024
-    python benchmarks/ncu_summary.py fp4_b64.raw.csv        # after ncu --import fp4_b64.ncu-rep --page raw --csv
+        python -m benchmarks.kernels.ncu_call attention --path fp4 --batch 64 --context 1024
+    python -m benchmarks.kernels.ncu_summary fp4_b64.raw.csv   # after ncu --import fp4_b64.ncu-rep --page raw --csv
 
 ncu flushes the caches between its replay passes, so weights and cache are read from HBM as in a decode step.
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from benchmarks import harness
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,12 +27,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--context", type=int, default=1024, help="attention: cached tokens per sequence")
     args = p.parse_args(argv)
+    env = harness.setup_device("ncu_call.py", gpu_only=True)
+    if env is None:
+        return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("ncu_call.py needs a CUDA GPU.", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda")
+    dev = env.device
     g = torch.Generator(device=dev).manual_seed(0)
     if args.op == "experts":
         from trace_hf.kernels import fp4_moe as moe

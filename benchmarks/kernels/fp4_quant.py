@@ -1,21 +1,22 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """FP4 quantization kernels: achieved bandwidth against a device copy, and bit-exactness against the spec.
 
-    python benchmarks/fp4_quant.py --out outputs/fp4_quant.json            # H200
-    python benchmarks/fp4_quant.py --out outputs/fp4_quant.json --sweep    # also try launch configs (< 4 min)
-    python benchmarks/fp4_quant.py --smoke --out /tmp/fp4_smoke.json       # CPU, interpreter, tiny shapes
+    python -m benchmarks.kernels.fp4_quant --out outputs/fp4_quant.json            # H200
+    python -m benchmarks.kernels.fp4_quant --out outputs/fp4_quant.json --sweep    # also try launch configs (< 4 min)
+    python -m benchmarks.kernels.fp4_quant --smoke --out /tmp/fp4_smoke.json       # CPU, interpreter, tiny shapes
 
 Bytes are counted as what a kernel must move: input read plus outputs written (plus hints read for the guided
-fake-quant). Run it as a script (not `python -m`), so that the installed trace_hf, with its kernels, is imported.
+fake-quant).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+
+from benchmarks import harness
 
 
 def parse_args(argv=None):
@@ -31,20 +32,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    env = harness.setup_device("fp4_quant.py", args.smoke)  # before triton is imported
+    if env is None:
+        return 2
+    cuda = env.cuda
     import torch
-
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        if not args.smoke:
-            print("No CUDA device: run with --smoke (interpreter) or on the GPU.", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import triton
 
     from trace_hf import fp4
     from trace_hf.kernels import fp4_quant as K
 
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = env.device
     rows, cols = (64, 256) if args.smoke else (args.rows, args.cols)
     n_exact = 1 << 12 if args.smoke else args.exact_values
 
@@ -57,17 +55,13 @@ def main(argv=None) -> int:
         fn()
         return time.perf_counter() - t
 
-    results: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "smoke": args.smoke}
+    results: dict = {"device": env.name, "smoke": args.smoke}
     results["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
 
     # 1. Copy bandwidth: bytes read + written per second.
-    n_copy = (1 << 28) if not args.smoke else (1 << 16)  # 512 MiB of bf16
-    src = torch.empty(n_copy, dtype=torch.bfloat16, device=dev).normal_()
-    dst = torch.empty_like(src)
-    t_copy = bench(lambda: dst.copy_(src))
-    copy_bw = 2 * src.numel() * src.element_size() / t_copy
-    results["copy"] = {"bytes": 2 * src.numel() * 2, "seconds": t_copy, "bytes_per_s": copy_bw}
-    src = dst = None  # free the copy buffers
+    n_copy = (1 << 29) if not args.smoke else (1 << 17)  # 512 MiB
+    copy_bw = harness.copy_bandwidth(dev, n_copy)
+    results["copy"] = {"bytes": 2 * n_copy, "seconds": 2 * n_copy / copy_bw, "bytes_per_s": copy_bw}
 
     # 2. Quantize with hint recording and guided fake-quant of a [rows, cols] bf16 activation (NVFP4, row scale).
     x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
@@ -106,12 +100,10 @@ def main(argv=None) -> int:
                     for warps in (2, 4, 8) if path not in whole_row else (2, 4, 8, 16):
                         if tile < block_k or tile // 256 < warps:
                             continue
-                        K.CONFIG[path] = {"tile": tile, "block_k": block_k, "num_warps": warps}
-                        t = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e-3
-                        sweep.append(
-                            {"kernel": name, "path": path, **K.CONFIG[path], "fraction": nbytes / t / copy_bw}
-                        )
-            K.CONFIG[path] = default
+                        cfg = {"tile": tile, "block_k": block_k, "num_warps": warps}
+                        with harness.override({"fp4_quant.CONFIG": {path: cfg}}):
+                            t = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e-3
+                        sweep.append({"kernel": name, "path": path, **cfg, "fraction": nbytes / t / copy_bw})
         results["sweep"] = sweep
         for name in cases:
             best = max((s for s in sweep if s["kernel"] == name), key=lambda s: s["fraction"])
@@ -174,9 +166,7 @@ def main(argv=None) -> int:
         fails = {k: v for k, v in e["mismatches"].items() if v}
         status = "PASS" if not any(v for k, v in fails.items() if not k.startswith("vs_cpu")) else "FAIL"
         print(f"bit-exact {fmt}: {status} over {e['values']} values; mismatching elements: {fails or 0}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(results, fh, indent=2)
+    harness.write_json(args.out, results, indent=2)
     return 0
 
 

@@ -1,8 +1,8 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Decode-step time of the rollout engine's `HybridDecoder` on a random Qwen3.5-35B-A3B shape, FP4 against BF16.
 
-    python benchmarks/decode_qwen35.py --out outputs/decode_qwen35.json              # H200: 40 layers
-    python benchmarks/decode_qwen35.py --smoke --out /tmp/decode_qwen35_smoke.json   # CPU, interpreter
+    python -m benchmarks.rollout.decode_qwen35 --out outputs/decode_qwen35.json              # H200: 40 layers
+    python -m benchmarks.rollout.decode_qwen35 --smoke --out /tmp/decode_qwen35_smoke.json   # CPU, interpreter
 
 The shape: hidden 2048, 40 layers (Gated DeltaNet 3 of every 4, gated full attention every 4th: 16 query / 2 KV
 heads of 256), 256 experts of width 512 top-8 plus a 512-wide shared expert, vocabulary 151,936. Random weights
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
+
+from benchmarks import harness
 
 
 def dims(layers: int, smoke: bool):
@@ -73,23 +74,20 @@ def main(argv=None) -> int:
     p.add_argument("--cells", default="64x1024,64x32768", help="batch x context, comma-separated")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        if not args.smoke:
-            print("No CUDA device: run with --smoke.", file=sys.stderr)
-            return 2
+    env = harness.setup_device("decode_qwen35.py", args.smoke)
+    if env is None:
+        return 2
+    cuda = env.cuda
     if args.smoke:
         args.layers, args.cells, args.steps = 4, "2x16", 2
     from trace_hf.rollout.decode import quantize_experts
     from trace_hf.rollout.qwen35 import HybridDecoder
 
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dev, dtype = env.device, env.dtype
     d = dims(args.layers, args.smoke)
     w = random_weights(d, dtype, dev)
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
-    res = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "cells": []}
+    res = {"args": vars(args), "device": env.name if cuda else "cpu", "cells": []}
     for setup in ("bf16", "fp4", "fp4_triton"):
         fp4 = setup.startswith("fp4")
         if setup == "fp4":
@@ -113,20 +111,7 @@ def main(argv=None) -> int:
                 dec.tokens.random_(0, d.vocab, generator=g)
                 if cuda:
                     dec.capture()
-                    dec.run()
-                    torch.cuda.synchronize()
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(args.steps):
-                        dec.run()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    step_s = e0.elapsed_time(e1) * 1e-3 / args.steps
-                else:
-                    t = time.perf_counter()
-                    for _ in range(args.steps):
-                        dec.run()
-                    step_s = (time.perf_counter() - t) / args.steps
+                step_s = harness.time_per_call(dec.run, args.steps, warmup=1 if cuda else 0)
                 assert torch.isfinite(dec.logits).all(), "non-finite logits"
                 cell = {"setup": setup, "batch": B, "context": T, "step_ms": step_s * 1e3, "tokens_per_s": B / step_s,
                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
@@ -147,8 +132,7 @@ def main(argv=None) -> int:
         if ("fp4_triton", B, T) in by and ("fp4", B, T) in by
     }
     print(json.dumps(res["fp4_over_bf16"]), json.dumps(res["triton_rule_over_torch_rule"]))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    harness.write_json(args.out, res)
     return 0
 
 

@@ -3,8 +3,8 @@
 static-shape fast path with BF16 weights and BF16 KV, and the fast path with FP4 experts (W4A4), FP4 KV cache
 and hints recorded.
 
-    python benchmarks/rollout_decode.py --out outputs/rollout_decode.json          # H200, about 5-6 minutes
-    python benchmarks/rollout_decode.py --smoke --out /tmp/rollout_smoke.json      # CPU, interpreter, tiny model
+    python -m benchmarks.rollout.rollout_decode --out outputs/rollout_decode.json       # H200, about 5-6 minutes
+    python -m benchmarks.rollout.rollout_decode --smoke --out /tmp/rollout_smoke.json   # CPU, interpreter, tiny model
 
 Setups, per cell (batch B x context T):
   1. ``hf``: `Qwen3MoeForCausalLM.generate` (BF16, default experts implementation, DynamicCache). The cache is
@@ -17,15 +17,12 @@ Setups, per cell (batch B x context T):
 Each cell reports tokens/s (B / step time), the bytes the step must read (non-expert weights, the experts the
 batch is expected to touch, lm_head, KV cache) and that over the step time as a fraction of the measured
 device-to-device copy bandwidth. Cells that do not fit in memory, or that the time budget leaves out, say so.
-Run it as a script (not ``python -m``) so that the installed trace_hf and its kernels are imported.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 import traceback
@@ -52,23 +49,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        if not args.smoke:
-            print("No CUDA device: run with --smoke (interpreter) or on the GPU.", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import triton
-    from decode_setup import bytes_per_step, fill_random_context, kv_bytes_read, random_weights
+    from benchmarks import harness
 
+    env = harness.setup_device("rollout_decode.py", args.smoke)  # before triton is imported
+    if env is None:
+        return 2
+    cuda = env.cuda
+    import triton
+
+    from benchmarks.rollout.decode_setup import bytes_per_step, fill_random_context, kv_bytes_read, random_weights
     from trace_hf.kernels import pdl
     from trace_hf.rollout.decode import Dims, FastDecoder, weights_from_hf
 
     pdl.ENABLED = not args.no_pdl
 
     t_start = time.perf_counter()
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dev, dtype = env.device, env.dtype
     if args.smoke:
         dims = Dims(64, 4, 2, 32, 8, 2, 32, 128, 2)
         batches, contexts, steps = [1, 2], [24], 1
@@ -113,22 +109,7 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    # ---- copy bandwidth -----------------------------------------------------------------------------------
-    if cuda:
-        src = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev).normal_()
-        dst = torch.empty_like(src)
-        for _ in range(3):
-            dst.copy_(src)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(10):
-            dst.copy_(src)
-        e1.record()
-        sync()
-        copy_bw = 10 * 2 * src.numel() * 2 / (e0.elapsed_time(e1) * 1e-3)
-        del src, dst
-    else:
-        copy_bw = float("nan")
+    copy_bw = harness.copy_bandwidth(dev) if cuda else float("nan")
     res["copy_bytes_per_s"] = copy_bw
     print(f"device {res['device']}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
@@ -140,22 +121,7 @@ def main(argv=None) -> int:
         return c
 
     def time_steps(run, n) -> float:
-        """Seconds per call of ``run`` (CUDA events around n calls, after 3 warm-up calls)."""
-        for _ in range(3 if cuda else 0):
-            run()
-        sync()
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(n):
-                run()
-            e1.record()
-            sync()
-            return e0.elapsed_time(e1) * 1e-3 / n
-        t = time.perf_counter()
-        for _ in range(n):
-            run()
-        return (time.perf_counter() - t) / n
+        return harness.time_per_call(run, n, warmup=3 if cuda else 0)
 
     def kernel_times(run, n=3) -> list:
         """[(kernel, us per step, share)] of the GPU time of ``run`` (torch.profiler; graph replays included)."""
@@ -296,9 +262,7 @@ def main(argv=None) -> int:
             rows.append(row)
     res["table"] = rows
     res["seconds"] = time.perf_counter() - t_start
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    harness.write_json(args.out, res)
 
     def fmt(v, spec=".1f"):
         return "-" if v is None else format(v, spec)

@@ -1,14 +1,15 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Sweep the launch config of `trace_hf.kernels.decode_ops.gemv` (batch 1's projections) on the GPU.
 
-    python benchmarks/gemv_tune.py --out outputs/gemv_tune.json
-    python benchmarks/gemv_tune.py --out g.json --then benchmarks/rollout_decode.py --out d.json --batches 1
+    python -m benchmarks.kernels.gemv_tune --out outputs/gemv_tune.json
+    python -m benchmarks.kernels.gemv_tune --out g.json --then benchmarks.rollout.rollout_decode --out d.json --batches 1
 
 Times one decode layer's three one-row products of Qwen3-30B-A3B (QKV 2048 -> 5120, o_proj 4096 -> 2048, router
 2048 -> 128, bf16) for each config, from CUDA graphs, against ``F.linear`` (cuBLAS), and reports the best by their
 sum. Each graph calls ``--copies`` copies of the weights in turn: one layer's 38 MB fit in the H200's 50 MB L2, and
 a graph replaying one call would time them from L2, not from HBM as in a decode step (48 layers in between). With
-``--then`` it sets that config and runs the given script in this process (so a benchmark measures it).
+``--then`` it runs the given benchmark (a module name or a script path) in this process with that config set (so a
+benchmark measures it); otherwise the committed ``GEMV`` is back at the end.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import runpy
 import sys
+
+from benchmarks import harness
 
 
 def main(argv=None) -> int:
@@ -28,19 +30,21 @@ def main(argv=None) -> int:
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3,4")
     p.add_argument("--copies", type=int, default=8, help="weight copies called in turn (8: 300 MB, past the L2)")
-    p.add_argument("--then", nargs=argparse.REMAINDER, help="a script and its arguments to run with the best config")
+    p.add_argument(
+        "--then", nargs=argparse.REMAINDER, help="a benchmark and its arguments to run with the best config"
+    )
     args = p.parse_args(argv)
     if args.copies < 1:
         p.error(f"--copies {args.copies}: use 1 or more (8 puts a layer's weights past the L2).")
+    env = harness.setup_device("gemv_tune.py", gpu_only=True)
+    if env is None:
+        return 2
     import torch
     import triton.testing
 
-    if not torch.cuda.is_available():
-        print("gemv_tune.py needs a CUDA GPU.", file=sys.stderr)
-        return 2
     from trace_hf.kernels import decode_ops
 
-    dev = torch.device("cuda")
+    dev = env.device
     shapes = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048)}
     mats = {k: (torch.randn(1, K, device=dev, dtype=torch.bfloat16),
                 [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(args.copies)])
@@ -57,9 +61,10 @@ def main(argv=None) -> int:
     rows = []
     ints = [[int(v) for v in a.split(",")] for a in (args.block_n, args.block_k, args.warps, args.stages)]
     for bn, bk, w, st in itertools.product(*ints):
-        decode_ops.GEMV = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
-        t = times(decode_ops.gemv)
-        rows.append({**decode_ops.GEMV, "us": t, "sum_us": sum(t.values())})
+        cfg = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
+        with harness.override({"decode_ops.GEMV": cfg}):
+            t = times(decode_ops.gemv)
+        rows.append({**cfg, "us": t, "sum_us": sum(t.values())})
     best = min(rows, key=lambda r: r["sum_us"])
     layer_bytes = sum(ws[0].nbytes for _, ws in mats.values())
     summary = {"cublas_us": cublas, "cublas_sum_us": sum(cublas.values()), "best": best, "rows": rows,
@@ -70,10 +75,11 @@ def main(argv=None) -> int:
     print(f"best gemv {best['sum_us']:.1f} us ({summary['best_tb_per_s']:.2f} TB/s) "
           f"{({k: round(v, 1) for k, v in best['us'].items()})}: "
           f"{ {k: best[k] for k in ('block_n', 'block_k', 'num_warps', 'num_stages')} }")  # fmt: skip
-    decode_ops.GEMV = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
     if args.then:
-        sys.argv = args.then
-        runpy.run_path(args.then[0], run_name="__main__")
+        with harness.override(
+            {"decode_ops.GEMV": {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}}
+        ):
+            harness.run_target(args.then[0], args.then[1:])
     return 0
 
 

@@ -1,12 +1,12 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Decode throughput under variants of the decode kernels' launch settings (the Gluon experts' table
 `fp4_moe_configs.HOPPER`, or any settings dict of a `trace_hf.kernels` module), in one process: each variant in turn, twice
-(the repeat shows the spread), each a `rollout_decode.py` run with the arguments in AB_ARGS.
+(the repeat shows the spread), each a `benchmarks.rollout.rollout_decode` run with the arguments in AB_ARGS.
 
     AB_ARGS="--setups fast_fp4 --batches 1,64 --contexts 1024" \\
     VARIANTS='{"xs": {"*": {"x_shared": true}}, "bk128": {"1024": {"block_k": 128}},
                "tp": {"fp4_attention.CONFIG": {"hopper": {"target_programs": 1584}}}}' \\
-    OUT=outputs/ab python benchmarks/hopper_ab.py
+    OUT=outputs/ab python -m benchmarks.kernels.hopper_ab
 
 VARIANTS maps a name to a patch: ``{limit: {key: value}}`` updates the `HOPPER` entry of that slot limit, ``"*"``
 every entry; ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
@@ -22,11 +22,8 @@ import json
 import os
 import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rollout_decode  # noqa: E402
-
-from trace_hf.kernels import fp4_moe_configs  # noqa: E402
+from benchmarks.rollout import rollout_decode
+from trace_hf.kernels import fp4_moe_configs
 
 
 def patched(table: list, patch: dict) -> list:

@@ -1,26 +1,22 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""`benchmarks/grpo_step.py`'s GRPO steps on a random Qwen3.5-35B-A3B-shaped model instead of Qwen3-30B-A3B.
+"""`benchmarks.training.grpo_step`'s GRPO steps on a random Qwen3.5-35B-A3B-shaped model instead of Qwen3-30B-A3B.
 
-    python benchmarks/grpo_step_qwen35.py --prompt-len 128 --completion 512 --out outputs/grpo_step_qwen35.json
-    python benchmarks/grpo_step_qwen35.py --smoke --out /tmp/grpo_step_qwen35_smoke.json   # CPU, interpreter
+    python -m benchmarks.training.grpo_step_qwen35 --prompt-len 128 --completion 512 --out outputs/grpo_step_qwen35.json
+    python -m benchmarks.training.grpo_step_qwen35 --smoke --out /tmp/grpo_step_qwen35_smoke.json   # CPU, interpreter
 
 The shape (``--layers`` of them, 8 by default): hidden 2048, 256 routed experts of width 512 top-8 plus a 512-wide
 shared expert with its sigmoid gate, Gated DeltaNet layers 3 of every 4 (16 key / 32 value heads of 128, conv
 kernel 4), gated full attention every 4th (16 query / 2 KV heads of 256, partial RoPE over 64), vocabulary
-151,936. The setups, batch, timing and JSON are those of ``grpo_step.py`` (its options apply), which this script
-runs with only the model swapped. Without flash-linear-attention / causal-conv1d, transformers' Qwen3.5 prefill and
+151,936. The setups, batch, timing and JSON are those of ``grpo_step`` (its options apply), whose ``main`` this
+script calls with its own ``build_model``. Without flash-linear-attention / causal-conv1d, transformers' Qwen3.5 prefill and
 training run its torch fallbacks; the engine's decode steps never use them.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import grpo_step  # noqa: E402
+from benchmarks.training import grpo_step
 
 
 def build_model(args, fp4: bool, dev):
@@ -55,7 +51,5 @@ def build_model(args, fp4: bool, dev):
     return model
 
 
-grpo_step.build_model = build_model  # the harness calls it by module global
-
 if __name__ == "__main__":
-    sys.exit(grpo_step.main())
+    sys.exit(grpo_step.main(build_model=build_model))

@@ -2,7 +2,7 @@
 """Flip rate and routing mismatch of hints applied to the policy that recorded them, to that policy after small
 updates, and to another policy of the same shape: what `use_hints`' off-policy warning is calibrated on.
 
-    python benchmarks/stale_hints.py            # CPU, tiny Qwen3 MoE from trace_hf.testing, a few seconds
+    python -m benchmarks.mismatch.stale_hints   # CPU, tiny Qwen3 MoE from trace_hf.testing, a few seconds
 """
 
 from __future__ import annotations
