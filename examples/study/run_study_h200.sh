@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The 500-step study with accuracy headroom (issue 34) in one call on ONE H200: SFT-warm the ~12M MoE on the chained
+# word problems until its greedy test accuracy reaches TARGET (a warm start with headroom), then start the 15
+# (regime, seed) GRPO runs at once on the GPU, each stopping its training in time to evaluate (FP4 and BF16
+# inference) and write result.json; then the report (table.md with the pre-registered comparisons, plots).
+#
+#   OUT=outputs/study_500 BUDGET_S=450 bash examples/study/run_study_h200.sh
+#
+# BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), TARGET (0.3),
+# SFT_S (60: the warm-up's seconds at most), EVAL_EVERY (50), EVAL_PROBLEMS (256), RESERVE_S (70: a run's start-up
+# and final evaluations, kept outside its training budget). STUDY_ARGS: more study.py arguments for the warm-up and
+# every run ("--size tiny" for a CPU check). Returns env.txt, table.md, summary.json, study.png, kl_vs_bytes.png,
+# curves.png and study.tar.gz (results, logs).
+set -u
+source examples/study/common.sh
+study_setup outputs/study_500
+STEPS=${STEPS:-500}
+SEEDS=${SEEDS:-0 1 2}
+REGIMES=${REGIMES:-bf16 fp4_naive fp4_qat trace_replay all_sites_replay}
+TASK_ARGS="--task chain --size mini --max-completion-length 152 --eval-problems ${EVAL_PROBLEMS:-256} ${STUDY_ARGS:-}"
+read -ra SEED_LIST <<< "$SEEDS"
+read -ra REGIME_LIST <<< "$REGIMES"
+JOBS=$((${#SEED_LIST[@]} * ${#REGIME_LIST[@]}))
+export OMP_NUM_THREADS=1
+
+echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
+study_warm 0 $TASK_ARGS --sft-steps 3000 --sft-lr 1e-3 --target-accuracy "${TARGET:-0.3}" --sft-eval-every 100 \
+  --max-sft-seconds "${SFT_S:-60}"
+grep "greedy test accuracy" "$W/study_warm.log"
+
+TRAIN_S=$((DEADLINE - SECONDS - 40 - ${RESERVE_S:-70}))
+echo "== 2. $JOBS runs on $NGPU GPU(s), $STEPS GRPO steps or $TRAIN_S s of training each"
+i=0
+for seed in "${SEED_LIST[@]}"; do
+  for regime in "${REGIME_LIST[@]}"; do
+    study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" \
+      --prompts-per-step 8 --num-generations 8 --learning-rate 1e-4 --max-train-seconds "$TRAIN_S" \
+      $TASK_ARGS > "$W/queue$i.log" &
+    i=$((i + 1))
+  done
+done
+wait
+cat "$W"/queue*.log
+
+echo "== 3. report"
+study_report
+ls -la "$OUT"
+rm -rf "$W"
