@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -192,3 +193,27 @@ def test_chain_task_warm_grpo_report(study, tmp_path):
         table = f.read()
     assert "| TRACE vs BF16 | trace_replay test_accuracy_fp4 | bf16 test_accuracy_bf16 |" in table
     assert "final acc, FP4 inference" in table and "degraded at step (per seed)" in table
+
+
+def test_equal_steps_ends_every_run_at_one_step(study, tmp_path):
+    from types import SimpleNamespace
+
+    def step(cb, n, max_steps=500):
+        state, control = (
+            SimpleNamespace(global_step=n, max_steps=max_steps),
+            SimpleNamespace(should_training_stop=False),
+        )
+        cb.on_step_end(None, state, control)
+        return control.should_training_stop
+
+    sync = str(tmp_path / "sync")
+    late = study.EqualSteps(sync, "a", runs=2, deadline=0.0)  # a deadline long past: nobody expects more steps
+    first = study.EqualSteps(sync, "b", runs=2, deadline=0.0)
+    for cb in (late, first):
+        cb.on_train_begin(None, None, None)
+    assert not step(late, 1)  # one of the two runs has written its expectation: no common step yet
+    assert step(first, 1) and first.target == 1  # both have: the first to reach the lowest expectation sets it
+    assert step(late, 2) and late.target == 1  # the other reads it and stops at once (it is past it)
+    roomy = study.EqualSteps(str(tmp_path / "roomy"), "c", runs=1, deadline=time.time() + 3600)
+    roomy.on_train_begin(None, None, None)
+    assert not any(step(roomy, n) for n in (1, 2, 3)) and roomy.target is None  # time for max_steps: no stop

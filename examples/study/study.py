@@ -87,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-problems", type=int, default=256, help="greedy test problems per evaluation")
     p.add_argument("--eval-every", type=int, default=0, help="test accuracy every N GRPO steps (0: none)")
     p.add_argument("--max-train-seconds", type=float, help="stop GRPO before a step would pass this wall time")
+    p.add_argument("--train-deadline", type=float, help="stop GRPO before a step would pass this Unix time")
+    p.add_argument("--sync-dir", help="end all runs writing here at one common step (see EqualSteps)")
+    p.add_argument("--sync-runs", type=int, default=1, help="how many runs write to --sync-dir")
     p.add_argument("--seed", type=int, default=0, help="GRPO seed (prompt order, sampling); the run dir's suffix")
     return p.parse_args(argv)
 
@@ -196,7 +199,7 @@ def warm(args) -> None:
     """SFT on the worked answers until the model solves a fraction of the problems; saves `<out>/warm`.
 
     `--target-accuracy` stops it early, at the first check (every `--sft-eval-every` steps, greedy on
-    `--eval-problems` test problems in the run dtype) that reaches it: a warm start with headroom for GRPO."""
+    at most 128 of the `--eval-problems` test problems, in the run dtype) that reaches it: a warm start with headroom for GRPO."""
     import torch
     from transformers import AutoModelForCausalLM, set_seed
 
@@ -220,7 +223,8 @@ def warm(args) -> None:
             break
         if args.target_accuracy is not None and step and step % args.sft_eval_every == 0:
             tok.padding_side = "left"
-            acc = evaluate(copy.deepcopy(model).to(dtype), tok, test, args.eval_problems, args.max_completion_length,
+            n_check = min(args.eval_problems, 128)  # a quick check; the warm start's accuracy below uses them all
+            acc = evaluate(copy.deepcopy(model).to(dtype), tok, test, n_check, args.max_completion_length,
                            reward=reward_of(args.task))  # fmt: skip
             tok.padding_side = "right"
             checks.append({"step": step, "test_accuracy": acc, "seconds": time.time() - t0})
@@ -340,21 +344,80 @@ class TestAccuracy(TrainerCallback):
 
 
 class TimeBudget(TrainerCallback):
-    """Stops training when the next step (as long as the last one) would end past `seconds` after the start, so a run
-    that the device's wall-clock limit would cut still ends with its final evaluation and result.json."""
+    """Stops training when the next step (as long as the last one) would end past `seconds` after the start (or past
+    the Unix time `deadline`), so a run that the device's wall-clock limit would cut still ends with its final
+    evaluation and result.json."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float | None = None, deadline: float | None = None):
+        self.seconds, self.deadline = seconds, deadline
         self.stopped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()
+        ends = [t for t in (self.seconds and self.start + self.seconds, self.deadline) if t]
+        self.end = min(ends)
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.time()
         step, self.last = now - self.last, now
-        if now + step - self.start > self.seconds and state.global_step < state.max_steps:
+        if now + step > self.end and state.global_step < state.max_steps:
             control.should_training_stop = self.stopped = True
+
+
+class EqualSteps(TrainerCallback):
+    """Ends the runs of a study at one common step when the time budget cannot hold all their steps, so that slower
+    regimes are not compared after fewer steps. Every step, each of the `runs` runs writes into `sync_dir` the step
+    it expects to reach by `deadline` at its pace over the last `window` steps (at most max_steps). Once all have
+    written, the first run whose step reaches the lowest expectation writes its step as the common last step, and
+    every run stops there (`TimeBudget` still stops a run that cannot reach it in time)."""
+
+    def __init__(self, sync_dir: str, name: str, runs: int, deadline: float, window: int = 50):
+        self.sync_dir, self.name, self.runs, self.deadline, self.window = sync_dir, name, runs, deadline, window
+        self.target = None  # the common last step, once set
+        os.makedirs(sync_dir, exist_ok=True)
+
+    def _write(self, name: str, text: str, exclusive: bool = False) -> bool:
+        """Writes `text` to `name` atomically (readers never see it half written); `exclusive`: only if no run has."""
+        path = os.path.join(self.sync_dir, name)
+        tmp = os.path.join(self.sync_dir, f".{self.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)  # fails if the file exists: the first run to link it wins
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.times = [time.time()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now, step = time.time(), state.global_step
+        self.times.append(now)
+        stop = os.path.join(self.sync_dir, "STOP")
+        if self.target is None and os.path.exists(stop):
+            with open(stop) as f:
+                self.target = int(f.read())
+        if self.target is None:
+            w = min(self.window, len(self.times) - 1)
+            pace = max(1e-6, (now - self.times[-1 - w]) / w)
+            self._write(f"{self.name}.expect", str(min(state.max_steps, step + int((self.deadline - now) / pace))))
+            expected = []
+            for name in os.listdir(self.sync_dir):
+                if name.endswith(".expect"):
+                    with open(os.path.join(self.sync_dir, name)) as f:
+                        expected.append(int(f.read() or 0))
+            if len(expected) >= self.runs and min(expected) <= step < state.max_steps:
+                self._write("STOP", str(step), exclusive=True)  # the first run here sets it; the others read it
+                with open(stop) as f:
+                    self.target = int(f.read())
+        if self.target is not None and step >= self.target:
+            control.should_training_stop = True
 
 
 def plain_copy(model):
@@ -444,8 +507,16 @@ def grpo(args) -> None:
         callbacks.append(
             TestAccuracy(tok, test, args.eval_problems, args.max_completion_length, args.eval_every, reward)
         )
-    budget = TimeBudget(args.max_train_seconds) if args.max_train_seconds else None
-    callbacks += [budget] if budget else []  # after the evaluation: a step's time includes it
+    budget = None
+    if args.max_train_seconds or args.train_deadline:
+        budget = TimeBudget(args.max_train_seconds, args.train_deadline)
+        callbacks.append(budget)  # after the evaluation: a step's time includes it
+    equal = None
+    if args.sync_dir:
+        if not args.train_deadline:
+            raise SystemExit("--sync-dir needs --train-deadline (the Unix time every run's expectation aims at).")
+        equal = EqualSteps(args.sync_dir, f"{args.regime}_seed{args.seed}", args.sync_runs, args.train_deadline)
+        callbacks.append(equal)
     trainer = TraceGRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -469,6 +540,7 @@ def grpo(args) -> None:
         "steps": args.steps,
         "steps_done": trainer.state.global_step,
         "stopped_by_budget": bool(budget and budget.stopped),
+        "common_last_step": equal.target if equal else None,
         "train_wall_s": wall,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "history": trainer.state.log_history,
@@ -543,7 +615,7 @@ def smooth(y: list[float], window: int) -> list[float]:
 DEGRADE_WINDOW, DEGRADE_DROP, DEGRADE_HOLD = 25, 0.10, 50
 MIN_EFFECT = 0.02  # the smallest accuracy difference called a separation (1 in 50 test problems)
 COMPARISONS = (  # (claim, regime a, its accuracy, regime b, its accuracy): a - b, final greedy test accuracy
-    ("GRPO learns: BF16 policy (BF16 inference) vs the warm start", "bf16", "test_accuracy_bf16", "warm", "warm"),
+    ("GRPO learns: BF16 policy (BF16 inference) vs the warm start", "bf16", "test_accuracy_bf16", "warm", "start"),
     ("naive FP4 vs BF16 (each in its rollout precision)", "fp4_naive", "test_accuracy_fp4", "bf16",
      "test_accuracy_bf16"),
     ("QAT without hints vs BF16", "fp4_qat", "test_accuracy_fp4", "bf16", "test_accuracy_bf16"),
