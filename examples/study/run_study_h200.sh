@@ -43,7 +43,7 @@ fi
 echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
 
 echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
-study_warm 0 $TASK_ARGS --sft-steps 3000 --sft-lr 1e-3 --target-accuracy "${TARGET:-0.3}" --sft-eval-every 100 \
+study_warm 0 $TASK_ARGS --sft-steps 3000 --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" --sft-eval-every 100 \
   --max-sft-seconds "${SFT_S:-60}"
 grep "greedy test accuracy" "$W/study_warm.log"
 

@@ -76,6 +76,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--sft-steps", type=int, default=600)
     p.add_argument("--sft-lr", type=float, default=5e-4)
+    p.add_argument("--sft-batch", type=int, default=64, help="SFT sequences per step")
     p.add_argument("--target-accuracy", type=float, help="stop SFT at the first check with greedy accuracy >= this")
     p.add_argument("--sft-eval-every", type=int, default=100, help="SFT steps between --target-accuracy checks")
     p.add_argument("--max-sft-seconds", type=float, help="stop SFT after this many seconds of it")
@@ -142,11 +143,13 @@ def model_config(size: str, tokenizer):
     )
 
 
-def data(task: str = "word"):
+def data(task: str = "word", size: str = "small"):
+    """(train, test) of `task`; the chain task's SFT sees 32,768 problems (fewer at --size tiny, for the tests)."""
     from trace_hf.data import arithmetic_dataset, chain_dataset, to_grpo_dataset
 
     if task == "chain":
-        ds = chain_dataset(n_train=8192, n_test=512, seed=DATA_SEED, min_ops=2, max_ops=4)
+        n_train = 1024 if size == "tiny" else 32768
+        ds = chain_dataset(n_train=n_train, n_test=512, seed=DATA_SEED, min_ops=2, max_ops=4)
     else:
         ds = arithmetic_dataset(n_train=4096, n_test=512, seed=DATA_SEED, max_operand=12)
     return to_grpo_dataset(ds["train"]), to_grpo_dataset(ds["test"])
@@ -210,7 +213,7 @@ def warm(args) -> None:
     tok = build_char_tokenizer()
     model = AutoModelForCausalLM.from_config(model_config(args.size, tok), dtype=torch.float32).to(dev)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    train, test = data(args.task)
+    train, test = data(args.task, args.size)
     texts = [p + " " + a + tok.eos_token for p, a in zip(train["prompt"], train["answer"], strict=True)]
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.sft_lr, total_steps=args.sft_steps, pct_start=0.1)
@@ -231,7 +234,7 @@ def warm(args) -> None:
             print(f"SFT step {step:5d}: greedy test accuracy {acc:.3f}", flush=True)
             if acc >= args.target_accuracy:
                 break
-        idx = torch.randint(len(texts), (64,), generator=g).tolist()
+        idx = torch.randint(len(texts), (args.sft_batch,), generator=g).tolist()
         enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True).to(dev)
         labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
         loss = model(**enc, labels=labels).loss  # fp32 weights and compute: the warm-up must not diverge
@@ -477,7 +480,7 @@ def grpo(args) -> None:
         hint_layers = num_hint_layers(regime, study_config.num_hidden_layers)  # every layer is MoE
         quant = TraceFP4Config(qat=regime.qat, hint_layers=hint_layers, hint_sites=list(regime.sites))
     model = AutoModelForCausalLM.from_pretrained(warm_path, dtype=dtype, quantization_config=quant).to(dev)
-    train, test = data(args.task)
+    train, test = data(args.task, args.size)
     out_dir = run_dir(args.out, args.regime, args.seed)
     config = TraceGRPOConfig(
         output_dir=out_dir,
