@@ -257,9 +257,13 @@ def warm(args) -> None:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     acc = evaluate(model, tok, test, args.eval_problems, args.max_completion_length, reward=reward_of(args.task))
+    # The warm start in FP4 (W4A4 + FP4 KV): where every FP4 regime starts; on CUDA it also compiles the FP4 engine's
+    # kernels once here, for the GRPO runs that start together next.
+    acc_fp4 = evaluate(fp4_copy(model), tok, test, args.eval_problems, args.max_completion_length,
+                       reward=reward_of(args.task))  # fmt: skip
     result = {"task": args.task, "size": args.size, "sft_steps": steps_done, "sft_steps_max": args.sft_steps,
               "target_accuracy": args.target_accuracy, "checks": checks, "wall_s": time.time() - t0,
-              "test_accuracy_bf16": acc}  # fmt: skip
+              "test_accuracy_bf16": acc, "test_accuracy_fp4": acc_fp4}  # fmt: skip
     with open(os.path.join(args.out, "warm.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result))
