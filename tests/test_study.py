@@ -214,6 +214,13 @@ def test_equal_steps_ends_every_run_at_one_step(study, tmp_path):
     assert not step(late, 1)  # one of the two runs has written its expectation: no common step yet
     assert step(first, 1) and first.target == 1  # both have: the first to reach the lowest expectation sets it
     assert step(late, 2) and late.target == 1  # the other reads it and stops at once (it is past it)
+    crashed = tmp_path / "stale"
+    crashed.mkdir()
+    (crashed / "dead.expect").write_text("1")  # a run that crashed at step 1, long ago
+    os.utime(crashed / "dead.expect", (time.time() - 600, time.time() - 600))
+    alive = study.EqualSteps(str(crashed), "alive", runs=2, deadline=time.time() + 3600)
+    alive.on_train_begin(None, None, None)
+    assert not any(step(alive, n) for n in (1, 2, 3)) and alive.target is None  # its stale 1 is ignored
     roomy = study.EqualSteps(str(tmp_path / "roomy"), "c", runs=1, deadline=time.time() + 3600)
     roomy.on_train_begin(None, None, None)
     assert not any(step(roomy, n) for n in (1, 2, 3)) and roomy.target is None  # time for max_steps: no stop

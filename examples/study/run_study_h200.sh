@@ -6,7 +6,8 @@
 #
 #   OUT=outputs/study_500 BUDGET_S=450 bash examples/study/run_study_h200.sh
 #
-# BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), TARGET (0.3),
+# BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), LR (1e-4: GRPO's
+# learning rate), TARGET (0.3),
 # SFT_S (60: the warm-up's seconds at most), EVAL_EVERY (50), EVAL_PROBLEMS (256), RESERVE_S (70: a run's start-up
 # and final evaluations, kept outside its training budget). STUDY_ARGS: more study.py arguments for the warm-up and
 # every run ("--size tiny" for a CPU check). Returns env.txt, table.md, summary.json, study.png, kl_vs_bytes.png,
@@ -54,7 +55,7 @@ i=0
 for seed in "${SEED_LIST[@]}"; do
   for regime in "${REGIME_LIST[@]}"; do
     study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" \
-      --prompts-per-step 8 --num-generations 8 --learning-rate 1e-4 --train-deadline "$TRAIN_UNTIL" \
+      --prompts-per-step 8 --num-generations 8 --learning-rate "${LR:-1e-4}" --train-deadline "$TRAIN_UNTIL" \
       --sync-dir "$W/study/sync" --sync-runs "$JOBS" \
       $TASK_ARGS > "$W/queue$i.log" &
     i=$((i + 1))
