@@ -7,9 +7,8 @@
 #   OUT=outputs/study_500 BUDGET_S=450 bash examples/study/run_study_h200.sh
 #
 # BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), LR (1e-4: GRPO's
-# learning rate), TARGET (0.3),
-# SFT_S (60: the warm-up's seconds at most), EVAL_EVERY (50), EVAL_PROBLEMS (256), RESERVE_S (70: a run's start-up
-# and final evaluations, kept outside its training budget). STUDY_ARGS: more study.py arguments for the warm-up and
+# learning rate), TARGET (0.3), SFT_S (60: the warm-up's seconds at most), EVAL_EVERY (50), EVAL_PROBLEMS (256),
+# RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more study.py arguments for the warm-up and
 # every run ("--size tiny" for a CPU check). Returns env.txt, table.md, summary.json, study.png, kl_vs_bytes.png,
 # curves.png and study.tar.gz (results, logs). MPS (1): see below.
 set -u

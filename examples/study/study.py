@@ -5,6 +5,10 @@
     python examples/study/study.py grpo   --out outputs/study --regime trace_replay # one regime (GRPO + eval)
     python examples/study/study.py report --out outputs/study                       # tables + plots
 
+With headroom (issue 34; examples/study/run_study_h200.sh runs it): `--task chain --size mini` on both `warm` (with
+`--target-accuracy` to stop SFT in a window) and `grpo`; `report` then adds the final accuracies with seed SEs, the
+degradation step of each seed and the pre-registered comparisons (`COMPARISONS`, docs/results.md section 6).
+
 Regimes (same warm start, steps, seeds and data):
 
     bf16          BF16 rollout, BF16 training (plain model); its FP4 evaluation is the PTQ baseline
