@@ -19,11 +19,13 @@ __all__ = [
     "OFFLINE_DATASET",
     "addition_dataset",
     "arithmetic_dataset",
+    "chain_dataset",
     "load_math_dataset",
     "format_prompt",
     "to_grpo_dataset",
     "extract_final_number",
     "arithmetic_reward",
+    "exact_answer_reward",
 ]
 
 # ----------------------------------------------------------------------------------------------------------
@@ -75,6 +77,68 @@ def arithmetic_dataset(n_train: int = 512, n_test: int = 64, seed: int = 0, max_
 
     rng = random.Random(seed)
     rows = [_problem(rng, max_operand) for _ in range(n_train + n_test)]
+    splits = {"train": rows[:n_train], "test": rows[n_train:]}
+    return DatasetDict(
+        {
+            name: Dataset.from_dict({"question": [q for q, _ in part], "answer": [a for _, a in part]})
+            for name, part in splits.items()
+        }
+    )
+
+
+_CHAIN_MAX = 199  # every running total stays in 1..199: at most three digits, so the task is the chaining itself
+
+
+def _chain_problem(rng: random.Random, n_ops: int) -> tuple[str, str]:
+    """One multi-step word problem: a start count and `n_ops` operations on it, each worked on its own line."""
+    name, pron = rng.choice(_NAMES)
+    item = rng.choice(_ITEMS)
+    v = rng.randint(5, 40)
+    sentences, lines = [f"{name} has {v} {item}s."], []
+    while len(lines) < n_ops:
+        kind = rng.randrange(4)
+        if kind == 0:
+            b = rng.randint(2, 30)
+            r = v + b
+            sentence, line = f"{pron.capitalize()} finds {b} more.", f"finds {b}: {v}+{b}={r}"
+        elif kind == 1:
+            if v < 3:
+                continue
+            b = rng.randint(1, v - 1)
+            r = v - b
+            sentence, line = f"{pron.capitalize()} gives away {b}.", f"gives {b}: {v}-{b}={r}"
+        elif kind == 2:
+            k, m = rng.randint(2, 6), rng.randint(2, 9)
+            r = v + k * m
+            sentence = f"{pron.capitalize()} buys {k} bags of {m}."
+            line = f"buys {k} bags of {m}: {k}*{m}={k * m}, {v}+{k * m}={r}"
+        else:
+            r = 2 * v
+            sentence, line = f"{pron.capitalize()} doubles them.", f"doubles: {v}*2={r}"
+        if r > _CHAIN_MAX:
+            continue
+        sentences.append(sentence)
+        lines.append(line)
+        v = r
+    question = " ".join(sentences) + f" How many {item}s does {pron} have?"
+    return question, "\n".join(lines) + f"\n#### {v}"
+
+
+def chain_dataset(n_train: int = 4096, n_test: int = 512, seed: int = 0, min_ops: int = 2, max_ops: int = 4):
+    """Multi-step word problems with headroom: a ``DatasetDict`` with "train"/"test" splits of GSM8K's
+    ``question``/``answer`` columns.
+
+    Each problem applies `min_ops`..`max_ops` operations (find, give away, buy bags of, double) to a start count;
+    the worked answer computes one line per operation (the running total, up to three digits) and ends in
+    ``#### N``: 40-130 characters, so one slip anywhere in the chain makes the answer wrong. Same arguments, same
+    rows; train and test come from one generator.
+    """
+    from datasets import Dataset, DatasetDict
+
+    if not 1 <= min_ops <= max_ops:
+        raise ValueError(f"chain_dataset needs 1 <= min_ops <= max_ops, got min_ops={min_ops}, max_ops={max_ops}.")
+    rng = random.Random(seed)
+    rows = [_chain_problem(rng, rng.randint(min_ops, max_ops)) for _ in range(n_train + n_test)]
     splits = {"train": rows[:n_train], "test": rows[n_train:]}
     return DatasetDict(
         {
@@ -189,5 +253,24 @@ def arithmetic_reward(completions: list, answer: list[str], **kwargs) -> list[fl
     for completion, ref in zip(completions, answer, strict=True):
         want = extract_final_number(ref)
         got = extract_final_number(_completion_text(completion))
+        rewards.append(1.0 if want is not None and got == want else 0.0)
+    return rewards
+
+
+_MARKED = re.compile(r"^#### *(-?\d+(?:,\d{3})*(?:\.\d+)?)\s*$", re.MULTILINE)
+
+
+def exact_answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """TRL reward function, strict: 1.0 where a completion's ``#### N`` line (the first one) states the reference's
+    final number, else 0.0.
+
+    Unlike `arithmetic_reward` there is no fallback to the last number in the text: a completion cut off by the
+    length limit, or one that never writes the ``#### N`` line, scores 0 even if its last number is right.
+    """
+    rewards = []
+    for completion, ref in zip(completions, answer, strict=True):
+        want = extract_final_number(ref)
+        found = _MARKED.search(_completion_text(completion))
+        got = _canonical(found.group(1)) if found else None
         rewards.append(1.0 if want is not None and got == want else 0.0)
     return rewards

@@ -5,6 +5,10 @@
     python examples/study/study.py grpo   --out outputs/study --regime trace_replay # one regime (GRPO + eval)
     python examples/study/study.py report --out outputs/study                       # tables + plots
 
+With headroom (issue 34; examples/study/run_study_h200.sh runs it): `--task chain --size mini` on both `warm` (with
+`--target-accuracy` to stop SFT in a window) and `grpo`; `report` then adds the final accuracies with seed SEs, the
+degradation step of each seed and the pre-registered comparisons (`COMPARISONS`, docs/results.md section 6).
+
 Regimes (same warm start, steps, seeds and data):
 
     bf16          BF16 rollout, BF16 training (plain model); its FP4 evaluation is the PTQ baseline
@@ -68,26 +72,66 @@ def parse_args(argv=None):
     p.add_argument("command", choices=["warm", "grpo", "report"])
     p.add_argument("--out", default="outputs/study")
     p.add_argument("--regime", choices=list(REGIMES), default="trace_replay")
-    p.add_argument("--size", choices=["small", "tiny"], default="small", help="small: ~100M MoE; tiny: CPU smoke")
+    p.add_argument(
+        "--size", choices=list(SIZES), default="small", help="; ".join(f"{k}: {v}" for k, v in SIZES.items())
+    )
+    p.add_argument(
+        "--task", choices=list(TASKS), default="word", help="; ".join(f"{k}: {v}" for k, v in TASKS.items())
+    )
     p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--sft-lr", type=float, default=5e-4)
+    p.add_argument("--sft-batch", type=int, default=64, help="SFT sequences per step")
+    p.add_argument("--target-accuracy", type=float, help="stop SFT at the first check with greedy accuracy >= this")
+    p.add_argument("--sft-eval-every", type=int, default=100, help="SFT steps between --target-accuracy checks")
+    p.add_argument("--max-sft-seconds", type=float, help="stop SFT after this many seconds of it")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per regime")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=96, help="worked answers need ~60-90")
     p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient to the reference policy")
     p.add_argument("--eval-problems", type=int, default=256, help="greedy test problems per evaluation")
     p.add_argument("--eval-every", type=int, default=0, help="test accuracy every N GRPO steps (0: none)")
     p.add_argument("--max-train-seconds", type=float, help="stop GRPO before a step would pass this wall time")
+    p.add_argument("--train-deadline", type=float, help="stop GRPO before a step would pass this Unix time")
+    p.add_argument("--sync-dir", help="end all runs writing here at one common step (see EqualSteps)")
+    p.add_argument("--sync-runs", type=int, default=1, help="how many runs write to --sync-dir")
     p.add_argument("--seed", type=int, default=0, help="GRPO seed (prompt order, sampling); the run dir's suffix")
     return p.parse_args(argv)
 
 
+SIZES = {
+    "small": "~100M Qwen3 MoE, 8 MoE layers, 32 experts top-4, hidden 512",
+    "mini": "~12M Qwen3 MoE, 4 MoE layers, 16 experts top-2, hidden 256 (the 500-step study)",
+    "tiny": "the tiny test model (CPU smoke)",
+}
+TASKS = {
+    "word": "one- and two-step word problems (trace_hf.data.arithmetic_dataset; ~91%% after the warm-up)",
+    "chain": "2-4 chained operations, one worked line each (trace_hf.data.chain_dataset), strict #### reward",
+}
+
+
 def model_config(size: str, tokenizer):
-    """~100M parameters (8 MoE layers, 32 experts top-4, hidden 512) or the tiny test model."""
+    """The study model of `size` (see `SIZES`)."""
     from trace_hf.testing import tiny_config
 
     if size == "tiny":
         return tiny_config("qwen3_moe", tokenizer=tokenizer)
+    if size == "mini":
+        return tiny_config(
+            "qwen3_moe",
+            tokenizer=tokenizer,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            intermediate_size=1024,
+            max_position_embeddings=512,
+        )
     return tiny_config(
         "qwen3_moe",
         tokenizer=tokenizer,
@@ -104,11 +148,23 @@ def model_config(size: str, tokenizer):
     )
 
 
-def data():
-    from trace_hf.data import arithmetic_dataset, to_grpo_dataset
+def data(task: str = "word", size: str = "small"):
+    """(train, test) of `task`; the chain task's SFT sees 32,768 problems (fewer at --size tiny, for the tests)."""
+    from trace_hf.data import arithmetic_dataset, chain_dataset, to_grpo_dataset
 
-    ds = arithmetic_dataset(n_train=4096, n_test=512, seed=DATA_SEED, max_operand=12)
+    if task == "chain":
+        n_train = 1024 if size == "tiny" else 32768
+        ds = chain_dataset(n_train=n_train, n_test=512, seed=DATA_SEED, min_ops=2, max_ops=4)
+    else:
+        ds = arithmetic_dataset(n_train=4096, n_test=512, seed=DATA_SEED, max_operand=12)
     return to_grpo_dataset(ds["train"]), to_grpo_dataset(ds["test"])
+
+
+def reward_of(task: str):
+    """The task's TRL reward function; the greedy test accuracy is its mean over the test problems."""
+    from trace_hf.data import arithmetic_reward, exact_answer_reward
+
+    return exact_answer_reward if task == "chain" else arithmetic_reward
 
 
 def device_and_dtype():
@@ -148,7 +204,10 @@ def hint_bytes(regime: str, config) -> int:
 
 
 def warm(args) -> None:
-    """SFT on the worked answers until the model solves a fraction of the problems; saves `<out>/warm`."""
+    """SFT on the worked answers until the model solves a fraction of the problems; saves `<out>/warm`.
+
+    `--target-accuracy` stops it early, at the first check (every `--sft-eval-every` steps, greedy on
+    at most 128 of the `--eval-problems` test problems, in the run dtype) that reaches it: a warm start with headroom for GRPO."""
     import torch
     from transformers import AutoModelForCausalLM, set_seed
 
@@ -159,16 +218,28 @@ def warm(args) -> None:
     tok = build_char_tokenizer()
     model = AutoModelForCausalLM.from_config(model_config(args.size, tok), dtype=torch.float32).to(dev)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    train, test = data()
+    train, test = data(args.task, args.size)
     texts = [p + " " + a + tok.eos_token for p, a in zip(train["prompt"], train["answer"], strict=True)]
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-4, total_steps=args.sft_steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.sft_lr, total_steps=args.sft_steps, pct_start=0.1)
     g = torch.Generator().manual_seed(args.seed)
     tok.padding_side = "right"  # SFT batches: no fully masked (pad) query rows
-    t0, skipped = time.time(), 0
+    t0, skipped, checks, steps_done = time.time(), 0, [], 0
     model.train()
     for step in range(args.sft_steps):
-        idx = torch.randint(len(texts), (64,), generator=g).tolist()
+        if args.max_sft_seconds and time.time() - t0 > args.max_sft_seconds:
+            break
+        if args.target_accuracy is not None and step and step % args.sft_eval_every == 0:
+            tok.padding_side = "left"
+            n_check = min(args.eval_problems, 128)  # a quick check; the warm start's accuracy below uses them all
+            acc = evaluate(copy.deepcopy(model).to(dtype), tok, test, n_check, args.max_completion_length,
+                           reward=reward_of(args.task))  # fmt: skip
+            tok.padding_side = "right"
+            checks.append({"step": step, "test_accuracy": acc, "seconds": time.time() - t0})
+            print(f"SFT step {step:5d}: greedy test accuracy {acc:.3f}", flush=True)
+            if acc >= args.target_accuracy:
+                break
+        idx = torch.randint(len(texts), (args.sft_batch,), generator=g).tolist()
         enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True).to(dev)
         labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
         loss = model(**enc, labels=labels).loss  # fp32 weights and compute: the warm-up must not diverge
@@ -183,14 +254,21 @@ def warm(args) -> None:
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == args.sft_steps - 1:
             print(f"SFT step {step:5d} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+        steps_done = step + 1
     tok.padding_side = "left"
     print(f"SFT: {skipped} non-finite steps skipped")
     model = model.to(dtype)
     path = os.path.join(args.out, "warm")
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    acc = evaluate(model, tok, test, args.eval_problems, args.max_completion_length)
-    result = {"sft_steps": args.sft_steps, "wall_s": time.time() - t0, "test_accuracy_bf16": acc}
+    acc = evaluate(model, tok, test, args.eval_problems, args.max_completion_length, reward=reward_of(args.task))
+    # The warm start in FP4 (W4A4 + FP4 KV): where every FP4 regime starts; on CUDA it also compiles the FP4 engine's
+    # kernels once here, for the GRPO runs that start together next.
+    acc_fp4 = evaluate(fp4_copy(model), tok, test, args.eval_problems, args.max_completion_length,
+                       reward=reward_of(args.task))  # fmt: skip
+    result = {"task": args.task, "size": args.size, "sft_steps": steps_done, "sft_steps_max": args.sft_steps,
+              "target_accuracy": args.target_accuracy, "checks": checks, "wall_s": time.time() - t0,
+              "test_accuracy_bf16": acc, "test_accuracy_fp4": acc_fp4}  # fmt: skip
     with open(os.path.join(args.out, "warm.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result))
@@ -212,15 +290,18 @@ def greedy_config(tokenizer, max_new_tokens: int):
     )
 
 
-def evaluate(model, tokenizer, test, n: int, max_new_tokens: int, rollout=None, batch: int = 128) -> float:
+def evaluate(
+    model, tokenizer, test, n: int, max_new_tokens: int, rollout=None, batch: int = 128, reward=None
+) -> float:
     """Greedy accuracy on the first `n` test problems, through the library's rollout seam (`rollout`, or a new one):
     the CUDA engine where it supports the model (many times faster than `generate` for a small model), else
-    `model.generate`. The model runs its own inference path: packed FP4 experts for a TraceFP4Config model."""
+    `model.generate`. The model runs its own inference path: packed FP4 experts for a TraceFP4Config model.
+    `reward`: the task's reward function (default: the word problems')."""
     import torch
 
-    from trace_hf.data import arithmetic_reward
     from trace_hf.rollout import make_rollout
 
+    reward = reward or reward_of("word")
     gc = greedy_config(tokenizer, max_new_tokens)
     rollout = rollout or make_rollout(model, "auto", gc)
     was_training = model.training
@@ -233,7 +314,7 @@ def evaluate(model, tokenizer, test, n: int, max_new_tokens: int, rollout=None, 
             with torch.no_grad():
                 out = rollout(model, ids, gc)
             texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-            correct += sum(arithmetic_reward(texts, answers[i : i + batch]))
+            correct += sum(reward(texts, answers[i : i + batch]))
     finally:
         model.train(was_training)
     return correct / len(prompts)
@@ -243,8 +324,9 @@ class TestAccuracy(TrainerCallback):
     """Greedy test accuracy of the policy in its rollout precision before training, every `every` steps and after
     the last step, appended to the log history as `eval/test_accuracy`: the accuracy curve of a long run."""
 
-    def __init__(self, tokenizer, test, n: int, max_new_tokens: int, every: int):
+    def __init__(self, tokenizer, test, n: int, max_new_tokens: int, every: int, reward=None):
         self.tokenizer, self.test, self.n, self.max_new_tokens, self.every = tokenizer, test, n, max_new_tokens, every
+        self.reward = reward
         self.rollout = None  # kept across evaluations: the engine captures its graphs once
         self.last_step = None
 
@@ -254,7 +336,7 @@ class TestAccuracy(TrainerCallback):
         if self.rollout is None:
             self.rollout = make_rollout(model, "auto", greedy_config(self.tokenizer, self.max_new_tokens))
         t0 = time.time()
-        acc = evaluate(model, self.tokenizer, self.test, self.n, self.max_new_tokens, self.rollout)
+        acc = evaluate(model, self.tokenizer, self.test, self.n, self.max_new_tokens, self.rollout, reward=self.reward)
         state.log_history.append(
             {"step": state.global_step, "eval/test_accuracy": acc, "eval/seconds": time.time() - t0}
         )
@@ -274,21 +356,86 @@ class TestAccuracy(TrainerCallback):
 
 
 class TimeBudget(TrainerCallback):
-    """Stops training when the next step (as long as the last one) would end past `seconds` after the start, so a run
-    that the device's wall-clock limit would cut still ends with its final evaluation and result.json."""
+    """Stops training when the next step (as long as the last one) would end past `seconds` after the start (or past
+    the Unix time `deadline`), so a run that the device's wall-clock limit would cut still ends with its final
+    evaluation and result.json."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float | None = None, deadline: float | None = None):
+        self.seconds, self.deadline = seconds, deadline
         self.stopped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.last = time.time()
+        ends = [t for t in (self.seconds and self.start + self.seconds, self.deadline) if t]
+        self.end = min(ends)
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.time()
         step, self.last = now - self.last, now
-        if now + step - self.start > self.seconds and state.global_step < state.max_steps:
+        if now + step > self.end and state.global_step < state.max_steps:
             control.should_training_stop = self.stopped = True
+
+
+class EqualSteps(TrainerCallback):
+    """Ends the runs of a study at one common step when the time budget cannot hold all their steps, so that slower
+    regimes are not compared after fewer steps. Every step, each of the `runs` runs writes into `sync_dir` the step
+    it expects to reach by `deadline` at its pace over the last `window` steps (at most max_steps). Once all have
+    written, the first run whose step reaches the lowest expectation writes its step as the common last step, and
+    every run stops there (`TimeBudget` still stops a run that cannot reach it in time). An expectation not updated
+    for `stale_s` seconds is left out: a crashed run's last one must not set the others' last step (it did, at 474
+    of 500, in the first 500-step study)."""
+
+    def __init__(self, sync_dir: str, name: str, runs: int, deadline: float, window: int = 50, stale_s: float = 60):
+        self.sync_dir, self.name, self.runs, self.deadline, self.window = sync_dir, name, runs, deadline, window
+        self.stale_s = stale_s
+        self.target = None  # the common last step, once set
+        os.makedirs(sync_dir, exist_ok=True)
+
+    def _write(self, name: str, text: str, exclusive: bool = False) -> bool:
+        """Writes `text` to `name` atomically (readers never see it half written); `exclusive`: only if no run has."""
+        path = os.path.join(self.sync_dir, name)
+        tmp = os.path.join(self.sync_dir, f".{self.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)  # fails if the file exists: the first run to link it wins
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.times = [time.time()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now, step = time.time(), state.global_step
+        self.times.append(now)
+        stop = os.path.join(self.sync_dir, "STOP")
+        if self.target is None and os.path.exists(stop):
+            with open(stop) as f:
+                self.target = int(f.read())
+        if self.target is None:
+            w = min(self.window, len(self.times) - 1)
+            pace = max(1e-6, (now - self.times[-1 - w]) / w)
+            self._write(f"{self.name}.expect", str(min(state.max_steps, step + int((self.deadline - now) / pace))))
+            seen, expected = 0, []
+            for name in os.listdir(self.sync_dir):
+                if name.endswith(".expect"):
+                    path = os.path.join(self.sync_dir, name)
+                    seen += 1
+                    if now - os.path.getmtime(path) < self.stale_s:  # older: a run that crashed or finished
+                        with open(path) as f:
+                            expected.append(int(f.read() or 0))
+            if seen >= self.runs and expected and min(expected) <= step < state.max_steps:
+                self._write("STOP", str(step), exclusive=True)  # the first run here sets it; the others read it
+                with open(stop) as f:
+                    self.target = int(f.read())
+        if self.target is not None and step >= self.target:
+            control.should_training_stop = True
 
 
 def plain_copy(model):
@@ -327,7 +474,6 @@ def grpo(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from trace_hf import TraceFP4Config, TraceGRPOConfig, TraceGRPOTrainer
-    from trace_hf.data import arithmetic_reward
     from trace_hf.quant.experts import fp4_experts
 
     regime = REGIMES[args.regime]
@@ -336,6 +482,12 @@ def grpo(args) -> None:
     warm_path = os.path.join(args.out, "warm")
     if not os.path.isdir(warm_path):
         raise SystemExit(f"No warm start at {warm_path}: run `study.py warm --out {args.out}` first.")
+    with open(os.path.join(args.out, "warm.json")) as f:
+        warmed = json.load(f)
+    if (warmed.get("task", "word"), warmed.get("size", args.size)) != (args.task, args.size):
+        raise SystemExit(f"The warm start at {warm_path} is --task {warmed.get('task', 'word')} --size "
+                         f"{warmed.get('size')}: pass the same --task and --size to grpo.")  # fmt: skip
+    reward = reward_of(args.task)
     tok = AutoTokenizer.from_pretrained(warm_path)
     study_config = model_config(args.size, tok)
     quant = None
@@ -343,7 +495,7 @@ def grpo(args) -> None:
         hint_layers = num_hint_layers(regime, study_config.num_hidden_layers)  # every layer is MoE
         quant = TraceFP4Config(qat=regime.qat, hint_layers=hint_layers, hint_sites=list(regime.sites))
     model = AutoModelForCausalLM.from_pretrained(warm_path, dtype=dtype, quantization_config=quant).to(dev)
-    train, test = data()
+    train, test = data(args.task, args.size)
     out_dir = run_dir(args.out, args.regime, args.seed)
     config = TraceGRPOConfig(
         output_dir=out_dir,
@@ -357,7 +509,7 @@ def grpo(args) -> None:
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        beta=0.0,
+        beta=args.beta,
         max_steps=args.steps,
         logging_steps=1,
         save_strategy="no",
@@ -370,12 +522,22 @@ def grpo(args) -> None:
     )
     callbacks = []
     if args.eval_every:
-        callbacks.append(TestAccuracy(tok, test, args.eval_problems, args.max_completion_length, args.eval_every))
-    budget = TimeBudget(args.max_train_seconds) if args.max_train_seconds else None
-    callbacks += [budget] if budget else []  # after the evaluation: a step's time includes it
+        callbacks.append(
+            TestAccuracy(tok, test, args.eval_problems, args.max_completion_length, args.eval_every, reward)
+        )
+    budget = None
+    if args.max_train_seconds or args.train_deadline:
+        budget = TimeBudget(args.max_train_seconds, args.train_deadline)
+        callbacks.append(budget)  # after the evaluation: a step's time includes it
+    equal = None
+    if args.sync_dir:
+        if not args.train_deadline:
+            raise SystemExit("--sync-dir needs --train-deadline (the Unix time every run's expectation aims at).")
+        equal = EqualSteps(args.sync_dir, f"{args.regime}_seed{args.seed}", args.sync_runs, args.train_deadline)
+        callbacks.append(equal)
     trainer = TraceGRPOTrainer(
         model=model,
-        reward_funcs=arithmetic_reward,
+        reward_funcs=reward,
         args=config,
         train_dataset=train,
         processing_class=tok,
@@ -396,11 +558,18 @@ def grpo(args) -> None:
         "steps": args.steps,
         "steps_done": trainer.state.global_step,
         "stopped_by_budget": bool(budget and budget.stopped),
+        "common_last_step": equal.target if equal else None,
         "train_wall_s": wall,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "history": trainer.state.log_history,
-        "test_accuracy_fp4": evaluate(fp4_model, tok, test, args.eval_problems, args.max_completion_length),
-        "test_accuracy_bf16": evaluate(plain_copy(model), tok, test, args.eval_problems, args.max_completion_length),
+        "task": args.task,
+        "warm_test_accuracy": warmed["test_accuracy_bf16"],
+        "test_accuracy_fp4": evaluate(
+            fp4_model, tok, test, args.eval_problems, args.max_completion_length, reward=reward
+        ),
+        "test_accuracy_bf16": evaluate(
+            plain_copy(model), tok, test, args.eval_problems, args.max_completion_length, reward=reward
+        ),
     }
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -460,6 +629,100 @@ def smooth(y: list[float], window: int) -> list[float]:
     return [sum(y[max(0, i - window + 1) : i + 1]) / len(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
 
 
+# The pre-registered outcome rules (docs/results.md, section 6), fixed before the 500-step run.
+DEGRADE_WINDOW, DEGRADE_DROP, DEGRADE_HOLD = 25, 0.10, 50
+MIN_EFFECT = 0.02  # the smallest accuracy difference called a separation (1 in 50 test problems)
+COMPARISONS = (  # (claim, regime a, its accuracy, regime b, its accuracy): a - b, final greedy test accuracy
+    ("GRPO learns: BF16 policy (BF16 inference) vs the warm start", "bf16", "test_accuracy_bf16", "warm", "start"),
+    ("naive FP4 vs BF16 (each in its rollout precision)", "fp4_naive", "test_accuracy_fp4", "bf16",
+     "test_accuracy_bf16"),
+    ("QAT without hints vs BF16", "fp4_qat", "test_accuracy_fp4", "bf16", "test_accuracy_bf16"),
+    ("TRACE vs BF16", "trace_replay", "test_accuracy_fp4", "bf16", "test_accuracy_bf16"),
+    ("TRACE vs QAT without hints", "trace_replay", "test_accuracy_fp4", "fp4_qat", "test_accuracy_fp4"),
+    ("TRACE vs naive FP4", "trace_replay", "test_accuracy_fp4", "fp4_naive", "test_accuracy_fp4"),
+    ("TRACE (FP4) vs the BF16 policy quantized after training (PTQ)", "trace_replay", "test_accuracy_fp4", "bf16",
+     "test_accuracy_fp4"),
+    ("every site vs TRACE", "all_sites_replay", "test_accuracy_fp4", "trace_replay", "test_accuracy_fp4"),
+    ("PTQ: the BF16 policy in FP4 vs in BF16", "bf16", "test_accuracy_fp4", "bf16", "test_accuracy_bf16"),
+)  # fmt: skip
+
+
+def degradation_step(steps: list[int], rewards: list[float]) -> int | None:
+    """The pre-registered degradation rule: the first step from which the trailing `DEGRADE_WINDOW`-step mean reward
+    stays more than `DEGRADE_DROP` below its running maximum for `DEGRADE_HOLD` consecutive steps; None if never."""
+    best, start, below = -math.inf, None, 0
+    for step, value in zip(steps, smooth(rewards, DEGRADE_WINDOW), strict=True):
+        best = max(best, value)
+        if value < best - DEGRADE_DROP:
+            start, below = (step if below == 0 else start), below + 1
+            if below >= DEGRADE_HOLD:
+                return start
+        else:
+            below = 0
+    return None
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n); 0 for one value) over seeds."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
+def outcomes(results: dict[str, list[dict]]) -> list[dict]:
+    """The pre-registered comparisons that the results allow: difference of seed means, its standard error
+    sqrt(se_a^2 + se_b^2), and the verdict: "separate" when |diff| > 2 se and |diff| >= `MIN_EFFECT`, else "no
+    separation" (with the smallest difference this spread could have shown, 2 se)."""
+    rows = []
+    for claim, a, key_a, b, key_b in COMPARISONS:
+        if a not in results or (b != "warm" and b not in results):
+            continue
+        va = [r[key_a] for r in results[a]]
+        vb = [r["warm_test_accuracy"] for r in results[a][:1]] if b == "warm" else [r[key_b] for r in results[b]]
+        (ma, sa), (mb, sb) = mean_se(va), mean_se(vb)
+        diff, se = ma - mb, math.sqrt(sa**2 + sb**2)
+        verdict = "separate" if abs(diff) > 2 * se and abs(diff) >= MIN_EFFECT else "no separation"
+        rows.append({"claim": claim, "a": f"{a} {key_a}", "b": f"{b} {key_b}", "mean_a": ma, "mean_b": mb,
+                     "diff": diff, "se": se, "verdict": verdict})  # fmt: skip
+    return rows
+
+
+def accuracy_table(results: dict[str, list[dict]], summary: dict[str, dict]) -> str:
+    """The outcome table: final greedy test accuracy (FP4 and BF16 inference) per seed, mean +- SE, the reward's
+    start and end, the degradation step of each seed, then the pre-registered comparisons."""
+
+    def acc(runs, key):
+        m, se = mean_se([r[key] for r in runs])
+        return f"{m:.3f} +- {se:.3f} ({', '.join(f'{r[key]:.3f}' for r in runs)})"
+
+    head = ["regime", "seeds", "steps", "warm acc", "reward, first 50 -> last 50 steps", "test acc by step",
+            "final acc, FP4 inference", "final acc, BF16 inference", "degraded at step (per seed)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for regime, runs in results.items():
+        s = summary[regime]
+        steps = sorted(set(s["steps_done"]))
+        lines.append("| " + " | ".join([
+            regime, str(len(runs)), "-".join(str(n) for n in (steps[0], steps[-1])) if len(steps) > 1 else str(steps[0]),
+            f"{runs[0].get('warm_test_accuracy', float('nan')):.3f}",
+            f"{s['reward_first50']:.3f} -> {s['reward_last50']:.3f}",
+            f"{s['eval_first']:.3f} -> {s['eval_last']:.3f}" if s["eval_first"] is not None else "n/a",
+            acc(runs, "test_accuracy_fp4"), acc(runs, "test_accuracy_bf16"),
+            ", ".join("-" if d is None else str(d) for d in s["degraded_at"]),
+        ]) + " |")  # fmt: skip
+    lines += ["", "| comparison (a - b) | a | b | mean a | mean b | a - b | SE | verdict |", "|---" * 8 + "|"]
+    for o in outcomes(results):
+        lines.append(f"| {o['claim']} | {o['a']} | {o['b']} | {o['mean_a']:.3f} | {o['mean_b']:.3f} | "
+                     f"{o['diff']:+.3f} | {o['se']:.3f} | {o['verdict']} |")  # fmt: skip
+    notes = (
+        f"\nSE: sample std over seeds / sqrt(seeds); a comparison's SE is sqrt(se_a^2 + se_b^2); separate: |a - b| > "
+        f"2 SE and >= {MIN_EFFECT}. Degraded: the trailing {DEGRADE_WINDOW}-step mean reward stays more than "
+        f"{DEGRADE_DROP} below its running max for {DEGRADE_HOLD} steps ('-': never). FP4 inference: W4A4 experts "
+        "+ FP4 KV cache (the packed rollout path); for bf16 that is post-training quantization (PTQ).\n"
+    )
+    return "\n".join(lines) + "\n" + notes
+
+
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     """Per regime, every quantity averaged over seeds (a run's per-step metrics first reduced by `run_stat`)."""
     from trace_hf.quant.config import HINT_SITES
@@ -483,6 +746,13 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         k = [max(1, min(len(rw), max(5, len(rw) // 10))) for rw in rewards]
         s["reward_first"] = seed_mean(sum(rw[:n]) / n for rw, n in zip(rewards, k, strict=True) if rw)
         s["reward_last"] = seed_mean(sum(rw[-n:]) / n for rw, n in zip(rewards, k, strict=True) if rw)
+        s["reward_first50"] = seed_mean(sum(rw[:50]) / len(rw[:50]) for rw in rewards if rw)
+        s["reward_last50"] = seed_mean(sum(rw[-50:]) / len(rw[-50:]) for rw in rewards if rw)
+        s["degraded_at"] = [
+            degradation_step([h["step"] for h in steps_of(r)], rw) for r, rw in zip(runs, rewards, strict=True)
+        ]
+        s["test_accuracy_fp4_per_seed"] = [r["test_accuracy_fp4"] for r in runs]
+        s["test_accuracy_bf16_per_seed"] = [r["test_accuracy_bf16"] for r in runs]
         evals = [[h[ACC] for h in r["history"] if ACC in h] for r in runs]
         s["eval_first"] = seed_mean(e[0] for e in evals if e)
         s["eval_last"] = seed_mean(e[-1] for e in evals if e)
@@ -543,11 +813,13 @@ def report(args) -> None:
         raise SystemExit(f"No results under {args.out}: run `study.py grpo --regime ...` first.")
     summary = summarize(results)
     text = table(summary)
+    if all("warm_test_accuracy" in r for runs in results.values() for r in runs):
+        text += "\n" + accuracy_table(results, summary)
     print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump({**summary, "outcomes": outcomes(results)}, f, indent=1)
     written = ["table.md", "summary.json", "study.png", "kl_vs_bytes.png"]
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
@@ -609,19 +881,26 @@ def plot_kl_vs_bytes(plt, summary: dict[str, dict], path: str) -> None:
 
 
 def plot_curves(plt, results: dict[str, list[dict]], path: str) -> None:
-    """Reward (smoothed) and greedy test accuracy by step, mean over seeds; test accuracy per seed as dots."""
+    """Reward (trailing mean) and greedy test accuracy by step: the seed mean as a line, the band between the lowest
+    and the highest seed shaded."""
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     for i, (regime, runs) in enumerate(results.items()):
         color = f"C{i % 10}"
-        x, y = curve(runs, "reward")
-        window = max(1, len(x) // 20)
-        axes[0].plot(x, smooth(y, window), color=color, label=regime)
-        axes[1].plot(*curve(runs, ACC, evals=True), color=color, marker="o", label=regime)
-        if len(runs) > 1:
-            for r in runs:
-                axes[1].plot(*curve([r], ACC, evals=True), color=color, marker=".", linestyle="none", alpha=0.4)
-    axes[0].set_title("reward (mean over seeds, trailing mean over 5% of the steps)")
-    axes[1].set_title("greedy test accuracy, rollout precision (line: seed mean; dots: seeds)")
+        n = max(len(steps_of(r)) for r in runs)
+        window = max(1, n // 20)
+        for ax, per_seed in [
+            (axes[0], [dict(zip(*(lambda x, y: (x, smooth(y, window)))(*curve([r], "reward")), strict=True))
+                       for r in runs]),
+            (axes[1], [dict(zip(*curve([r], ACC, evals=True), strict=True)) for r in runs]),
+        ]:  # fmt: skip
+            x = sorted(set.intersection(*(set(c) for c in per_seed)))
+            ys = [[c[step] for c in per_seed] for step in x]
+            ax.plot(x, [sum(y) / len(y) for y in ys], color=color, label=f"{regime} ({len(runs)} seeds)",
+                    marker="o" if ax is axes[1] else None, markersize=3)  # fmt: skip
+            if len(runs) > 1:
+                ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.15)
+    axes[0].set_title("reward (trailing mean over 5% of the steps; band: min-max over seeds)")
+    axes[1].set_title("greedy test accuracy, rollout precision (band: min-max over seeds)")
     for ax in axes:
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)

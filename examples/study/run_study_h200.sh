@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The 500-step study with accuracy headroom (issue 34) in one call on ONE H200: SFT-warm the ~12M MoE on the chained
+# word problems until its greedy test accuracy reaches TARGET (a warm start with headroom), then start the 15
+# (regime, seed) GRPO runs at once on the GPU, each stopping its training in time to evaluate (FP4 and BF16
+# inference) and write result.json; then the report (table.md with the pre-registered comparisons, plots).
+#
+#   OUT=outputs/study_500 BUDGET_S=450 bash examples/study/run_study_h200.sh
+#
+# BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), LR (1e-4: GRPO's
+# learning rate), TARGET (0.3), SFT_S (60: the warm-up's seconds at most), EVAL_EVERY (50), EVAL_PROBLEMS (256),
+# RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more study.py arguments for the warm-up and
+# every run ("--size tiny" for a CPU check). Returns env.txt, table.md, summary.json, study.png, kl_vs_bytes.png,
+# curves.png and study.tar.gz (results, logs). MPS (1): see below.
+set -u
+source examples/study/common.sh
+study_setup outputs/study_500
+STEPS=${STEPS:-500}
+SEEDS=${SEEDS:-0 1 2}
+REGIMES=${REGIMES:-bf16 fp4_naive fp4_qat trace_replay all_sites_replay}
+TASK_ARGS="--task chain --size mini --max-completion-length 152 --eval-problems ${EVAL_PROBLEMS:-256} ${STUDY_ARGS:-}"
+read -ra SEED_LIST <<< "$SEEDS"
+read -ra REGIME_LIST <<< "$REGIMES"
+JOBS=$((${#SEED_LIST[@]} * ${#REGIME_LIST[@]}))
+export OMP_NUM_THREADS=1
+
+# MPS (MPS=1, the default): the 15 small runs' kernels then share the GPU's multiprocessors instead of taking turns
+# in time slices. Private pipe and log folders (only this command's processes connect), used only if a CUDA check
+# passes under it, stopped before the command ends; MPS=0, a missing nvidia-cuda-mps-control or a failed check run
+# without it. The GPU's settings (compute mode, clocks) are not touched.
+MPS_ON=0
+export PATH=$PATH:/usr/local/nvidia/bin
+if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=$W/mps CUDA_MPS_LOG_DIRECTORY=$W/mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d && timeout 90 $PY -c "import torch; x = torch.ones(64, 64, device='cuda'); print('MPS check', (x @ x).sum().item())"; then
+    MPS_ON=1
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  else
+    echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+fi
+echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
+
+echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
+study_warm 0 $TASK_ARGS --sft-steps 3000 --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" --sft-eval-every 100 \
+  --max-sft-seconds "${SFT_S:-60}"
+grep "greedy test accuracy" "$W/study_warm.log"
+
+TRAIN_S=$((DEADLINE - SECONDS - 40 - ${RESERVE_S:-70}))
+TRAIN_UNTIL=$(($(date +%s) + TRAIN_S))  # one deadline for all runs; they end at one common step (EqualSteps)
+echo "== 2. $JOBS runs on $NGPU GPU(s), $STEPS GRPO steps or until $TRAIN_S s from now, all at one common step"
+i=0
+for seed in "${SEED_LIST[@]}"; do
+  for regime in "${REGIME_LIST[@]}"; do
+    study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" \
+      --prompts-per-step 8 --num-generations 8 --learning-rate "${LR:-1e-4}" --train-deadline "$TRAIN_UNTIL" \
+      --sync-dir "$W/study/sync" --sync-runs "$JOBS" \
+      $TASK_ARGS > "$W/queue$i.log" &
+    i=$((i + 1))
+  done
+done
+wait
+cat "$W"/queue*.log
+
+echo "== 3. report"
+study_report
+ls -la "$OUT"
+if [ "$MPS_ON" = 1 ]; then
+  echo quit | nvidia-cuda-mps-control
+  trap - EXIT
+fi
+rm -rf "$W"
