@@ -59,8 +59,10 @@ from trace_hf.kernels.fp4_moe_configs import (  # noqa: E402
     CONFIG,
     HIDDEN_LAUNCH,
     check_hopper_entry,
+    check_wgmma_entry,
     hopper_config,
     launch_config,
+    wgmma_config,
 )
 from trace_hf.kernels.moe_align import moe_align  # noqa: E402
 from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
@@ -398,7 +400,15 @@ def experts_from_quantized(
     M, K = topk_ids.shape
     n = M * K
     dev = x_arg.device
-    hopper = hopper_config(n, dev) if a_fp4 and w_fp4 and hidden_fp4 else None
+    w4a4 = a_fp4 and w_fp4 and hidden_fp4
+    wgmma = wgmma_config(n, E, dev) if w4a4 else None
+    if wgmma is not None and not check_wgmma_entry(wgmma, H, NI):
+        wgmma = None  # shapes the wgmma tiles do not divide: the decode kernels
+    if wgmma is not None:
+        sorted_ids, expert_ids = moe_align(topk_ids, E, wgmma["block_t"], align_backend)
+        return _experts_wgmma(wgmma, x_arg, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids,
+                              expert_ids, M, K, H, NI, return_hidden)  # fmt: skip
+    hopper = hopper_config(n, dev) if w4a4 else None
     if hopper is not None and (H % hopper["block_k"] or NI % hopper["block_k"] or NI % hopper["block_n_gate_up"]
                                or H % hopper["block_n_down"]):  # fmt: skip
         hopper = None  # shapes the Gluon tiles do not divide: the Triton kernels
@@ -520,6 +530,30 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
         STAGES=stages, num_warps=nw, **launch_options(x.device),
+    )  # fmt: skip
+    return (y, hidden) if return_hidden else y
+
+
+def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,
+                   return_hidden):  # fmt: skip
+    """`experts_from_quantized` through the wgmma kernels of `fp4_moe_wgmma` (W4A4, sm_90+, many tokens per
+    expert): same steps, same outputs as `_experts_hopper`."""
+    from trace_hf.kernels import fp4_moe_wgmma as wg
+
+    n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
+    P = sorted_ids.numel()
+    h = _gate_up_out(1, P, NI, x.device)
+    wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+        x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
+        **launch_options(x.device),
+    )  # fmt: skip
+    hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
+        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 

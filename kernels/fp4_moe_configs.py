@@ -89,6 +89,46 @@ HOPPER = [
 #: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
 
 
+#: W4A4 on sm_90+ where each expert serves many tokens (decode past ~1,000 slots, prefill, training forwards): the
+#: wgmma kernels of `fp4_moe_wgmma` (weights decoded once per token block into wgmma's register operand, activations
+#: decoded once per K tile into shared memory). Entries ``(from, cfg)`` by (token, slot) pairs per expert
+#: (``num_slots / num_experts``, the mean token block an expert needs), ascending: an entry serves from its ``from``
+#: up to the next one's; below the first, `HOPPER` (or the Triton kernels) runs. The first ``from`` is 16: with
+#: fewer tokens per expert a 16+-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
+#: bytes. ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
+#: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
+#: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile). Empty: never.
+WGMMA = [
+    (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4}),
+    (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 8}),
+]
+
+
+def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict | None:
+    """The `WGMMA` entry for a W4A4 call of ``num_slots`` (token, slot) pairs over ``num_experts`` experts on an
+    sm_90+ GPU, or None (too few slots per expert, interpreter, older GPUs, empty table)."""
+    per_expert = num_slots / max(num_experts, 1)
+    cfg = None
+    for start, entry in WGMMA:
+        if per_expert >= start:
+            cfg = entry
+    if cfg is None or INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return None
+    return cfg if gluon_module("fp4_moe_wgmma") is not None else None
+
+
+def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
+    """Whether a `WGMMA` entry's tiles divide the expert shapes (``hidden`` H, ``width`` I): else the other kernels
+    run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""
+    bt, bk, nw = cfg["block_t"], cfg["block_k"], cfg["num_warps"]
+    rows = 16 * nw
+    if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
+            or cfg["block_n_down"] % rows:  # fmt: skip
+        raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
+                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}).")  # fmt: skip
+    return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
+
+
 def hopper_config(num_slots: int, device: torch.device) -> dict | None:
     """The `HOPPER` entry for a W4A4 call on an sm_90+ GPU, or None (interpreter, older GPUs, empty table)."""
     if INTERPRETED or device.type != "cuda" or not HOPPER or torch.cuda.get_device_capability(device) < (9, 0):
