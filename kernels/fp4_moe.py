@@ -545,17 +545,15 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     h = _gate_up_out(1, P, NI, x.device)
     wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
         x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, STAGES=cfg.get("stages", 0),
-        num_warps=nw, **launch_options(x.device),
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw,
+        **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=cfg.get("block_k_down", bk), NUM_WARPS=nw,
-        STAGES=cfg.get("stages", 0),
-        num_warps=nw, **launch_options(x.device),
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 

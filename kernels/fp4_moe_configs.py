@@ -96,10 +96,14 @@ HOPPER = [
 #: up to the next one's; below the first, `HOPPER` (or the Triton kernels) runs. The first ``from`` is 16: with
 #: fewer tokens per expert a 16+-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
 #: bytes. ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
-#: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 or 256 code values per K tile
-#: (gate/up with 256 spills without the ring), ``block_k_down`` (default ``block_k``) the down projection's; ``stages``:
-#: 0 (weights straight to registers, one tile ahead) or the depth (>= 3) of a cp.async ring in shared memory. Gate/up
-#: holds two accumulators: ``block_t`` 64 at most (128 does not compile). Empty: never.
+#: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
+#: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile). Empty: never.
+#: The entries are the best of `benchmarks/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
+#: k31_2, docs/benchmarks.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
+#: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
+#: prefill, 48+ per expert: 64-token blocks, 128-row programs of 4 warps (a 16,384-token prefill layer: 5.2 ms; 8
+#: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile
+#: were slower at every size (k31_2) and are not built.
 WGMMA = [
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
@@ -123,14 +127,12 @@ def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     """Whether a `WGMMA` entry's tiles divide the expert shapes (``hidden`` H, ``width`` I): else the other kernels
     run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""
     bt, bk, nw = cfg["block_t"], cfg["block_k"], cfg["num_warps"]
-    bkd, rows = cfg.get("block_k_down", bk), 16 * nw
-    if bt % 8 or not 8 <= bt <= 256 or {bk, bkd} - {128, 256} or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
-            or cfg["block_n_down"] % rows or cfg.get("stages", 0) in (1, 2):  # fmt: skip
-        raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k (and block_k_down) 128 or "
-                         f"256, num_warps 4 or 8, block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), "
-                         "stages 0 (weights straight to registers) or >= 3 (a cp.async ring; 2 crashes the ptxas of "
-                         "Triton 3.6).")  # fmt: skip
-    return not (hidden % bk or width % bkd or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
+    rows = 16 * nw
+    if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
+            or cfg["block_n_down"] % rows:  # fmt: skip
+        raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
+                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}).")  # fmt: skip
+    return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 
 def hopper_config(num_slots: int, device: torch.device) -> dict | None:

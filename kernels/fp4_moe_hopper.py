@@ -170,8 +170,8 @@ def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc):
 
 
 @gluon.jit
-def ring_alloc(N_OPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KW: gl.constexpr):
-    """The weight ring of `ring_copy`: per operand, code words [STAGES, BLOCK_N, KW] (swizzled in 16- or 32-byte
+def _ring_alloc(N_OPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, KW: gl.constexpr):
+    """The weight ring of `_ring_copy`: per operand, code words [STAGES, BLOCK_N, KW] (swizzled in 16- or 32-byte
     pieces, so that the operand-layout reads, 8 rows of 32 bytes at a time, take the minimum of 2 wavefronts) and
     scale bytes [STAGES, BLOCK_N, KW / 2]."""
     words: gl.constexpr = (
@@ -188,8 +188,8 @@ def ring_alloc(N_OPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def ring_offsets(row_w, BLOCK_N: gl.constexpr, KW: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Offsets of a K tile's rows for `ring_copy` (``row_w`` code words per weight row): code words in 16-byte
+def _ring_offsets(row_w, BLOCK_N: gl.constexpr, KW: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Offsets of a K tile's rows for `_ring_copy` (``row_w`` code words per weight row): code words in 16-byte
     pieces, scale bytes in pieces of KW / 4 bytes (two per row), and the row of each piece."""
     lc: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (KW // 4), KW // 4], [NUM_WARPS, 1], [1, 0])
     ls: gl.constexpr = gl.BlockedLayout([1, KW // 4], [16, 2], [NUM_WARPS, 1], [1, 0])
@@ -201,7 +201,7 @@ def ring_offsets(row_w, BLOCK_N: gl.constexpr, KW: gl.constexpr, NUM_WARPS: gl.c
 
 
 @gluon.jit
-def ring_copy(bufs, slot, srcs, tile, offs, K_TILES: gl.constexpr, BLOCK_N: gl.constexpr, KW: gl.constexpr):
+def _ring_copy(bufs, slot, srcs, tile, offs, K_TILES: gl.constexpr, BLOCK_N: gl.constexpr, KW: gl.constexpr):
     """cp.async of K tile ``tile`` of each weight operand (``srcs``: (code words, scale bytes) pointers of the
     program's first tile) into ring slot ``slot``, one commit group; nothing is copied past the last tile."""
     c_off, s_off, r_c, r_s = offs
@@ -214,7 +214,7 @@ def ring_copy(bufs, slot, srcs, tile, offs, K_TILES: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def ring_read(bufs, i: gl.constexpr, slot, la: gl.constexpr, la1: gl.constexpr):
+def _ring_read(bufs, i: gl.constexpr, slot, la: gl.constexpr, la1: gl.constexpr):
     """Operand ``i``'s code words and paired scales of ring slot ``slot``, in the MMA operand layout."""
     return bufs[2 * i].index(slot).load(la), pair_scales(bufs[2 * i + 1].index(slot).load(la1), la)
 
@@ -282,10 +282,10 @@ def gate_up_kernel(
         w0 = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (g_rows * (H // 8) + k_off // 8)
         s0 = ws_ptr + (g_rows * (H // 16) + k_off // 16)
         srcs = ((w0, s0), (w0 + u_off, s0 + us_off))  # gate rows, up rows
-        bufs = ring_alloc(2, STAGES, BLOCK_N, KW)
-        offs = ring_offsets(H // 8, BLOCK_N, KW, NUM_WARPS)
+        bufs = _ring_alloc(2, STAGES, BLOCK_N, KW)
+        offs = _ring_offsets(H // 8, BLOCK_N, KW, NUM_WARPS)
         for st in gl.static_range(STAGES - 1):
-            ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
+            _ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
@@ -293,11 +293,11 @@ def gate_up_kernel(
                  NUM_WARPS)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()  # every warp is done with the slot the next copy overwrites (and x is staged)
-            ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
+            _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
             cp.wait_group(STAGES - 1)
             cta_barrier()  # the copies of tile kt, by every thread, have landed
-            g, gs = ring_read(bufs, 0, kt % STAGES, la, la1)
-            u, us = ring_read(bufs, 1, kt % STAGES, la, la1)
+            g, gs = _ring_read(bufs, 0, kt % STAGES, la, la1)
+            u, us = _ring_read(bufs, 1, kt % STAGES, la, la1)
             acc_g = _mma8_shared(g, gs, xsm, kt, lb, acc_g)
             acc_u = _mma8_shared(u, us, xsm, kt, lb, acc_u)
     elif X_SHARED:
@@ -425,20 +425,20 @@ def down_kernel(
         srcs = (
             (w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + w_rows * (NI // 8), ws_ptr + w_rows * (NI // 16)),
         )
-        bufs = ring_alloc(1, STAGES, BLOCK_N, KW)
-        offs = ring_offsets(NI // 8, BLOCK_N, KW, NUM_WARPS)
+        bufs = _ring_alloc(1, STAGES, BLOCK_N, KW)
+        offs = _ring_offsets(NI // 8, BLOCK_N, KW, NUM_WARPS)
         for st in gl.static_range(STAGES - 1):
-            ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
+            _ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()
-            ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
+            _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
             cp.wait_group(STAGES - 1)
             cta_barrier()
-            w, ws = ring_read(bufs, 0, kt % STAGES, la, la1)
+            w, ws = _ring_read(bufs, 0, kt % STAGES, la, la1)
             acc = _mma8_shared(w, ws, xsm, kt, lb, acc)
     elif X_SHARED:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)

@@ -28,23 +28,13 @@ if __name__.split(".")[0] == "kernels":
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
-    cta_barrier,
-    decode8,
-    gdc_wait_for_producer,
-    pair_scales,
-    ring_alloc,
-    ring_copy,
-    ring_offsets,
-    ring_read,
-)
+from trace_hf.kernels.fp4_moe_hopper import cta_barrier, decode8, gdc_wait_for_producer, pair_scales  # noqa: E402
 
 
 @gluon.jit
@@ -118,7 +108,6 @@ def gate_up_kernel(
     BLOCK_N: gl.constexpr,  # gate (and as many up) rows per program: a multiple of 16 * NUM_WARPS
     BLOCK_K: gl.constexpr,  # 128 or 256
     NUM_WARPS: gl.constexpr,
-    STAGES: gl.constexpr,  # 0: weights straight to registers, one tile ahead; >= 2: a cp.async ring of this depth
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -151,67 +140,37 @@ def gate_up_kernel(
     u_off = NI * (H // 8)
     us_off = NI * (H // 16)
     buf = _x_smem(BLOCK_T, KW)
+    xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
+    g, gs = gl.load(w_w + g_off), gl.load(ws_ptr + gs_off)
+    u, us = gl.load(w_w + (g_off + u_off)), gl.load(ws_ptr + (gs_off + us_off))
+    _x_store(buf, 0, xw, xs, lw)
+    fence_async_shared()
+    cta_barrier()
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    if STAGES > 0:
-        # Weights through a cp.async ring in shared memory, STAGES - 1 tiles in flight (`fp4_moe_hopper.ring_*`).
-        rows0 = e.to(gl.int64) * (2 * NI) + pid_n * BLOCK_N
-        srcs = ((w_w + rows0 * (H // 8), ws_ptr + rows0 * (H // 16)),
-                (w_w + (rows0 * (H // 8) + u_off), ws_ptr + (rows0 * (H // 16) + us_off)))  # fmt: skip
-        ring = ring_alloc(2, STAGES, BLOCK_N, KW)
-        offs = ring_offsets(H // 8, BLOCK_N, KW, NUM_WARPS)
-        for st in gl.static_range(STAGES - 1):
-            ring_copy(ring, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
-        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
-        _x_store(buf, 0, xw, xs, lw)
-        fence_async_shared()
-        for kt in range(K_TILES):
-            cur = (kt % 2) * 8
-            cta_barrier()  # every warp is done with the ring slot of tile kt - 1 and its MMAs; tile kt is staged
-            ring_copy(ring, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
-            xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, (kt + 1) % K_TILES, KW)  # (past the end: tile 0, unused)
-            cp.wait_group(STAGES - 1)
-            cta_barrier()
-            g, gs = ring_read(ring, 0, kt % STAGES, la, la1)
-            u, us = ring_read(ring, 1, kt % STAGES, la, la1)
-            gd = decode8(g, gs)
-            acc_g = _mma_tile(gd, buf, cur, acc_g)  # the up rows decode while the gate MMAs run
-            ud = decode8(u, us)
-            acc_u = _mma_tile(ud, buf, cur, acc_u)
-            _x_store(buf, 8 - cur, xw, xs, lw)
-            fence_async_shared()
-            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
-    else:
-        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
-        g, gs = gl.load(w_w + g_off), gl.load(ws_ptr + gs_off)
-        u, us = gl.load(w_w + (g_off + u_off)), gl.load(ws_ptr + (gs_off + us_off))
-        _x_store(buf, 0, xw, xs, lw)
-        fence_async_shared()
-        cta_barrier()
-        for kt in range(K_TILES - 1):
-            cur = (kt % 2) * 8
-            gd = decode8(g, pair_scales(gs, la))
-            ud = decode8(u, pair_scales(us, la))
-            # The next tile's loads go out before this tile's MMAs (the up rows decode before them here: after, with
-            # this tile and the next in registers, 64-token tiles of 128 rows spill).
-            xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
-            g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
-            u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
-            us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
-            acc_g = _mma_tile(gd, buf, cur, acc_g)
-            acc_u = _mma_tile(ud, buf, cur, acc_u)
-            # While they run, the next activation tile goes into the other buffer (free: the last tile's MMAs of
-            # every warp were waited for before the barrier that ended it).
-            _x_store(buf, 8 - cur, xw, xs, lw)
-            fence_async_shared()
-            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
-            cta_barrier()
-        cur = ((K_TILES - 1) % 2) * 8
+    for kt in range(K_TILES - 1):
+        cur = (kt % 2) * 8
         gd = decode8(g, pair_scales(gs, la))
-        acc_g = _mma_tile(gd, buf, cur, acc_g)
         ud = decode8(u, pair_scales(us, la))
+        # The next tile's loads go out before this tile's MMAs.
+        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
+        g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
+        u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
+        us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
+        acc_g = _mma_tile(gd, buf, cur, acc_g)
         acc_u = _mma_tile(ud, buf, cur, acc_u)
+        # While they run, the next activation tile goes into the other buffer (free: the last tile's MMAs of
+        # every warp were waited for before the barrier that ended it).
+        _x_store(buf, 8 - cur, xw, xs, lw)
+        fence_async_shared()
         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
+        cta_barrier()
+    cur = ((K_TILES - 1) % 2) * 8
+    gd = decode8(g, pair_scales(gs, la))
+    ud = decode8(u, pair_scales(us, la))
+    acc_g = _mma_tile(gd, buf, cur, acc_g)
+    acc_u = _mma_tile(ud, buf, cur, acc_u)
+    acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -246,7 +205,6 @@ def down_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
-    STAGES: gl.constexpr,  # 0: weights straight to registers, one tile ahead; >= 2: a cp.async ring of this depth
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -275,50 +233,26 @@ def down_kernel(
     w_off, s_off = _w_offsets(e.to(gl.int64) * H + pid_n * BLOCK_N, NI // 8, BLOCK_N, KW, la, la1)
     w_w = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
     buf = _x_smem(BLOCK_T, KW)
+    xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
+    w, ws = gl.load(w_w + w_off), gl.load(ws_ptr + s_off)
+    _x_store(buf, 0, xw, xs, lw)
+    fence_async_shared()
+    cta_barrier()
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    if STAGES > 0:  # the ring of `gate_up_kernel`
-        rows0 = e.to(gl.int64) * H + pid_n * BLOCK_N
-        srcs = ((w_w + rows0 * (NI // 8), ws_ptr + rows0 * (NI // 16)),)
-        ring = ring_alloc(1, STAGES, BLOCK_N, KW)
-        offs = ring_offsets(NI // 8, BLOCK_N, KW, NUM_WARPS)
-        for st in gl.static_range(STAGES - 1):
-            ring_copy(ring, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
-        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
-        _x_store(buf, 0, xw, xs, lw)
-        fence_async_shared()
-        for kt in range(K_TILES):
-            cur = (kt % 2) * 8
-            cta_barrier()
-            ring_copy(ring, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
-            xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, (kt + 1) % K_TILES, KW)
-            cp.wait_group(STAGES - 1)
-            cta_barrier()
-            w, ws = ring_read(ring, 0, kt % STAGES, la, la1)
-            wd = decode8(w, ws)
-            acc = _mma_tile(wd, buf, cur, acc)
-            _x_store(buf, 8 - cur, xw, xs, lw)
-            fence_async_shared()
-            acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
-    else:
-        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
-        w, ws = gl.load(w_w + w_off), gl.load(ws_ptr + s_off)
-        _x_store(buf, 0, xw, xs, lw)
-        fence_async_shared()
-        cta_barrier()
-        for kt in range(K_TILES - 1):
-            cur = (kt % 2) * 8
-            wd = decode8(w, pair_scales(ws, la))
-            xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
-            w, ws = gl.load(w_w + (w_off + (kt + 1) * KW)), gl.load(ws_ptr + (s_off + (kt + 1) * (KW // 2)))
-            acc = _mma_tile(wd, buf, cur, acc)
-            _x_store(buf, 8 - cur, xw, xs, lw)
-            fence_async_shared()
-            acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
-            cta_barrier()
-        cur = ((K_TILES - 1) % 2) * 8
+    for kt in range(K_TILES - 1):
+        cur = (kt % 2) * 8
         wd = decode8(w, pair_scales(ws, la))
+        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
+        w, ws = gl.load(w_w + (w_off + (kt + 1) * KW)), gl.load(ws_ptr + (s_off + (kt + 1) * (KW // 2)))
         acc = _mma_tile(wd, buf, cur, acc)
+        _x_store(buf, 8 - cur, xw, xs, lw)
+        fence_async_shared()
         acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
+        cta_barrier()
+    cur = ((K_TILES - 1) % 2) * 8
+    wd = decode8(w, pair_scales(ws, la))
+    acc = _mma_tile(wd, buf, cur, acc)
+    acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

@@ -90,20 +90,13 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     bt = cfg["block_t"]
     sorted_ids, expert_ids = moe_align(ids, E, bt)
     P = sorted_ids.numel()
-    hs = []
-    for stages in (0, 3, 4):  # weights straight to registers, or through a cp.async ring of 3 or 4 tiles
-        h = torch.full((P, NI), float("inf"), device="cuda")
-        wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
-            xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
-            wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
-            BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], STAGES=stages,
-            PDL=False, num_warps=cfg["num_warps"],
-        )  # fmt: skip
-        hs.append(h)
-    # Same operand values, same MMAs in the same order: the operand paths agree bit for bit (NaN where NaN).
-    for other in hs[1:]:
-        assert torch.equal(hs[0].nan_to_num(7.0), other.nan_to_num(7.0))
-    h = hs[0]
+    h = torch.full((P, NI), float("inf"), device="cuda")
+    wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+        xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+        wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
+        BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], PDL=False,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
     real = sorted_ids < M * K
     slots = sorted_ids[real].long()
     e = ids.reshape(-1)[slots]
@@ -121,28 +114,24 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     assert (h[~real & in_segment] == 0).all(), "an expert's padding rows must be written as 0"
 
     # Down: the kernels' own hidden codes, with the NaN column zeroed so that only the weights' NaN row remains.
+    _with_table(monkeypatch, cfg)
     hq = fp4_quant.quantize(h.nan_to_num(0.0, 0.0, 0.0), "nvfp4", "row")
+    y = torch.full((M * K, H), float("inf"), device="cuda")
     twf = tw.reshape(-1).float().contiguous()
-    ys = []
-    for stages, bk in ((0, cfg["block_k"]), (3, cfg["block_k"]), (0, 256)):
-        y = torch.full((M * K, H), float("inf"), device="cuda")
-        wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
-            hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wdn.packed, wdn.block_scale,
-            wdn.global_scale.reshape(-1), twf, y, sorted_ids, expert_ids, M * K, H, NI, BLOCK_T=bt,
-            BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=cfg["num_warps"], STAGES=stages, PDL=False,
-            num_warps=cfg["num_warps"],
-        )  # fmt: skip
-        ys.append(y)
-    assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0))  # the ring: same bits
+    wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
+        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wdn.packed, wdn.block_scale,
+        wdn.global_scale.reshape(-1), twf, y, sorted_ids, expert_ids, M * K, H, NI, BLOCK_T=bt,
+        BLOCK_N=cfg["block_n_down"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], PDL=False,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
     hd = hq.dequantize().double()[real]
     want_y = torch.einsum("pi,phi->ph", hd, wdn.dequantize().double()[e]) * twf.double()[slots, None]
+    got_y = y.double()[slots]
+    assert torch.isnan(got_y[:, 3]).all()  # down row 3 reads the NaN scale
     ok = torch.arange(H, device="cuda") != 3
-    for y in ys:  # the 256-wide K tile sums in another order: the same bound
-        got_y = y.double()[slots]
-        assert torch.isnan(got_y[:, 3]).all()  # down row 3 reads the NaN scale
-        assert not torch.isnan(got_y[:, ok]).any() and not torch.isinf(got_y[:, ok]).any()  # every slot written
-        err = (got_y[:, ok] - want_y[:, ok]).abs().max() / want_y[:, ok].abs().max()
-        assert err < 1e-5, f"down {cfg}: {err}"
+    assert not torch.isnan(got_y[:, ok]).any() and not torch.isinf(got_y[:, ok]).any()  # every slot written
+    err = (got_y[:, ok] - want_y[:, ok]).abs().max() / want_y[:, ok].abs().max()
+    assert err < 1e-5, f"down {cfg}: {err}"
 
 
 @pytest.mark.gpu
@@ -162,12 +151,7 @@ def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monk
     ids, tw = _routing(M, E, K, seed=10 + M)
     assert configs.wgmma_config(M * K, E, x.device) is not None, "the table must send these sizes to the wgmma kernels"
     y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
-    table = configs.wgmma_config(M * K, E, x.device)
-    # The weight ring gives the same bits; every other entry (and a 256-wide down K tile) the same numbers in its own
-    # summation order.
-    _with_table(monkeypatch, dict(table, stages=3))
-    assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y)
-    for cfg in _entries() + [dict(table, block_k_down=256)]:
+    for cfg in _entries():  # every entry gives the same numbers (same operands, its own summation order)
         _with_table(monkeypatch, cfg)
         y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
         assert ((y_other - y).norm() / y.norm()).item() < 1e-3, cfg
@@ -241,8 +225,7 @@ def test_wgmma_entries_are_checked():
         assert configs.check_wgmma_entry(cfg, 2048, 768)  # Qwen3-30B-A3B
         assert not configs.check_wgmma_entry(cfg, 2048, 776)  # an expert width the tiles do not divide
     good = _entries()[0]
-    for bad in ({"block_t": 12}, {"block_k": 64}, {"block_k_down": 512}, {"num_warps": 2}, {"stages": 2},
-                {"block_n_gate_up": 16 * good["num_warps"] + 8}):  # fmt: skip
+    for bad in ({"block_t": 12}, {"block_k": 64}, {"num_warps": 2}, {"block_n_gate_up": 16 * good["num_warps"] + 8}):
         with pytest.raises(ValueError, match="WGMMA entry"):
             configs.check_wgmma_entry(dict(good, **bad), 2048, 768)
 
@@ -268,13 +251,11 @@ def _sass():
     return sass
 
 
-@pytest.mark.parametrize("stages", [0, 3])
 @pytest.mark.parametrize("cfg", _entries(), ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
-def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, stages):
-    """Every `WGMMA` entry of both kernels, with its weights in registers or through the ring, builds for sm_90
-    (Qwen3-30B-A3B shapes) with its wgmma instructions in the loop (8 per K tile, weight operand and 64-row tile:
-    the eight K-slices), no register spills, and under 5 instructions per FP4 element decoded (weights and the staged
-    activations; the Triton kernels' loop: ~7)."""
+def test_wgmma_kernels_compile_for_sm90_without_spills(cfg):
+    """Every `WGMMA` entry of both kernels builds for sm_90 (Qwen3-30B-A3B shapes) with its wgmma instructions in the
+    loop (8 per K tile, weight operand and 64-row tile: the eight K-slices), no register spills, and under 4.5 instructions per
+    FP4 element decoded (weights and the staged activations; the Triton kernels' loop: ~7)."""
     sass = _sass()
     from trace_hf.kernels import fp4_moe_wgmma as wg
 
@@ -283,12 +264,11 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, stages):
         (wg.gate_up_kernel, cfg["block_n_gate_up"], sass._signature("h_ptr", True), 16),
         (wg.down_kernel, cfg["block_n_down"], sass._signature("y_ptr", False), 8),
     ):
-        consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw, "STAGES": stages,
-                  "PDL": False}  # fmt: skip
+        consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw, "PDL": False}
         n, ops = sass.loop_counts(fn, sig, consts, nw)
         assert "LDL" not in ops and "STL" not in ops, f"{fn.__name__} {cfg}: spills {ops}"
         m_reps = bn // (16 * nw)  # 64-row wgmma tiles per warpgroup
         assert ops.get("HGMMA", 0) == ops_per_tile * m_reps * bk // 128, f"{fn.__name__} {cfg}: {ops}"
         weights = (2 if ops_per_tile == 16 else 1) * bn * bk // (32 * nw)
         elements = weights + bt * bk // (32 * nw)
-        assert n / elements < 5.0, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
+        assert n / elements < 4.5, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
