@@ -195,15 +195,20 @@ def test_module_uses_the_wgmma_kernels_and_matches_its_torch_path():
 
 
 def test_dispatch_by_slots_per_expert(monkeypatch):
-    """`wgmma_config`: from 16 slots per expert on, the entry whose range holds the call's slots per expert; below, and
-    on CPU, before sm_90, with an empty table or without Gluon, None (the decode kernels run)."""
+    """`wgmma_config`: from 16 slots per expert on, the entry whose range holds the call's slots per expert; past the
+    decode kernels' last limit the first entry; below, on CPU, before sm_90, with an empty table or without Gluon,
+    None (the decode kernels run)."""
     monkeypatch.setattr(configs, "INTERPRETED", False)
     cap = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap["value"])
     dev = torch.device("cuda")
     (lo, first), (hi, second) = configs.WGMMA[:2]
     E = 128
-    assert configs.wgmma_config(lo * E - 1, E, dev) is None  # batch 255 at top-8: the decode kernels
+    limit = configs.HOPPER[-1][0]
+    assert configs.wgmma_config(limit, E, dev) is None  # batch 128 at top-8: the decode kernels, their entry unchanged
+    assert configs.hopper_config(limit, dev) == configs.HOPPER[-1][1]
+    assert configs.wgmma_config(limit + 1, E, dev) == first  # past them: wgmma, not the Triton kernels
+    assert configs.wgmma_config(lo * E - 1, E, dev) == first
     assert configs.wgmma_config(lo * E, E, dev) == first  # batch 256
     assert configs.wgmma_config(hi * E - 1, E, dev) == first
     assert configs.wgmma_config(hi * E, E, dev) == second
@@ -213,10 +218,10 @@ def test_dispatch_by_slots_per_expert(monkeypatch):
     cap["value"] = (8, 9)
     assert configs.wgmma_config(1 << 20, E, dev) is None
     cap["value"] = (9, 0)
+    monkeypatch.setattr(configs, "HOPPER", [])  # "always the Triton kernels" below the wgmma range, as before
+    assert configs.wgmma_config(lo * E - 1, E, dev) is None
     monkeypatch.setattr(configs, "WGMMA", [])
     assert configs.wgmma_config(1 << 20, E, dev) is None
-    # Decode sizes below the wgmma range keep their `HOPPER` entries unchanged.
-    assert configs.hopper_config(1024, dev) == configs.HOPPER[-1][1]
 
 
 def test_wgmma_entries_are_checked():
