@@ -23,7 +23,9 @@ last fp32 bits and, rarely, round to a neighbouring FP4 code):
    slots of a token (the decode step fuses that sum into its next RMSNorm).
 
 On sm_90+ (measured on the H200) W4A4 decode calls run steps 3 and 5 in the Gluon kernels of `fp4_moe_hopper`
-instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA). The Triton kernels also take dense
+instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA), and past its last limit or from 16 slots
+per expert (prefill, training forwards, decode from batch 129 at top-8 of 128 experts), the wgmma kernels of `fp4_moe_wgmma`
+(`WGMMA`: wide token blocks, each weight decoded once per block). The Triton kernels also take dense
 (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
 the same code and differs only in the bytes it reads.
 

@@ -277,3 +277,23 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg):
         weights = (2 if ops_per_tile == 16 else 1) * bn * bk // (32 * nw)
         elements = weights + bt * bk // (32 * nw)
         assert n / elements < 4.5, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
+
+
+def test_hopper_ab_patches_the_wgmma_table():
+    """`benchmarks/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``); a start
+    the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import hopper_ab
+    finally:
+        sys.path.pop(0)
+    table = [(16, {"block_t": 32}), (48, {"block_t": 64})]
+    patch = {"WGMMA*": {"num_warps": 8}, "WGMMA48": {"block_t": 128}}
+    assert hopper_ab.patched_wgmma(table, patch) == [(16, {"block_t": 32, "num_warps": 8}),
+                                                     (48, {"block_t": 128, "num_warps": 8})]  # fmt: skip
+    assert hopper_ab.patched_wgmma(table, {}) == table
+    with pytest.raises(SystemExit, match="WGMMA entries"):
+        hopper_ab.patched_wgmma(table, {"WGMMA32": {"block_t": 16}})
+    assert hopper_ab.patched([(8, {"block_t": 8})], patch) == [(8, {"block_t": 8})]
