@@ -97,7 +97,10 @@ HOPPER = [
 #: fewer tokens per expert a 16+-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
 #: bytes. ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
 #: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
-#: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile). Empty: never.
+#: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
+#: ``slice_buffers`` (default False): one shared-memory allocation per activation K-slice, which takes 7 of the 9
+#: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits; not
+#: measured on the GPU yet, so not in the entries. Empty: never.
 #: The entries are the best of `benchmarks/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
 #: k31_2, docs/benchmarks.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
 #: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);

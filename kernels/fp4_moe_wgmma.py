@@ -44,13 +44,23 @@ def _x_load(words_ptr, scale_ptr, w_off, s_off, kt, KW: gl.constexpr):
 
 
 @gluon.jit
-def _x_store(buf, base, words, scales, lw: gl.constexpr):
-    """Decode an activation tile ([T, KW] words, [T, KW / 2] scale bytes) into slices ``base .. base + 7`` of
-    ``buf`` ([T, KW] fp16 each, K-major: wgmma's B operand, transposed)."""
+def _x_slice(bufs, base, j: gl.constexpr, SLICE_BUFFERS: gl.constexpr):
+    """K-slice ``j`` of the half of the activation double buffer `_x_smem` that starts at slice ``base`` (0 or 8):
+    [T, KW] fp16."""
+    if SLICE_BUFFERS:
+        return bufs[j].index(base // 8)
+    else:
+        return bufs[0].index(base + j)
+
+
+@gluon.jit
+def _x_store(bufs, base, words, scales, lw: gl.constexpr, SLICE_BUFFERS: gl.constexpr):
+    """Decode an activation tile ([T, KW] words, [T, KW / 2] scale bytes) into slices ``base .. base + 7`` of the
+    double buffer ([T, KW] fp16 each, K-major: wgmma's B operand, transposed)."""
     s2 = gl.convert_layout(gl.reshape(gl.join(scales, scales), [scales.shape[0], 2 * scales.shape[1]]), lw)
     xd = decode8(words, s2)
     for j in gl.static_range(8):
-        buf.index(base + j).store(xd[j])
+        _x_slice(bufs, base, j, SLICE_BUFFERS).store(xd[j])
 
 
 @gluon.jit
@@ -67,10 +77,10 @@ def _w_offsets(rows0, row_w, BLOCK_N: gl.constexpr, KW: gl.constexpr, la: gl.con
 
 
 @gluon.jit
-def _mma_tile(wd, buf, base, acc):
+def _mma_tile(wd, bufs, base, acc, SLICE_BUFFERS: gl.constexpr):
     """acc + the eight K-slices of a tile: A the decoded weight slices (registers), B the staged activations."""
     for j in gl.static_range(8):
-        acc = warpgroup_mma(wd[j], buf.index(base + j).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(wd[j], _x_slice(bufs, base, j, SLICE_BUFFERS).permute((1, 0)), acc, is_async=True)
     return acc
 
 
@@ -82,11 +92,19 @@ def _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl
 
 
 @gluon.jit
-def _x_smem(BLOCK_T: gl.constexpr, KW: gl.constexpr):
+def _x_smem(BLOCK_T: gl.constexpr, KW: gl.constexpr, SLICE_BUFFERS: gl.constexpr):
     """The activation double buffer: 2 x 8 K-slices of [BLOCK_T, KW] fp16, K contiguous (32 or 64 bytes a row,
-    swizzled as wgmma reads it)."""
+    swizzled as wgmma reads it): one allocation, or with ``SLICE_BUFFERS`` one per slice. Triton cannot tell the
+    slices of one allocation apart, so it puts a barrier between the eight stores of a tile (9 barriers per K tile in
+    the loop against 2 with one allocation per slice, sm_90 code)."""
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * KW, element_bitwidth=16, rank=2)
-    return gl.allocate_shared_memory(gl.float16, [16, BLOCK_T, KW], layout)
+    if SLICE_BUFFERS:
+        bufs = ()
+        for j in gl.static_range(8):
+            bufs = bufs + (gl.allocate_shared_memory(gl.float16, [2, BLOCK_T, KW], layout),)
+    else:
+        bufs = (gl.allocate_shared_memory(gl.float16, [16, BLOCK_T, KW], layout),)
+    return bufs
 
 
 @gluon.jit
@@ -108,6 +126,7 @@ def gate_up_kernel(
     BLOCK_N: gl.constexpr,  # gate (and as many up) rows per program: a multiple of 16 * NUM_WARPS
     BLOCK_K: gl.constexpr,  # 128 or 256
     NUM_WARPS: gl.constexpr,
+    SLICE_BUFFERS: gl.constexpr,  # one shared-memory allocation per activation K-slice (`_x_smem`)
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -139,11 +158,11 @@ def gate_up_kernel(
     w_w = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
     u_off = NI * (H // 8)
     us_off = NI * (H // 16)
-    buf = _x_smem(BLOCK_T, KW)
+    buf = _x_smem(BLOCK_T, KW, SLICE_BUFFERS)
     xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
     g, gs = gl.load(w_w + g_off), gl.load(ws_ptr + gs_off)
     u, us = gl.load(w_w + (g_off + u_off)), gl.load(ws_ptr + (gs_off + us_off))
-    _x_store(buf, 0, xw, xs, lw)
+    _x_store(buf, 0, xw, xs, lw, SLICE_BUFFERS)
     fence_async_shared()
     cta_barrier()
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
@@ -157,19 +176,19 @@ def gate_up_kernel(
         g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
         u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
         us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
-        acc_g = _mma_tile(gd, buf, cur, acc_g)
-        acc_u = _mma_tile(ud, buf, cur, acc_u)
+        acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
+        acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
         # While they run, the next activation tile goes into the other buffer (free: the last tile's MMAs of
         # every warp were waited for before the barrier that ended it).
-        _x_store(buf, 8 - cur, xw, xs, lw)
+        _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
         fence_async_shared()
         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
         cta_barrier()
     cur = ((K_TILES - 1) % 2) * 8
     gd = decode8(g, pair_scales(gs, la))
     ud = decode8(u, pair_scales(us, la))
-    acc_g = _mma_tile(gd, buf, cur, acc_g)
-    acc_u = _mma_tile(ud, buf, cur, acc_u)
+    acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
+    acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
     acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])
@@ -205,6 +224,7 @@ def down_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
+    SLICE_BUFFERS: gl.constexpr,  # one shared-memory allocation per activation K-slice (`_x_smem`)
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -232,10 +252,10 @@ def down_kernel(
     xs_off = (p0 + p1) * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, ls)).to(gl.int64)[None, :]
     w_off, s_off = _w_offsets(e.to(gl.int64) * H + pid_n * BLOCK_N, NI // 8, BLOCK_N, KW, la, la1)
     w_w = w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-    buf = _x_smem(BLOCK_T, KW)
+    buf = _x_smem(BLOCK_T, KW, SLICE_BUFFERS)
     xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
     w, ws = gl.load(w_w + w_off), gl.load(ws_ptr + s_off)
-    _x_store(buf, 0, xw, xs, lw)
+    _x_store(buf, 0, xw, xs, lw, SLICE_BUFFERS)
     fence_async_shared()
     cta_barrier()
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
@@ -244,14 +264,14 @@ def down_kernel(
         wd = decode8(w, pair_scales(ws, la))
         xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
         w, ws = gl.load(w_w + (w_off + (kt + 1) * KW)), gl.load(ws_ptr + (s_off + (kt + 1) * (KW // 2)))
-        acc = _mma_tile(wd, buf, cur, acc)
-        _x_store(buf, 8 - cur, xw, xs, lw)
+        acc = _mma_tile(wd, buf, cur, acc, SLICE_BUFFERS)
+        _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
         fence_async_shared()
         acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
         cta_barrier()
     cur = ((K_TILES - 1) % 2) * 8
     wd = decode8(w, pair_scales(ws, la))
-    acc = _mma_tile(wd, buf, cur, acc)
+    acc = _mma_tile(wd, buf, cur, acc, SLICE_BUFFERS)
     acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])
     acc = gl.convert_layout(acc, out_l)

@@ -90,13 +90,18 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     bt = cfg["block_t"]
     sorted_ids, expert_ids = moe_align(ids, E, bt)
     P = sorted_ids.numel()
-    h = torch.full((P, NI), float("inf"), device="cuda")
-    wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
-        xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
-        wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
-        BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], PDL=False,
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    hs = []
+    for slices in (False, True):  # one shared-memory allocation for the staged activations, or one per K-slice
+        h = torch.full((P, NI), float("inf"), device="cuda")
+        wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+            xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+            wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
+            BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
+            PDL=False, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        hs.append(h)
+    assert torch.equal(hs[0].nan_to_num(7.0), hs[1].nan_to_num(7.0)), "the buffer layout changed the result"
+    h = hs[0]
     real = sorted_ids < M * K
     slots = sorted_ids[real].long()
     e = ids.reshape(-1)[slots]
@@ -116,14 +121,19 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     # Down: the kernels' own hidden codes, with the NaN column zeroed so that only the weights' NaN row remains.
     _with_table(monkeypatch, cfg)
     hq = fp4_quant.quantize(h.nan_to_num(0.0, 0.0, 0.0), "nvfp4", "row")
-    y = torch.full((M * K, H), float("inf"), device="cuda")
     twf = tw.reshape(-1).float().contiguous()
-    wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
-        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wdn.packed, wdn.block_scale,
-        wdn.global_scale.reshape(-1), twf, y, sorted_ids, expert_ids, M * K, H, NI, BLOCK_T=bt,
-        BLOCK_N=cfg["block_n_down"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], PDL=False,
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    ys = []
+    for slices in (False, True):
+        y = torch.full((M * K, H), float("inf"), device="cuda")
+        wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
+            hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wdn.packed, wdn.block_scale,
+            wdn.global_scale.reshape(-1), twf, y, sorted_ids, expert_ids, M * K, H, NI, BLOCK_T=bt,
+            BLOCK_N=cfg["block_n_down"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
+            PDL=False, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        ys.append(y)
+    assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0)), "the buffer layout changed the result"
+    y = ys[0]
     hd = hq.dequantize().double()[real]
     want_y = torch.einsum("pi,phi->ph", hd, wdn.dequantize().double()[e]) * twf.double()[slots, None]
     got_y = y.double()[slots]
@@ -151,6 +161,8 @@ def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monk
     ids, tw = _routing(M, E, K, seed=10 + M)
     assert configs.wgmma_config(M * K, E, x.device) is not None, "the table must send these sizes to the wgmma kernels"
     y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
+    _with_table(monkeypatch, dict(configs.wgmma_config(M * K, E, x.device), slice_buffers=True))
+    assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), "slice_buffers changed the result"
     for cfg in _entries():  # every entry gives the same numbers (same operands, its own summation order)
         _with_table(monkeypatch, cfg)
         y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
@@ -256,11 +268,13 @@ def _sass():
     return sass
 
 
+@pytest.mark.parametrize("slices", [False, True], ids=["one_buffer", "slice_buffers"])
 @pytest.mark.parametrize("cfg", _entries(), ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
-def test_wgmma_kernels_compile_for_sm90_without_spills(cfg):
+def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
     """Every `WGMMA` entry of both kernels builds for sm_90 (Qwen3-30B-A3B shapes) with its wgmma instructions in the
     loop (8 per K tile, weight operand and 64-row tile: the eight K-slices), no register spills, and under 4.5 instructions per
-    FP4 element decoded (weights and the staged activations; the Triton kernels' loop: ~7)."""
+    FP4 element decoded (weights and the staged activations; the Triton kernels' loop: ~7); with ``slice_buffers`` at
+    most 2 barriers per K tile."""
     sass = _sass()
     from trace_hf.kernels import fp4_moe_wgmma as wg
 
@@ -269,7 +283,8 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg):
         (wg.gate_up_kernel, cfg["block_n_gate_up"], sass._signature("h_ptr", True), 16),
         (wg.down_kernel, cfg["block_n_down"], sass._signature("y_ptr", False), 8),
     ):
-        consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw, "PDL": False}
+        consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
+                  "SLICE_BUFFERS": slices, "PDL": False}  # fmt: skip
         n, ops = sass.loop_counts(fn, sig, consts, nw)
         assert "LDL" not in ops and "STL" not in ops, f"{fn.__name__} {cfg}: spills {ops}"
         m_reps = bn // (16 * nw)  # 64-row wgmma tiles per warpgroup
@@ -277,6 +292,8 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg):
         weights = (2 if ops_per_tile == 16 else 1) * bn * bk // (32 * nw)
         elements = weights + bt * bk // (32 * nw)
         assert n / elements < 4.5, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
+        if slices:  # the eight slice stores of a tile need no barrier between them: one before, one after
+            assert ops.get("BAR", 0) <= 2, f"{fn.__name__} {cfg}: {ops}"
 
 
 def test_hopper_ab_patches_the_wgmma_table():
