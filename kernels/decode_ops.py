@@ -180,7 +180,7 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
     )  # fmt: skip
 
 
-#: `gemv` launch: weight rows per program, K tile, warps, pipeline stages. The best of `benchmarks/gemv_tune.py` on
+#: `gemv` launch: weight rows per program, K tile, warps, pipeline stages. The best of `benchmarks/kernels/gemv_tune.py` on
 #: the H200 with the weights read from HBM (`h200_41`): a layer's QKV, o_proj and router products in 15.0 us (2.56
 #: TB/s) against cuBLAS's 22.8.
 GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4}

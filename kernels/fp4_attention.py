@@ -392,7 +392,7 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
-#: Launch configs by cache kind (``fp4``: the best of `benchmarks/fp4_attention_tune.py` on the H200,
+#: Launch configs by cache kind (``fp4``: the best of `benchmarks/kernels/fp4_attention_tune.py` on the H200,
 #: docs/benchmarks.md; ``dense``: the BF16 baseline, at the copy bandwidth with it). Splits: enough programs for
 #: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
 #: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only). ``hopper``: the Gluon kernel
@@ -401,7 +401,7 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: in a cp.async ring in shared memory (0: none, loads straight to registers); ``prefetch`` (``stages`` 0 only): the
 #: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM);
 #: ``small_batch``: the tile and ring depth up to ``max_batch`` sequences (`hopper_config`). From
-#: `fp4_attention_tune.py --hopper` on the H200 (docs/benchmarks.md 2d). Empty: the Triton kernel everywhere.
+#: `fp4_attention_tune.py --hopper` on the H200 (docs/lab-notes.md 2d). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},

@@ -20,7 +20,7 @@ of the KV group as the 8-wide N side of ``mma.m16n8k16`` in both products ("swap
   scales) are copied into a ring in shared memory by ``cp.async`` while the current one is computed, then read from
   there into the operand layouts above. A second tile held in registers (``PREFETCH``, ``STAGES`` 0) cost 80
   registers and a third of the warps an SM can hold; the ring keeps 12 warps per SM and more bytes in flight (69%
-  of copy bandwidth at batch 64 and 32K against 59%, docs/benchmarks.md 2e).
+  of copy bandwidth at batch 64 and 32K against 59%, docs/lab-notes.md 2e).
 
 Numerics as `fp4_attention._attn_split_ptx`: exact fp16 operands ``E2M1 * s * 2^-14``, Q normalized per head by its
 largest magnitude and the probabilities times V's row scales by their largest value in the tile (so that the terms

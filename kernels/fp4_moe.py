@@ -23,7 +23,9 @@ last fp32 bits and, rarely, round to a neighbouring FP4 code):
    slots of a token (the decode step fuses that sum into its next RMSNorm).
 
 On sm_90+ (measured on the H200) W4A4 decode calls run steps 3 and 5 in the Gluon kernels of `fp4_moe_hopper`
-instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA). The Triton kernels also take dense
+instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA), and past its last limit or from 16 slots
+per expert (prefill, training forwards, decode from batch 129 at top-8 of 128 experts), the wgmma kernels of `fp4_moe_wgmma`
+(`WGMMA`: wide token blocks, each weight decoded once per block). The Triton kernels also take dense
 (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
 the same code and differs only in the bytes it reads.
 
@@ -59,8 +61,10 @@ from trace_hf.kernels.fp4_moe_configs import (  # noqa: E402
     CONFIG,
     HIDDEN_LAUNCH,
     check_hopper_entry,
+    check_wgmma_entry,
     hopper_config,
     launch_config,
+    wgmma_config,
 )
 from trace_hf.kernels.moe_align import moe_align  # noqa: E402
 from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
@@ -398,7 +402,15 @@ def experts_from_quantized(
     M, K = topk_ids.shape
     n = M * K
     dev = x_arg.device
-    hopper = hopper_config(n, dev) if a_fp4 and w_fp4 and hidden_fp4 else None
+    w4a4 = a_fp4 and w_fp4 and hidden_fp4
+    wgmma = wgmma_config(n, E, dev) if w4a4 else None
+    if wgmma is not None and not check_wgmma_entry(wgmma, H, NI):
+        wgmma = None  # shapes the wgmma tiles do not divide: the decode kernels
+    if wgmma is not None:
+        sorted_ids, expert_ids = moe_align(topk_ids, E, wgmma["block_t"], align_backend)
+        return _experts_wgmma(wgmma, x_arg, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids,
+                              expert_ids, M, K, H, NI, return_hidden)  # fmt: skip
+    hopper = hopper_config(n, dev) if w4a4 else None
     if hopper is not None and (H % hopper["block_k"] or NI % hopper["block_k"] or NI % hopper["block_n_gate_up"]
                                or H % hopper["block_n_down"]):  # fmt: skip
         hopper = None  # shapes the Gluon tiles do not divide: the Triton kernels
@@ -520,6 +532,32 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
         STAGES=stages, num_warps=nw, **launch_options(x.device),
+    )  # fmt: skip
+    return (y, hidden) if return_hidden else y
+
+
+def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,
+                   return_hidden):  # fmt: skip
+    """`experts_from_quantized` through the wgmma kernels of `fp4_moe_wgmma` (W4A4, sm_90+, many tokens per
+    expert): same steps, same outputs as `_experts_hopper`."""
+    from trace_hf.kernels import fp4_moe_wgmma as wg
+
+    n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
+    slices = bool(cfg.get("slice_buffers", False))
+    P = sorted_ids.numel()
+    h = _gate_up_out(1, P, NI, x.device)
+    wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+        x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
+        **launch_options(x.device),
+    )  # fmt: skip
+    hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
+        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
+        **launch_options(x.device),
     )  # fmt: skip
     return (y, hidden) if return_hidden else y
 

@@ -1,7 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Tuned launch tables of the routed-experts kernels (`fp4_moe` and the Gluon `fp4_moe_hopper`), and the rules that
 pick an entry by the number of (token, slot) pairs a call serves. Kept apart from the kernels so that a sweep
-(`benchmarks/fp4_moe_tune.py`) or an A/B run (`benchmarks/hopper_ab.py`, keys ``fp4_moe_configs.NAME``) patches
+(`benchmarks/kernels/fp4_moe_tune.py`) or an A/B run (`benchmarks/kernels/hopper_ab.py`, keys ``fp4_moe_configs.NAME``) patches
 one place; the measurements behind each entry are in docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from trace_hf.kernels.common import INTERPRETED, gluon_module  # noqa: E402
 #: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
 #: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`; ``block_m``
 #: (optional, default ``CONFIG["block_m"]``): token rows per expert block, which a prefill of thousands of tokens
-#: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/fp4_moe_tune.py` on the
+#: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/kernels/fp4_moe_tune.py` on the
 #: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
 #: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
@@ -74,7 +74,7 @@ CONFIG = {
 #: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower). From
-#: `benchmarks/fp4_moe_tune.py --hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
+#: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
 
@@ -87,6 +87,57 @@ HOPPER = [
 
 #: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
 #: weights once per 8 tokens, which suits decode, not a prefill of hundreds of tokens per expert.
+
+
+#: W4A4 on sm_90+ where each expert serves many tokens (decode past ~1,000 slots, prefill, training forwards): the
+#: wgmma kernels of `fp4_moe_wgmma` (weights decoded once per token block into wgmma's register operand, activations
+#: decoded once per K tile into shared memory). Entries ``(from, cfg)`` by (token, slot) pairs per expert
+#: (``num_slots / num_experts``, the mean token block an expert needs), ascending: an entry serves from its ``from``
+#: up to the next one's; below the first, `HOPPER` runs (past its last limit the first entry). The first ``from`` is 16: with
+#: fewer tokens per expert a 16+-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
+#: bytes. ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
+#: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
+#: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
+#: ``slice_buffers`` (default False): one shared-memory allocation per activation K-slice, which takes 7 of the 9
+#: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits; not
+#: measured on the GPU yet, so not in the entries. Empty: never.
+#: The entries are the best of `benchmarks/kernels/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
+#: k31_2, docs/benchmarks.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
+#: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
+#: prefill, 48+ per expert: 64-token blocks, 128-row programs of 4 warps (a 16,384-token prefill layer: 5.2 ms; 8
+#: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile
+#: were slower at every size (k31_2) and are not built.
+WGMMA = [
+    (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4}),
+    (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
+]
+
+
+def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict | None:
+    """The `WGMMA` entry for a W4A4 call of ``num_slots`` (token, slot) pairs over ``num_experts`` experts on an
+    sm_90+ GPU, or None (the decode kernels or the Triton kernels run). Past the last `HOPPER` limit, below the first
+    ``from`` (Qwen3-30B-A3B: 1,025-2,047 pairs), the first entry: its blocks cover every expert once, as at its
+    ``from``, where it is twice as fast as the Triton kernels that would run instead."""
+    per_expert = num_slots / max(num_experts, 1)
+    cfg = WGMMA[0][1] if WGMMA and HOPPER and num_slots > HOPPER[-1][0] else None
+    for start, entry in WGMMA:
+        if per_expert >= start:
+            cfg = entry
+    if cfg is None or INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return None
+    return cfg if gluon_module("fp4_moe_wgmma") is not None else None
+
+
+def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
+    """Whether a `WGMMA` entry's tiles divide the expert shapes (``hidden`` H, ``width`` I): else the other kernels
+    run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""
+    bt, bk, nw = cfg["block_t"], cfg["block_k"], cfg["num_warps"]
+    rows = 16 * nw
+    if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
+            or cfg["block_n_down"] % rows:  # fmt: skip
+        raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
+                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}).")  # fmt: skip
+    return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 
 def hopper_config(num_slots: int, device: torch.device) -> dict | None:
@@ -117,5 +168,5 @@ def check_hopper_entry(cfg: dict) -> int:
 #: Batch 1's fused split-K sum, SiLU and hidden quantization (`_silu_mul_kernel` with QUANT): whole rows per program
 #: and values per thread (the warps follow). The kernel is one dependent chain per thread, so fewer values per thread
 #: is a shorter chain: one row and 4 values (8 warps, 32 registers, 712 sm_90 instructions against 1,824 for 4 rows
-#: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/benchmarks.md 2h).
+#: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/lab-notes.md 2h).
 HIDDEN_LAUNCH = {"rows": 1, "values_per_thread": 4}

@@ -359,13 +359,13 @@ def _dequant_kernel(
 # Host side
 # ----------------------------------------------------------------------------------------------------------
 
-#: Launch parameters per kernel path, pinned from `benchmarks/fp4_quant.py --sweep` on an H200 (bf16 [65536, 2048]):
+#: Launch parameters per kernel path, pinned from `benchmarks/kernels/fp4_quant.py --sweep` on an H200 (bf16 [65536, 2048]):
 #: ``tile`` elements per program (BLOCK_M * BLOCK_K), ``block_k`` columns per program (a row-scale quantize spans
 #: whole rows whatever it says), ``num_warps``. These kernels stream: a program only needs enough independent
 #: 16-byte loads in flight, with each thread holding whole half-blocks of 8 bf16. Under the interpreter programs
 #: run one after another in numpy, so there a program is ``tile_interpreted`` elements. ``max_row`` is the widest
 #: row the row-scale kernel keeps in registers (wider rows take a separate amax pass).
-# Launch parameters per path: the best of `benchmarks/fp4_quant.py --sweep` on an H200 ([65536, 2048] bf16;
+# Launch parameters per path: the best of `benchmarks/kernels/fp4_quant.py --sweep` on an H200 ([65536, 2048] bf16;
 # docs/benchmarks.md has the run).
 CONFIG = {
     "quantize": {"tile": 2048, "block_k": 2048, "num_warps": 2},  # quantize / guided_quantize (+ hints)

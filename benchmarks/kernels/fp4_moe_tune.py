@@ -43,6 +43,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--ring", default="0", help="--hopper: cp.async ring depth for the weights (0: registers; needs x_shared)"
     )
+    p.add_argument("--wgmma", action="store_true", help="sweep the wgmma kernels (`WGMMA`, sm_90+) instead")
+    p.add_argument("--wg-block-t", default="32,64", help="--wgmma: token rows per expert block")
+    p.add_argument("--wg-block-n", default="64,128", help="--wgmma: weight rows per program (both GEMMs)")
+    p.add_argument("--wg-warps", default="4,8", help="--wgmma: warps per program")
     p.add_argument(
         "--copies",
         type=int,
@@ -96,6 +100,11 @@ def main(argv=None) -> int:
             args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.ring)))
         if bn >= 16 * w and bk % 128 == 0 and (st == 0 or xs)  # the Gluon K tile: 16 code words per MMA
     ]  # fmt: skip
+    wgmma_grid = [
+        {"wgmma": True, "block_t": bt, "block_n_gate_up": bn, "block_n_down": bn, "block_k": 128, "num_warps": w}
+        for bt, bn, w in itertools.product(*(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps)))
+        if bn % (16 * w) == 0
+    ]
     grid = [
         {"block_m": bm, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w,
          "num_stages": st, "halves": hv[0], "ptx": hv[1], "split_k": sk}
@@ -106,6 +115,7 @@ def main(argv=None) -> int:
         )
     ]  # fmt: skip
     by_slots, dense, hopper = list(configs.CONFIG["by_slots"]), configs.CONFIG["dense"], list(configs.HOPPER)
+    wgmma = list(configs.WGMMA)
     t0 = time.perf_counter()
     rows, best = [], {}
     for M in (int(b) for b in args.batches.split(",")):
@@ -117,6 +127,7 @@ def main(argv=None) -> int:
         io_bytes = xq.nbytes() + M * K * H * 4
 
         def timed(cfg, weights, x_in):
+            configs.WGMMA = [(0, cfg)] if cfg.get("wgmma") else []
             if "block_t" in cfg:
                 configs.HOPPER = [(1 << 62, cfg)]
             else:
@@ -127,15 +138,25 @@ def main(argv=None) -> int:
                 lambda: [moe.experts_from_quantized(x_in, ids, tw, w_gu, w_dn) for w_gu, w_dn in weights], rep=50
             ) / len(weights)
 
-        # The baseline is the BF16 decode step's own call: BF16 input, BF16 weights, a BF16 hidden activation.
+        # The baseline is the BF16 decode step's own call: BF16 input, BF16 weights, a BF16 hidden activation; from
+        # 64 slots per expert on (prefill), the better of its 16-row blocks and 64-row ones.
         t_bf16 = timed(dense, bf16_w, x) * 1e-3
+        if M * K >= 64 * E:
+            t_bf16 = min(t_bf16, timed(dict(dense, block_m=64), bf16_w, x) * 1e-3)
         bf16_frac = (distinct * bf16_expert_bytes + x.nbytes + M * K * H * 4) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
-        configs.CONFIG["by_slots"], configs.HOPPER = by_slots, hopper
-        current = dict(configs.hopper_config(M * K, dev) or configs.launch_config(M * K))
+        configs.CONFIG["by_slots"], configs.HOPPER, configs.WGMMA = by_slots, hopper, wgmma
+        wg_cfg = configs.wgmma_config(M * K, E, dev)
+        current = (
+            dict(wg_cfg, wgmma=True)
+            if wg_cfg
+            else dict(configs.hopper_config(M * K, dev) or configs.launch_config(M * K))
+        )
         triton_cfg = dict(configs.launch_config(M * K))
         for cfg in (
-            [current] + ([triton_cfg] if current != triton_cfg else []) + (hopper_grid if args.hopper else grid)
+            [current]
+            + ([triton_cfg] if current != triton_cfg else [])
+            + (wgmma_grid if args.wgmma else hopper_grid if args.hopper else grid)
         ):
             if time.perf_counter() - t0 > args.budget_s:
                 break
@@ -159,6 +180,7 @@ def main(argv=None) -> int:
             if t_tr:
                 print(f"           Triton kernels (current table) {t_tr:.1f} us: best / Triton {t_tr / b['us']:.2f}x")
     configs.CONFIG["by_slots"], configs.CONFIG["dense"], configs.HOPPER = by_slots, dense, hopper
+    configs.WGMMA = wgmma
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 

@@ -9,7 +9,8 @@
     OUT=outputs/ab python -m benchmarks.kernels.hopper_ab
 
 VARIANTS maps a name to a patch: ``{limit: {key: value}}`` updates the `HOPPER` entry of that slot limit, ``"*"``
-every entry; ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
+every entry; ``{"WGMMA<from>": {key: value}}`` the `WGMMA` entry that starts at ``from`` slots per expert,
+``"WGMMA*"`` every one; ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
 key by key), e.g. ``fp4_moe_configs.HIDDEN_LAUNCH``, ``fp4_quant.CONFIG``, ``decode_ops.GEMV``. A variant ``base``
 (the settings as committed) always runs first. Writes $OUT/hopper_ab.json: tokens/s per variant, round and cell.
 """
@@ -29,10 +30,19 @@ from trace_hf.kernels import fp4_moe_configs
 def patched(table: list, patch: dict) -> list:
     """`HOPPER` with ``patch``'s slot-limit keys applied; an unknown limit is an error, not a no-op."""
     limits = {str(lim) for lim, _ in table}
-    unknown = {k for k in patch if "." not in k} - limits - {"*"}
+    unknown = {k for k in patch if "." not in k and not k.startswith("WGMMA")} - limits - {"*"}
     if unknown:
         raise SystemExit(f"VARIANTS names slot limits {sorted(unknown)}; HOPPER has {sorted(limits)} (or use '*').")
     return [(lim, {**cfg, **patch.get("*", {}), **patch.get(str(lim), {})}) for lim, cfg in table]
+
+
+def patched_wgmma(table: list, patch: dict) -> list:
+    """`WGMMA` with ``patch``'s ``WGMMA<from>`` / ``WGMMA*`` keys applied; an unknown start is an error."""
+    starts = {f"WGMMA{start}" for start, _ in table}
+    unknown = {k for k in patch if k.startswith("WGMMA")} - starts - {"WGMMA*"}
+    if unknown:
+        raise SystemExit(f"VARIANTS names WGMMA entries {sorted(unknown)}; WGMMA has {sorted(starts)}.")
+    return [(st, {**cfg, **patch.get("WGMMA*", {}), **patch.get(f"WGMMA{st}", {})}) for st, cfg in table]
 
 
 def merged(settings: dict, patch: dict) -> dict:
@@ -69,10 +79,12 @@ def main() -> int:
     out = os.environ["OUT"]
     variants = {"base": {}, **json.loads(os.environ.get("VARIANTS", "{}"))}
     base, dicts = list(fp4_moe_configs.HOPPER), settings_dicts(variants)
+    wg_base = list(fp4_moe_configs.WGMMA)
     res = {}
     for rnd in (1, 2):
         for name, patch in variants.items():
             fp4_moe_configs.HOPPER[:] = patched(base, patch)
+            fp4_moe_configs.WGMMA[:] = patched_wgmma(wg_base, patch)
             apply(dicts, patch)
             path = f"{out}/ab_{name}_{rnd}.json"
             rollout_decode.main(["--out", path, "--steps", "20"] + os.environ["AB_ARGS"].split())
@@ -81,8 +93,9 @@ def main() -> int:
             res[f"{name} {rnd}"] = {
                 f"{c['setup']} b{c['batch']} t{c['context']}": c.get("tokens_per_s") for c in cells
             }
-            print(name, rnd, fp4_moe_configs.HOPPER, res[f"{name} {rnd}"], flush=True)
+            print(name, rnd, fp4_moe_configs.HOPPER, fp4_moe_configs.WGMMA, res[f"{name} {rnd}"], flush=True)
     fp4_moe_configs.HOPPER[:] = base
+    fp4_moe_configs.WGMMA[:] = wg_base
     apply(dicts, {})
     with open(f"{out}/hopper_ab.json", "w") as f:
         json.dump({"variants": variants, "tokens_per_s": res}, f, indent=1)

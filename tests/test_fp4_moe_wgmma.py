@@ -1,0 +1,316 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The wgmma expert GEMMs (`trace_hf.kernels.fp4_moe_wgmma`, sm_90+, many tokens per expert) against the spec, the
+decode kernels and the torch path, and the dispatch that picks them (`fp4_moe_configs.WGMMA`).
+
+Gluon does not run in the interpreter, so the numerics are GPU tests (as in tests/test_fp4_moe_hopper.py): the MMA
+adds exact products in fp32 in another order than torch, so each GEMM must match an fp64 reference of the same
+dequantized operands to fp32 rounding, and NaN scales must reach exactly the rows that read them. On the CPU the
+dispatch is checked with a patched device capability, and the kernels are compiled for sm_90 with Triton's bundled
+ptxas: every table entry builds, keeps its wgmma instructions in the loop and does not spill.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trace_hf import fp4
+
+
+moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+configs = pytest.importorskip("trace_hf.kernels.fp4_moe_configs")
+common = pytest.importorskip("trace_hf.kernels.common")
+
+
+def _hopper_gpu():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _packed(E, N, K, seed, special=False):
+    """NVFP4 expert weights; with ``special`` every code and scale class: -0 codes, the largest code everywhere in a
+    row, subnormal E4M3 scales, zero scales, and a NaN scale in row 3 of every expert."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(E, N, K, device="cuda", generator=g) * 0.05
+    q = fp4.quantize(w, "nvfp4", "expert")
+    if special:
+        codes = q.packed.view(E, N, K // 2)
+        codes[:, 0, :4] = 0x88
+        codes[:, 1, :] = 0x77
+        sc = q.block_scale.view(E, N, K // 16)
+        sc[:, 2, :] = torch.arange(1, 8, device="cuda", dtype=torch.uint8).repeat(K // 16 // 7 + 1)[: K // 16]
+        sc[:, 4, ::3] = 0
+        sc[:, 3, 1] = 0x7F
+    return q
+
+
+def _routing(M, E, K, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w, ids = torch.softmax(torch.randn(M, E, device="cuda", generator=g), -1).topk(K)
+    return ids, w
+
+
+def _input(M, H, seed):
+    """Activations with a zero row and a row of ties (every value the same, the block maximum in every block)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, H, device="cuda", generator=g)
+    x[1] = 0.0
+    x[2] = 0.75
+    return x
+
+
+def _entries():
+    return [cfg for _, cfg in configs.WGMMA]
+
+
+def _with_table(monkeypatch, cfg):
+    monkeypatch.setattr(configs, "WGMMA", [(0, cfg)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("cfg", _entries(), ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
+@pytest.mark.parametrize("M", [48, 300])
+def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
+    """Both GEMMs of every `WGMMA` entry: the hidden activation before its quantization against fp64 of the dequantized
+    input and weights, and the down projection against fp64 of the hidden codes the kernels quantized; every code
+    and scale class decodes to the spec's value, NaN scales poison exactly their rows, padding rows are 0."""
+    from trace_hf.kernels import fp4_moe_wgmma as wg
+    from trace_hf.kernels import fp4_quant
+    from trace_hf.kernels.moe_align import moe_align
+
+    E, H, NI, K = 8, 512, 256, 4
+    wgu = _packed(E, 2 * NI, H, seed=1, special=True)
+    wdn = _packed(E, H, NI, seed=2, special=True)
+    xq = fp4_quant.quantize(_input(M, H, seed=M), "nvfp4", "row")
+    ids, tw = _routing(M, E, K, seed=M + 1)
+    bt = cfg["block_t"]
+    sorted_ids, expert_ids = moe_align(ids, E, bt)
+    P = sorted_ids.numel()
+    hs = []
+    for slices in (False, True):  # one shared-memory allocation for the staged activations, or one per K-slice
+        h = torch.full((P, NI), float("inf"), device="cuda")
+        wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+            xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+            wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
+            BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
+            PDL=False, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        hs.append(h)
+    assert torch.equal(hs[0].nan_to_num(7.0), hs[1].nan_to_num(7.0)), "the buffer layout changed the result"
+    h = hs[0]
+    real = sorted_ids < M * K
+    slots = sorted_ids[real].long()
+    e = ids.reshape(-1)[slots]
+    gate, up = torch.einsum("ph,pnh->pn", xq.dequantize().double()[slots // K], wgu.dequantize().double()[e]).chunk(
+        2, -1
+    )
+    want = torch.nn.functional.silu(gate) * up
+    got = h[real].double()
+    assert torch.isnan(got[:, 3]).all() and torch.isnan(want[:, 3]).all()  # gate row 3 reads the NaN scale
+    ok = torch.arange(NI, device="cuda") != 3
+    assert not torch.isnan(got[:, ok]).any()
+    err = (got[:, ok] - want[:, ok]).abs().max() / want[:, ok].abs().max()
+    assert err < 1e-5, f"gate/up {cfg}: {err}"
+    in_segment = (expert_ids >= 0).repeat_interleave(bt)
+    assert (h[~real & in_segment] == 0).all(), "an expert's padding rows must be written as 0"
+
+    # Down: the kernels' own hidden codes, with the NaN column zeroed so that only the weights' NaN row remains.
+    _with_table(monkeypatch, cfg)
+    hq = fp4_quant.quantize(h.nan_to_num(0.0, 0.0, 0.0), "nvfp4", "row")
+    twf = tw.reshape(-1).float().contiguous()
+    ys = []
+    for slices in (False, True):
+        y = torch.full((M * K, H), float("inf"), device="cuda")
+        wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
+            hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wdn.packed, wdn.block_scale,
+            wdn.global_scale.reshape(-1), twf, y, sorted_ids, expert_ids, M * K, H, NI, BLOCK_T=bt,
+            BLOCK_N=cfg["block_n_down"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
+            PDL=False, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        ys.append(y)
+    assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0)), "the buffer layout changed the result"
+    y = ys[0]
+    hd = hq.dequantize().double()[real]
+    want_y = torch.einsum("pi,phi->ph", hd, wdn.dequantize().double()[e]) * twf.double()[slots, None]
+    got_y = y.double()[slots]
+    assert torch.isnan(got_y[:, 3]).all()  # down row 3 reads the NaN scale
+    ok = torch.arange(H, device="cuda") != 3
+    assert not torch.isnan(got_y[:, ok]).any() and not torch.isinf(got_y[:, ok]).any()  # every slot written
+    err = (got_y[:, ok] - want_y[:, ok]).abs().max() / want_y[:, ok].abs().max()
+    assert err < 1e-5, f"down {cfg}: {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("M", [256, 512, 2048])
+def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monkeypatch):
+    """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes (decode batch 256 and 512, a 2,048-token prefill
+    chunk): the table's wgmma entry against the Triton kernels (held to the torch path by tests/test_fp4_moe.py) and
+    the torch reference, and the hidden codes it quantized against the Triton kernels' (equal up to rare flips at a
+    rounding boundary from the summation order)."""
+    from trace_hf.kernels import fp4_quant
+
+    E, H, NI, K = 128, 2048, 768, 8
+    wgu, wdn = _packed(E, 2 * NI, H, seed=3), _packed(E, H, NI, seed=4)
+    x = _input(M, H, seed=M)
+    xq = fp4_quant.quantize(x, "nvfp4", "row")
+    ids, tw = _routing(M, E, K, seed=10 + M)
+    assert configs.wgmma_config(M * K, E, x.device) is not None, "the table must send these sizes to the wgmma kernels"
+    y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
+    _with_table(monkeypatch, dict(configs.wgmma_config(M * K, E, x.device), slice_buffers=True))
+    assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), "slice_buffers changed the result"
+    for cfg in _entries():  # every entry gives the same numbers (same operands, its own summation order)
+        _with_table(monkeypatch, cfg)
+        y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+        assert ((y_other - y).norm() / y.norm()).item() < 1e-3, cfg
+    monkeypatch.setattr(configs, "WGMMA", [])
+    monkeypatch.setattr(configs, "HOPPER", [])
+    y_ref, hid_ref = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
+    monkeypatch.undo()
+    rel = ((y - y_ref).norm() / y_ref.norm()).item()
+    assert rel < 1e-3, f"M={M}: {rel}"
+    a, b = hid.q.packed[hid.positions()], hid_ref.q.packed[hid_ref.positions()]
+    assert (a == b).float().mean().item() > 0.999
+    if M <= 256:
+        ref = moe.moe_experts_reference(x, ids, tw, wgu, wdn)
+        out = y.sum(1)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+def test_module_uses_the_wgmma_kernels_and_matches_its_torch_path():
+    """`TraceFP4Experts` (kernel="triton") at a size the table sends to wgmma: equal to its torch path, a NaN input
+    row poisons exactly its own output row."""
+    from torch import nn
+
+    from trace_hf.experts import TraceFP4Experts
+
+    E, H, NI, K, M = 16, 256, 128, 4, 160
+    g = torch.Generator().manual_seed(5)
+    gu = nn.Parameter((torch.randn(E, 2 * NI, H, generator=g) * 0.1).cuda())
+    d = nn.Parameter((torch.randn(E, H, NI, generator=g) * 0.1).cuda())
+    ids, tw = _routing(M, E, K, seed=6)
+    x = torch.randn(M, H, device="cuda")
+    x[7, 3] = float("nan")
+    assert configs.wgmma_config(M * K, E, x.device) is not None
+    out = TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel="triton").eval()(x, ids, tw)
+    ref = TraceFP4Experts(gu, d, nn.functional.silu, "nvfp4", "fp4", kernel="torch").eval()(x, ids, tw)
+    assert torch.isnan(out[7]).all()
+    keep = torch.arange(M, device="cuda") != 7
+    assert not torch.isnan(out[keep]).any()
+    assert ((out[keep] - ref[keep]).norm() / ref[keep].norm()).item() < 1e-3
+
+
+def test_dispatch_by_slots_per_expert(monkeypatch):
+    """`wgmma_config`: from 16 slots per expert on, the entry whose range holds the call's slots per expert; past the
+    decode kernels' last limit the first entry; below, on CPU, before sm_90, with an empty table or without Gluon,
+    None (the decode kernels run)."""
+    monkeypatch.setattr(configs, "INTERPRETED", False)
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap["value"])
+    dev = torch.device("cuda")
+    (lo, first), (hi, second) = configs.WGMMA[:2]
+    E = 128
+    limit = configs.HOPPER[-1][0]
+    assert configs.wgmma_config(limit, E, dev) is None  # batch 128 at top-8: the decode kernels, their entry unchanged
+    assert configs.hopper_config(limit, dev) == configs.HOPPER[-1][1]
+    assert configs.wgmma_config(limit + 1, E, dev) == first  # past them: wgmma, not the Triton kernels
+    assert configs.wgmma_config(lo * E - 1, E, dev) == first
+    assert configs.wgmma_config(lo * E, E, dev) == first  # batch 256
+    assert configs.wgmma_config(hi * E - 1, E, dev) == first
+    assert configs.wgmma_config(hi * E, E, dev) == second
+    assert configs.wgmma_config(16384 * 8, E, dev) == configs.WGMMA[-1][1]  # a 16K-token prefill
+    assert configs.wgmma_config(lo * 16, 16, dev) == first  # by slots per expert, not slots: fewer experts, earlier
+    assert configs.wgmma_config(1 << 20, E, torch.device("cpu")) is None
+    cap["value"] = (8, 9)
+    assert configs.wgmma_config(1 << 20, E, dev) is None
+    cap["value"] = (9, 0)
+    monkeypatch.setattr(configs, "HOPPER", [])  # "always the Triton kernels" below the wgmma range, as before
+    assert configs.wgmma_config(lo * E - 1, E, dev) is None
+    monkeypatch.setattr(configs, "WGMMA", [])
+    assert configs.wgmma_config(1 << 20, E, dev) is None
+
+
+def test_wgmma_entries_are_checked():
+    """Entries that the kernels cannot take are errors naming the fix; shapes the tiles do not divide fall back."""
+    for cfg in _entries():
+        assert configs.check_wgmma_entry(cfg, 2048, 768)  # Qwen3-30B-A3B
+        assert not configs.check_wgmma_entry(cfg, 2048, 776)  # an expert width the tiles do not divide
+    good = _entries()[0]
+    for bad in ({"block_t": 12}, {"block_k": 64}, {"num_warps": 2}, {"block_n_gate_up": 16 * good["num_warps"] + 8}):
+        with pytest.raises(ValueError, match="WGMMA entry"):
+            configs.check_wgmma_entry(dict(good, **bad), 2048, 768)
+
+
+def test_interpreter_never_reaches_the_wgmma_kernels():
+    """Under the interpreter (CI) the table is never consulted for a kernel: the Triton kernels serve every size."""
+    if not common.INTERPRETED:
+        pytest.skip("interpreter only")
+    assert configs.wgmma_config(1 << 20, 128, torch.device("cpu")) is None
+
+
+def _sass():
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    spec = importlib.util.spec_from_file_location(
+        "sass_counts", Path(__file__).parents[1] / "benchmarks" / "sass_counts.py"
+    )
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    return sass
+
+
+@pytest.mark.parametrize("slices", [False, True], ids=["one_buffer", "slice_buffers"])
+@pytest.mark.parametrize("cfg", _entries(), ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
+def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
+    """Every `WGMMA` entry of both kernels builds for sm_90 (Qwen3-30B-A3B shapes) with its wgmma instructions in the
+    loop (8 per K tile, weight operand and 64-row tile: the eight K-slices), no register spills, and under 4.5 instructions per
+    FP4 element decoded (weights and the staged activations; the Triton kernels' loop: ~7); with ``slice_buffers`` at
+    most 2 barriers per K tile."""
+    sass = _sass()
+    from trace_hf.kernels import fp4_moe_wgmma as wg
+
+    bt, nw, bk = cfg["block_t"], cfg["num_warps"], cfg["block_k"]
+    for fn, bn, sig, ops_per_tile in (
+        (wg.gate_up_kernel, cfg["block_n_gate_up"], sass._signature("h_ptr", True), 16),
+        (wg.down_kernel, cfg["block_n_down"], sass._signature("y_ptr", False), 8),
+    ):
+        consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
+                  "SLICE_BUFFERS": slices, "PDL": False}  # fmt: skip
+        n, ops = sass.loop_counts(fn, sig, consts, nw)
+        assert "LDL" not in ops and "STL" not in ops, f"{fn.__name__} {cfg}: spills {ops}"
+        m_reps = bn // (16 * nw)  # 64-row wgmma tiles per warpgroup
+        assert ops.get("HGMMA", 0) == ops_per_tile * m_reps * bk // 128, f"{fn.__name__} {cfg}: {ops}"
+        weights = (2 if ops_per_tile == 16 else 1) * bn * bk // (32 * nw)
+        elements = weights + bt * bk // (32 * nw)
+        assert n / elements < 4.5, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
+        if slices:  # the eight slice stores of a tile need no barrier between them: one before, one after
+            assert ops.get("BAR", 0) <= 2, f"{fn.__name__} {cfg}: {ops}"
+
+
+def test_hopper_ab_patches_the_wgmma_table():
+    """`benchmarks/kernels/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``); a start
+    the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import hopper_ab
+    finally:
+        sys.path.pop(0)
+    table = [(16, {"block_t": 32}), (48, {"block_t": 64})]
+    patch = {"WGMMA*": {"num_warps": 8}, "WGMMA48": {"block_t": 128}}
+    assert hopper_ab.patched_wgmma(table, patch) == [(16, {"block_t": 32, "num_warps": 8}),
+                                                     (48, {"block_t": 128, "num_warps": 8})]  # fmt: skip
+    assert hopper_ab.patched_wgmma(table, {}) == table
+    with pytest.raises(SystemExit, match="WGMMA entries"):
+        hopper_ab.patched_wgmma(table, {"WGMMA32": {"block_t": 16}})
+    assert hopper_ab.patched([(8, {"block_t": 8})], patch) == [(8, {"block_t": 8})]
