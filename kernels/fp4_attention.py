@@ -370,7 +370,7 @@ def _attn_split_ptx(q, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, start, end,
 def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
                     ROWS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Merge the splits of ``ROWS`` (sequence, query head) rows by their log-sum-exp. Several rows per program: a
-    4-warp program per row spent its time in the reductions of a few KB, not in moving them (docs/benchmarks.md
+    4-warp program per row spent its time in the reductions of a few KB, not in moving them (docs/lab-notes.md
     2h)."""
     wait_for_producer(PDL)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -393,7 +393,7 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 # ----------------------------------------------------------------------------------------------------------
 
 #: Launch configs by cache kind (``fp4``: the best of `benchmarks/kernels/fp4_attention_tune.py` on the H200,
-#: docs/benchmarks.md; ``dense``: the BF16 baseline, at the copy bandwidth with it). Splits: enough programs for
+#: docs/lab-notes.md; ``dense``: the BF16 baseline, at the copy bandwidth with it). Splits: enough programs for
 #: ``target_programs``, chunks of at least ``min_chunk`` tokens, a multiple of every ``block_t``. ``ptx``: an FP4
 #: cache is decoded by inline PTX into fp16 operands (`_attn_split_ptx`; the GPU only). ``hopper``: the Gluon kernel
 #: of `fp4_attention_hopper` for an FP4 cache on sm_90+, with its own split rule (one warp per program, so it wants
@@ -514,7 +514,7 @@ def decode_attention(
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     # The split kernels take no PDL: scheduled early, their few long programs land unevenly on the SMs, and at 32K
-    # tokens and batch 20-24 the step was 15% slower with it (docs/benchmarks.md, `h200_31`).
+    # tokens and batch 20-24 the step was 15% slower with it (docs/lab-notes.md, `h200_31`).
     if hopper:
         cfg = hopper_config(B)
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](

@@ -430,7 +430,7 @@ def experts_from_quantized(
         "BLOCK_M": bm,
         "num_warps": cfg["num_warps"],
         "num_stages": cfg["num_stages"],
-        # BF16 weights: no PDL (decode at batch 1 ran 9% slower with it, docs/benchmarks.md).
+        # BF16 weights: no PDL (decode at batch 1 ran 9% slower with it, docs/lab-notes.md).
         **(launch_options(dev) if w_fp4 else {"PDL": False}),
     }
     split = cfg.get("split_k", 1)

@@ -2,7 +2,7 @@
 """Tuned launch tables of the routed-experts kernels (`fp4_moe` and the Gluon `fp4_moe_hopper`), and the rules that
 pick an entry by the number of (token, slot) pairs a call serves. Kept apart from the kernels so that a sweep
 (`benchmarks/kernels/fp4_moe_tune.py`) or an A/B run (`benchmarks/kernels/hopper_ab.py`, keys ``fp4_moe_configs.NAME``) patches
-one place; the measurements behind each entry are in docs/benchmarks.md."""
+one place; the measurements behind each entry are in docs/lab-notes.md."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from trace_hf.kernels.common import INTERPRETED, gluon_module  # noqa: E402
 #: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`; ``block_m``
 #: (optional, default ``CONFIG["block_m"]``): token rows per expert block, which a prefill of thousands of tokens
 #: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/kernels/fp4_moe_tune.py` on the
-#: H200 (Qwen3-30B-A3B experts; docs/benchmarks.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
+#: H200 (Qwen3-30B-A3B experts; docs/lab-notes.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
 #: against 89, 510 and 762 us for the fp32 decoding.
 _DENSE = {
     "block_n_gate_up": 32,
@@ -74,7 +74,7 @@ CONFIG = {
 #: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower). From
-#: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/benchmarks.md). Empty: always the Triton kernels.
+#: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
 
@@ -102,7 +102,7 @@ HOPPER = [
 #: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits; not
 #: measured on the GPU yet, so not in the entries. Empty: never.
 #: The entries are the best of `benchmarks/kernels/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
-#: k31_2, docs/benchmarks.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
+#: k31_2, docs/lab-notes.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
 #: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
 #: prefill, 48+ per expert: 64-token blocks, 128-row programs of 4 warps (a 16,384-token prefill layer: 5.2 ms; 8
 #: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile

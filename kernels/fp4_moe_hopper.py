@@ -23,12 +23,12 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
 * **Two ways in for the weights.** Straight into registers, the next K tile's loads issued before this tile's MMAs;
   or (``STAGES`` >= 2, with the activations staged in shared memory) through a ``cp.async`` ring in shared memory,
   read from there into the same operand layouts: ``STAGES - 1`` tiles in flight without holding registers. The
-  ring wins at batch 64 and loses at 16, where its shared memory leaves fewer programs per SM (docs/benchmarks.md
+  ring wins at batch 64 and loses at 16, where its shared memory leaves fewer programs per SM (docs/lab-notes.md
   2g).
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
 smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
-instructions per weight element instead of 7 (sm_90 SASS, docs/benchmarks.md). `fp4_attention_hopper` uses the
+instructions per weight element instead of 7 (sm_90 SASS, docs/lab-notes.md). `fp4_attention_hopper` uses the
 same decoding. GPU only (inline PTX; Gluon does not run in the interpreter); `fp4_moe.experts_from_quantized` picks
 these kernels on sm_90+ for W4A4.
 """

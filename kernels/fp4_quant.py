@@ -366,7 +366,7 @@ def _dequant_kernel(
 #: run one after another in numpy, so there a program is ``tile_interpreted`` elements. ``max_row`` is the widest
 #: row the row-scale kernel keeps in registers (wider rows take a separate amax pass).
 # Launch parameters per path: the best of `benchmarks/kernels/fp4_quant.py --sweep` on an H200 ([65536, 2048] bf16;
-# docs/benchmarks.md has the run).
+# docs/lab-notes.md has the run).
 CONFIG = {
     "quantize": {"tile": 2048, "block_k": 2048, "num_warps": 2},  # quantize / guided_quantize (+ hints)
     "fake": {"tile": 2048, "block_k": 2048, "num_warps": 2},  # fake_quantize, nearest
