@@ -11,9 +11,7 @@ ptxas: every table entry builds, keeps its wgmma instructions in the loop and do
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -260,12 +258,9 @@ def _sass():
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this Triton has no bundled ptxas")
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    spec = importlib.util.spec_from_file_location(
-        "sass_counts", Path(__file__).parents[1] / "benchmarks" / "sass_counts.py"
-    )
-    sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass)
-    return sass
+    from benchmarks.kernels import sass_counts
+
+    return sass_counts
 
 
 @pytest.mark.parametrize("slices", [False, True], ids=["one_buffer", "slice_buffers"])
@@ -299,13 +294,8 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
 def test_hopper_ab_patches_the_wgmma_table():
     """`benchmarks/kernels/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``); a start
     the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
-    import sys
+    from benchmarks.kernels import hopper_ab
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    try:
-        import hopper_ab
-    finally:
-        sys.path.pop(0)
     table = [(16, {"block_t": 32}), (48, {"block_t": 64})]
     patch = {"WGMMA*": {"num_warps": 8}, "WGMMA48": {"block_t": 128}}
     assert hopper_ab.patched_wgmma(table, patch) == [(16, {"block_t": 32, "num_warps": 8}),
