@@ -4,7 +4,7 @@ decode at large batches (thousands of slots) and prefill or training forwards (t
 
 Why: the decode kernels of `fp4_moe_hopper` use 8-token expert blocks (``mma.sync``, N = 8), so an expert that
 serves 32 tokens decodes its weights 4 times, and past 1,024 slots the Triton kernels ran, with their ~7
-instructions per weight element. Here a program owns a wide token block (``BLOCK_T`` 16-128, the MMA's N):
+instructions per weight element. Here a program owns a wide token block (``BLOCK_T`` 16-64, the MMA's N):
 
 * **Weights are wgmma's A operand, straight from registers.** The code words are loaded as ``uint32`` in the
   wgmma register-operand layout (per warp the same as ``mma.sync``'s A fragment, ``k_width=2``), and

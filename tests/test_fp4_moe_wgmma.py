@@ -304,3 +304,98 @@ def test_hopper_ab_patches_the_wgmma_table():
     with pytest.raises(SystemExit, match="WGMMA entries"):
         hopper_ab.patched_wgmma(table, {"WGMMA32": {"block_t": 16}})
     assert hopper_ab.patched([(8, {"block_t": 8})], patch) == [(8, {"block_t": 8})]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decoding every Gluon kernel shares (`fp4_moe_hopper.decode8`), checked on CPU: its PTX text, run by a small
+# interpreter of the eight instructions it uses, against the spec (`trace_hf.fp4`), for every code and scale byte.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _f16_bits(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _f16_of(bits: torch.Tensor) -> torch.Tensor:
+    return (bits & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16)
+
+
+def _run_ptx(text: str, regs: dict) -> dict:
+    """Run the straight-line PTX of `decode8` on int64 tensors of 32-bit register values (a test model of the
+    instructions' semantics: prmt's default mode, logical shifts, f16x2 arithmetic rounded to nearest, E4M3x2 to
+    f16x2 in hardware, i.e. exact with 0x7F NaN)."""
+    m32 = 0xFFFFFFFF
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else torch.tensor(int(tok, 0), dtype=torch.int64)
+
+    for line in (ln.strip() for ln in text.splitlines()):
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.rstrip(";").split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):  # split a 32-bit register into its 16-bit halves
+            halves, src = rest.rsplit(",", 1)
+            lo, hi = (h.strip() for h in halves.strip("{} ").split(","))
+            regs[lo], regs[hi] = val(src) & 0xFFFF, (val(src) >> 16) & 0xFFFF
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        d, srcs = args[0], [val(a) for a in args[1:]]
+        if op == "prmt.b32":
+            a, b, sel = srcs
+            pool = (a & m32) | ((b & m32) << 32)
+            out = torch.zeros_like(pool)
+            for i in range(4):
+                pick = (int(sel) >> (4 * i)) & 7
+                out |= ((pool >> (8 * pick)) & 0xFF) << (8 * i)
+            regs[d] = out
+        elif op == "shl.b32":
+            regs[d] = (srcs[0] << int(srcs[1])) & m32
+        elif op == "shr.b32":
+            regs[d] = (srcs[0] & m32) >> int(srcs[1])
+        elif op == "and.b32":
+            regs[d] = srcs[0] & srcs[1]
+        elif op == "or.b32":
+            regs[d] = srcs[0] | srcs[1]
+        elif op == "mov.b32":
+            regs[d] = srcs[0] & m32
+        elif op == "cvt.rn.f16x2.e4m3x2":
+            x = srcs[0]
+            lo, hi = (fp4.e4m3_decode(((x >> s) & 0xFF).to(torch.uint8)) for s in (0, 8))
+            regs[d] = _f16_bits(lo) | (_f16_bits(hi) << 16)
+        elif op == "mul.rn.f16x2":
+            a, b = srcs
+            lo = _f16_of(a).float() * _f16_of(b).float()  # products of two fp16 values are exact in fp32
+            hi = _f16_of(a >> 16).float() * _f16_of(b >> 16).float()
+            regs[d] = _f16_bits(lo) | (_f16_bits(hi) << 16)  # one rounding to fp16, as mul.rn.f16x2
+        else:
+            raise AssertionError(f"the test's PTX model lacks {op}")
+    return regs
+
+
+def test_decode8_ptx_gives_the_spec_values_for_every_code_and_scale():
+    """`decode8` (a pair of uint32 code words and their two E4M3 scale bytes to eight fp16 pairs): pair j holds
+    element j of each word, ``E2M1 * s * 2^-14`` exactly: every code (both zeros, the largest magnitude), every scale
+    byte (zero, subnormal, the largest, 0x7F NaN); element j of word w is column 8w + j of the packed row, the K order
+    the wgmma and mma.sync kernels give both operands."""
+    hop = pytest.importorskip("trace_hf.kernels.fp4_moe_hopper")
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    words = torch.randint(0, 1 << 32, (n, 2), generator=g, dtype=torch.int64)
+    words[:16, 0] = torch.arange(16).repeat_interleave(1) * 0x11111111  # word k: every nibble code k
+    scales = torch.randint(0, 256, (n, 2), generator=g, dtype=torch.int64)
+    scales[:256, 1] = torch.arange(256)  # every scale byte
+    regs = {"$8": words[:, 0], "$9": words[:, 1], "$10": scales[:, 0], "$11": scales[:, 1]}
+    out = _run_ptx(hop._decode8_ptx(), regs)
+    # The spec: codes from the packed bytes (element 2b in byte b's low nibble), `fp4.e2m1_decode`, `fp4.e4m3_decode`.
+    packed = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1).reshape(n, 8).to(torch.uint8)
+    codes = fp4.unpack_codes(packed).reshape(n, 2, 8)  # [pair, word, element]
+    want = fp4.e2m1_decode(codes).double() * fp4.e4m3_decode(scales.to(torch.uint8)).double()[:, :, None] * 2.0**-14
+    for j in range(8):
+        got = torch.stack([_f16_of(out[f"${j}"]), _f16_of(out[f"${j}"] >> 16)], -1).double()  # [pair, word]
+        w = want[:, :, j]
+        nan = torch.isnan(w)
+        assert torch.equal(torch.isnan(got), nan), f"slice {j}: NaN where the scale is not 0x7F / 0xFF"
+        assert torch.equal(got[~nan], w[~nan]), f"slice {j}: not the spec's value"
+        assert torch.equal(torch.signbit(got[~nan]), torch.signbit(w[~nan])), f"slice {j}: the sign of a zero"
+    assert nan.any() and (want == 0).any() and (want.abs() == 6 * 448 * 2.0**-14).any()  # the classes were hit

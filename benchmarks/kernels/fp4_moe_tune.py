@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--wg-block-t", default="32,64", help="--wgmma: token rows per expert block")
     p.add_argument("--wg-block-n", default="64,128", help="--wgmma: weight rows per program (both GEMMs)")
     p.add_argument("--wg-warps", default="4,8", help="--wgmma: warps per program")
+    p.add_argument("--wg-slice-buffers", default="0", help="--wgmma: one shared allocation per K-slice (1) or not")
     p.add_argument(
         "--copies",
         type=int,
@@ -101,8 +102,18 @@ def main(argv=None) -> int:
         if bn >= 16 * w and bk % 128 == 0 and (st == 0 or xs)  # the Gluon K tile: 16 code words per MMA
     ]  # fmt: skip
     wgmma_grid = [
-        {"wgmma": True, "block_t": bt, "block_n_gate_up": bn, "block_n_down": bn, "block_k": 128, "num_warps": w}
-        for bt, bn, w in itertools.product(*(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps)))
+        {
+            "wgmma": True,
+            "block_t": bt,
+            "block_n_gate_up": bn,
+            "block_n_down": bn,
+            "block_k": 128,
+            "num_warps": w,
+            "slice_buffers": bool(sb),
+        }
+        for bt, bn, w, sb in itertools.product(
+            *(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps, args.wg_slice_buffers))
+        )
         if bn % (16 * w) == 0
     ]
     grid = [

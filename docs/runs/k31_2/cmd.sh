@@ -1,4 +1,5 @@
 # Device call 2 of issue 31's kernel part (run from the worktree root on the H200; trace_hf on PYTHONPATH).
+# Ran at commit 1a8b6d2, whose fp4_moe_tune.py still had --wg-stages / --wg-block-k-down (removed after this run).
 # Everything printed goes to $OUT/run.log; at most 8 files come back.
 export PYTHONUNBUFFERED=1
 exec > >(tee $OUT/run.log) 2>&1
