@@ -504,7 +504,7 @@ class SkipNonFinite(TrainerCallback):
         import torch
 
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads and not all(torch.isfinite(g).all() for g in grads):
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):  # one device sync per step
             for p in model.parameters():
                 p.grad = None
             self.skipped.append(state.global_step + 1)
