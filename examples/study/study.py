@@ -89,7 +89,8 @@ def parse_args(argv=None):
         choices=["onecycle", "anneal"],
         default="onecycle",
         help="onecycle: torch's one-cycle over --sft-steps (a --target-accuracy stop can land at its peak lr); "
-        "anneal: 10%% warm-up, then cosine to 0 over whichever ends first of --sft-steps and --max-sft-seconds, "
+        "anneal: 10%% warm-up, then cosine to 0 over whichever ends first of --sft-steps and --max-sft-seconds "
+        "(seconds of training: the accuracy checks not counted), "
         "and a --target-accuracy hit starts a linear decay to 0 over --sft-anneal-steps: the warm start is always "
         "a snapshot at lr 0",
     )
@@ -268,11 +269,11 @@ def warm(args) -> None:
     anneal = SFTAnneal(args.sft_lr, args.sft_steps, args.max_sft_seconds, args.sft_anneal_steps)
     g = torch.Generator().manual_seed(args.seed)
     tok.padding_side = "right"  # SFT batches: no fully masked (pad) query rows
-    t0, skipped, checks, steps_done = time.time(), 0, [], 0
+    t0, skipped, checks, steps_done, check_s = time.time(), 0, [], 0, 0.0
     model.train()
     for step in range(args.sft_steps):
         if sched is None:  # anneal: lr from progress in steps and seconds; it ends at lr 0
-            lr = anneal.lr(step, time.time() - t0)
+            lr = anneal.lr(step, time.time() - t0 - check_s)  # seconds of training: the checks not counted
             if lr is None:
                 break
             for group in opt.param_groups:
@@ -280,11 +281,12 @@ def warm(args) -> None:
         elif args.max_sft_seconds and time.time() - t0 > args.max_sft_seconds:
             break
         if args.target_accuracy is not None and step and step % args.sft_eval_every == 0 and anneal.hit_at is None:
-            tok.padding_side = "left"
+            tok.padding_side, c0 = "left", time.time()
             n_check = min(args.eval_problems, 128)  # a quick check; the warm start's accuracy below uses them all
             acc = evaluate(copy.deepcopy(model).to(dtype), tok, test, n_check, args.max_completion_length,
                            reward=reward_of(args.task))  # fmt: skip
             tok.padding_side = "right"
+            check_s += time.time() - c0
             checks.append({"step": step, "test_accuracy": acc, "seconds": time.time() - t0})
             print(f"SFT step {step:5d}: greedy test accuracy {acc:.3f}", flush=True)
             if acc >= args.target_accuracy:
@@ -322,6 +324,7 @@ def warm(args) -> None:
     result = {"task": args.task, "size": args.size, "sft_steps": steps_done, "sft_steps_max": args.sft_steps,
               "target_accuracy": args.target_accuracy, "checks": checks, "wall_s": time.time() - t0,
               "sft_schedule": args.sft_schedule, "target_hit_at": anneal.hit_at, "last_lr": opt.param_groups[0]["lr"],
+              "check_seconds": check_s,
               "test_accuracy_bf16": acc, "test_accuracy_fp4": acc_fp4}  # fmt: skip
     with open(os.path.join(args.out, "warm.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -684,7 +687,7 @@ def steps_of(r: dict) -> list[dict]:
 
 def run_stat(r: dict, key: str) -> float | None:
     """One run's value of a per-step metric: the max over steps for a `.../max`, else the mean; None if not logged."""
-    vals = [h[key] for h in steps_of(r) if key in h and math.isfinite(h[key])]
+    vals = [h[key] for h in steps_of(r) if h.get(key) is not None and math.isfinite(h[key])]
     if not vals:
         return None
     return max(vals) if key.endswith("/max") else sum(vals) / len(vals)
@@ -700,7 +703,7 @@ def curve(runs: list[dict], key: str, evals: bool = False) -> tuple[list[int], l
     by_step: dict[int, list[float]] = {}
     for r in runs:
         for h in r["history"] if evals else steps_of(r):
-            if key in h and math.isfinite(h[key]):
+            if h.get(key) is not None and math.isfinite(h[key]):
                 by_step.setdefault(h["step"], []).append(h[key])
     x = sorted(by_step)
     return x, [sum(by_step[s]) / len(by_step[s]) for s in x]
@@ -993,11 +996,12 @@ def report(args) -> None:
         json.dump({**summary, "outcomes": outcomes(results), "claims": claims(results)}, f, indent=1)
     written = ["table.md", "summary.json", "study.png", "kl_vs_bytes.png"]
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(26, 4))
     for regime, runs in results.items():
-        for ax, key in zip(axes, ["reward", GAP_MEAN, KL], strict=True):
+        for ax, key in zip(axes, ["reward", GAP_MEAN, KL, "entropy", "frac_reward_zero_std"], strict=True):
             ax.plot(*curve(runs, key), label=regime)
-    titles = ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)"]
+    titles = ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)", "entropy per token",
+              "prompt groups with zero reward std"]  # fmt: skip
     for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title + " (mean over seeds)")
         ax.set_xlabel("GRPO step")
