@@ -13,7 +13,8 @@
 # RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more
 # study.py arguments for the warm-up and every run ("--size tiny" for a CPU check). The defaults are the first run's
 # (docs/results.md 6b); the second run's settings are docs/results.md 6c's command. Returns env.txt, table.md,
-# summary.json, study.png, kl_vs_bytes.png, curves.png and study.tar.gz (results, logs). MPS (1): see below.
+# summary.json, study.png, kl_vs_bytes.png, curves.png and study.tar.gz (results, logs, the report again); FEW_FILES=1:
+# table.md, summary.json, curves.png and study.tar.gz only. MPS (1): see below.
 set -u
 source examples/study/common.sh
 study_setup outputs/study_500
