@@ -8,7 +8,7 @@
 #
 # BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), LR (1e-4: GRPO's
 # learning rate), WARMUP (0: its linear warm-up steps), TEMP (1.0: the rollout temperature), PROMPTS (8) x GENS (8)
-# completions per step, TARGET (0.3), SFT_S (60: the warm-up's seconds at most), SFT_SCHEDULE (onecycle; anneal: the
+# completions per step, TARGET (0.3), SFT_STEPS (3000), SFT_S (60: the warm-up's seconds at most), SFT_SCHEDULE (onecycle; anneal: the
 # warm start ends at lr 0, see study.py --sft-schedule), SFT_EVAL_EVERY (100), EVAL_EVERY (50), EVAL_PROBLEMS (256),
 # RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more
 # study.py arguments for the warm-up and every run ("--size tiny" for a CPU check). The defaults are the first run's
@@ -47,7 +47,7 @@ fi
 echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
 
 echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
-study_warm 0 $TASK_ARGS --sft-steps 3000 --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" \
+study_warm 0 $TASK_ARGS --sft-steps "${SFT_STEPS:-3000}" --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" \
   --sft-eval-every "${SFT_EVAL_EVERY:-100}" --max-sft-seconds "${SFT_S:-60}" --sft-schedule "${SFT_SCHEDULE:-onecycle}"
 grep "greedy test accuracy" "$W/study_warm.log"
 
