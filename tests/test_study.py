@@ -4,6 +4,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import re
 import time
@@ -224,3 +225,88 @@ def test_equal_steps_ends_every_run_at_one_step(study, tmp_path):
     roomy = study.EqualSteps(str(tmp_path / "roomy"), "c", runs=1, deadline=time.time() + 3600)
     roomy.on_train_begin(None, None, None)
     assert not any(step(roomy, n) for n in (1, 2, 3)) and roomy.target is None  # time for max_steps: no stop
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The second run (docs/results.md 6c): the annealed warm start, skipped non-finite steps, the claim readings
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_sft_anneal_ends_at_lr_zero_by_steps_seconds_or_target(study):
+    sched = study.SFTAnneal(1e-3, steps=100, seconds=None, anneal_steps=10)
+    lrs = [sched.lr(step, 0.0) for step in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[10] == pytest.approx(1e-3)  # 10% warm-up to the peak
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False)) and lrs[99] < 1e-6  # cosine down to ~0
+    assert sched.lr(100, 0.0) is None  # the end
+    timed = study.SFTAnneal(1e-3, steps=10_000, seconds=60.0, anneal_steps=10)
+    assert timed.lr(5, 30.0) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * (0.5 - 0.1) / 0.9)))
+    assert timed.lr(6, 60.0) is None  # the seconds ran out first: it ended at ~0 all the same
+    hit = study.SFTAnneal(1e-3, steps=1000, seconds=None, anneal_steps=4)
+    at = hit.lr(500, 0.0)
+    hit.hit(500)
+    assert [hit.lr(s, 0.0) for s in (501, 502, 503)] == pytest.approx([at * 0.75, at * 0.5, at * 0.25])
+    assert hit.lr(504, 0.0) is None and hit.hit_at == 500
+
+
+def test_anneal_warm_start_stops_after_the_decay(study, tmp_path):
+    out = str(tmp_path)
+    study.main(["warm", "--out", out, "--task", "chain", "--sft-schedule", "anneal", "--sft-steps", "50",
+                "--sft-anneal-steps", "2", "--target-accuracy", "0", "--sft-eval-every", "1", *SMALL])  # fmt: skip
+    with open(os.path.join(out, "warm.json")) as f:
+        warm = json.load(f)
+    # hit at the check of step 1, then two decay steps (lr x 1/2 at the last): steps 0, 1, 2 ran
+    assert (warm["sft_schedule"], warm["target_hit_at"], warm["sft_steps"]) == ("anneal", 1, 3)
+    assert 0 < warm["last_lr"] < 1e-4
+
+
+def test_skip_non_finite_leaves_the_weights_alone(study):
+    from types import SimpleNamespace
+
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    cb = study.SkipNonFinite()
+    model.weight.grad = torch.full_like(model.weight, float("nan"))
+    model.bias.grad = torch.ones_like(model.bias)
+    cb.on_pre_optimizer_step(None, SimpleNamespace(global_step=6), None, model=model)
+    opt.step()
+    assert cb.skipped == [7] and all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    cb.on_pre_optimizer_step(None, SimpleNamespace(global_step=7), None, model=model)
+    opt.step()
+    assert cb.skipped == [7] and not torch.equal(model.bias, before[1])  # a finite step goes through
+
+
+def test_claims_gate_and_readings(study):
+    def run(regime, seed, fp4, bf16, warm=0.3):
+        return {"regime": regime, "seed": seed, "test_accuracy_fp4": fp4, "test_accuracy_bf16": bf16,
+                "warm_test_accuracy": warm}  # fmt: skip
+
+    d = (0.0, 0.01, -0.01)
+    results = {
+        "bf16": [run("bf16", s, 0.40 + e, 0.50 + e) for s, e in enumerate(d)],  # learns: 0.3 -> 0.5
+        "fp4_naive": [run("fp4_naive", s, 0.35 + e, 0.4) for s, e in enumerate(d)],  # below BF16
+        "fp4_qat": [run("fp4_qat", s, 0.495 + e, 0.5) for s, e in enumerate(d)],
+        "trace_replay": [run("trace_replay", s, 0.50 + e, 0.5) for s, e in enumerate(d)],
+    }
+    c = study.claims(results)
+    assert c["gate_open"] and [row["reading"] for row in c["claims"]] == [
+        "reproduced", "reproduced", "not shown", "reproduced",
+    ]  # fmt: skip
+    results["fp4_naive"] = [run("fp4_naive", s, 0.60 + e, 0.6) for s, e in enumerate(d)]
+    assert study.claims(results)["claims"][0]["reading"] == "contradicted"
+    collapsed = {k: [{**r, "test_accuracy_bf16": 0.01} if k == "bf16" else r for r in v] for k, v in results.items()}
+    c = study.claims(collapsed)
+    assert not c["gate_open"] and not c["bf16_learns"]
+    assert {row["reading"] for row in c["claims"]} == {"no claim (gate closed)"}
+    outside = {k: [{**r, "warm_test_accuracy": 0.6} for r in v] for k, v in results.items()}
+    assert not study.claims(outside)["warm_in_window"]
+
+
+def test_degradation_ignores_partial_windows(study):
+    steps = list(range(1, 201))
+    lucky_start = [0.9] * 3 + [0.3] * 197  # the first steps' short means must not set the maximum
+    assert study.degradation_step(steps, lucky_start) is None

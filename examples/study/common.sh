@@ -51,9 +51,15 @@ study_grpo() {
   tail -n 1 "$log"
 }
 
-# study_report: the report's table, summary and plots into $OUT; results and logs (no weights) in study.tar.gz.
+# study_report: the report's table, summary and plots into $OUT; results, logs (no weights), env.txt and the report
+# again in study.tar.gz. FEW_FILES=1 leaves only table.md, summary.json, curves.png and study.tar.gz in $OUT (the
+# device returns at most 8 files per call, and the call may carry other work's files too).
 study_report() {
   $PY examples/study/study.py report --out "$W/study" 2>&1 | tail -n 20
   cp "$W"/study/table.md "$W"/study/summary.json "$W"/study/*.png "$OUT/" 2>/dev/null
+  cp "$OUT/env.txt" "$W/study/env.txt"
   tar -C "$W" -czf "$OUT/study.tar.gz" --exclude='*/warm/*.safetensors' study $(cd "$W" && ls study_*.log queue*.log 2>/dev/null)
+  if [ "${FEW_FILES:-0}" = 1 ]; then
+    (cd "$OUT" && rm -f env.txt study.png kl_vs_bytes.png)
+  fi
 }

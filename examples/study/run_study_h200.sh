@@ -7,10 +7,14 @@
 #   OUT=outputs/study_500 BUDGET_S=450 bash examples/study/run_study_h200.sh
 #
 # BUDGET_S: seconds for the whole command. STEPS (500), SEEDS ("0 1 2"), REGIMES (the five below), LR (1e-4: GRPO's
-# learning rate), TARGET (0.3), SFT_S (60: the warm-up's seconds at most), EVAL_EVERY (50), EVAL_PROBLEMS (256),
-# RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more study.py arguments for the warm-up and
-# every run ("--size tiny" for a CPU check). Returns env.txt, table.md, summary.json, study.png, kl_vs_bytes.png,
-# curves.png and study.tar.gz (results, logs). MPS (1): see below.
+# learning rate), WARMUP (0: its linear warm-up steps), TEMP (1.0: the rollout temperature), PROMPTS (8) x GENS (8)
+# completions per step, TARGET (0.3), SFT_STEPS (3000), SFT_S (60: the warm-up's seconds at most), SFT_SCHEDULE (onecycle; anneal: the
+# warm start ends at lr 0, see study.py --sft-schedule), SFT_EVAL_EVERY (100), EVAL_EVERY (50), EVAL_PROBLEMS (256),
+# RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more
+# study.py arguments for the warm-up and every run ("--size tiny" for a CPU check). The defaults are the first run's
+# (docs/results.md 6b); the second run's settings are docs/results.md 6c's command. Returns env.txt, table.md,
+# summary.json, study.png, kl_vs_bytes.png, curves.png and study.tar.gz (results, logs, the report again); FEW_FILES=1:
+# table.md, summary.json, curves.png and study.tar.gz only. MPS (1): see below.
 set -u
 source examples/study/common.sh
 study_setup outputs/study_500
@@ -43,8 +47,8 @@ fi
 echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
 
 echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
-study_warm 0 $TASK_ARGS --sft-steps 3000 --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" --sft-eval-every 100 \
-  --max-sft-seconds "${SFT_S:-60}"
+study_warm 0 $TASK_ARGS --sft-steps "${SFT_STEPS:-3000}" --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" \
+  --sft-eval-every "${SFT_EVAL_EVERY:-100}" --max-sft-seconds "${SFT_S:-60}" --sft-schedule "${SFT_SCHEDULE:-onecycle}"
 grep "greedy test accuracy" "$W/study_warm.log"
 
 TRAIN_S=$((DEADLINE - SECONDS - 40 - ${RESERVE_S:-70}))
@@ -54,7 +58,8 @@ i=0
 for seed in "${SEED_LIST[@]}"; do
   for regime in "${REGIME_LIST[@]}"; do
     study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" \
-      --prompts-per-step 8 --num-generations 8 --learning-rate "${LR:-1e-4}" --train-deadline "$TRAIN_UNTIL" \
+      --prompts-per-step "${PROMPTS:-8}" --num-generations "${GENS:-8}" --learning-rate "${LR:-1e-4}" \
+      --warmup-steps "${WARMUP:-0}" --temperature "${TEMP:-1.0}" --train-deadline "$TRAIN_UNTIL" \
       --sync-dir "$W/study/sync" --sync-runs "$JOBS" \
       $TASK_ARGS > "$W/queue$i.log" &
     i=$((i + 1))

@@ -84,11 +84,24 @@ def parse_args(argv=None):
     p.add_argument("--target-accuracy", type=float, help="stop SFT at the first check with greedy accuracy >= this")
     p.add_argument("--sft-eval-every", type=int, default=100, help="SFT steps between --target-accuracy checks")
     p.add_argument("--max-sft-seconds", type=float, help="stop SFT after this many seconds of it")
+    p.add_argument(
+        "--sft-schedule",
+        choices=["onecycle", "anneal"],
+        default="onecycle",
+        help="onecycle: torch's one-cycle over --sft-steps (a --target-accuracy stop can land at its peak lr); "
+        "anneal: 10%% warm-up, then cosine to 0 over whichever ends first of --sft-steps and --max-sft-seconds "
+        "(seconds of training: the accuracy checks not counted), "
+        "and a --target-accuracy hit starts a linear decay to 0 over --sft-anneal-steps: the warm start is always "
+        "a snapshot at lr 0",
+    )
+    p.add_argument("--sft-anneal-steps", type=int, default=60, help="anneal: steps of the decay after the target")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per regime")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=96, help="worked answers need ~60-90")
     p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--warmup-steps", type=int, default=0, help="GRPO's linear learning-rate warm-up (then constant)")
+    p.add_argument("--temperature", type=float, default=1.0, help="GRPO's sampling temperature")
     p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient to the reference policy")
     p.add_argument("--eval-problems", type=int, default=256, help="greedy test problems per evaluation")
     p.add_argument("--eval-every", type=int, default=0, help="test accuracy every N GRPO steps (0: none)")
@@ -203,6 +216,35 @@ def hint_bytes(regime: str, config) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
+class SFTAnneal:
+    """The `--sft-schedule anneal` learning rate: linear warm-up over the first 10% of progress, then cosine to 0,
+    where progress is the larger of steps / `steps` and seconds / `seconds`, so the schedule ends at lr 0 whichever
+    limit comes first (a busy GPU gives fewer steps, not a snapshot at a high lr). After `hit(step)` (the target
+    accuracy reached) it decays linearly from its current value to 0 over `anneal_steps` more steps. `lr` returns
+    None once the schedule has ended: stop there."""
+
+    def __init__(self, peak: float, steps: int, seconds: float | None, anneal_steps: int, warmup: float = 0.1):
+        self.peak, self.steps, self.seconds, self.warmup = peak, steps, seconds, warmup
+        self.anneal_steps = anneal_steps
+        self.hit_at, self.hit_lr, self.last = None, None, peak
+
+    def lr(self, step: int, elapsed: float) -> float | None:
+        if self.hit_at is not None:
+            left = 1 - (step - self.hit_at) / self.anneal_steps
+            return None if left <= 0 else self.hit_lr * left
+        progress = max(step / self.steps, elapsed / self.seconds if self.seconds else 0.0)
+        if progress >= 1:
+            return None
+        if progress < self.warmup:
+            self.last = self.peak * max(progress, 1 / self.steps) / self.warmup
+        else:
+            self.last = self.peak * 0.5 * (1 + math.cos(math.pi * (progress - self.warmup) / (1 - self.warmup)))
+        return self.last
+
+    def hit(self, step: int) -> None:
+        self.hit_at, self.hit_lr = step, self.last
+
+
 def warm(args) -> None:
     """SFT on the worked answers until the model solves a fraction of the problems; saves `<out>/warm`.
 
@@ -221,24 +263,36 @@ def warm(args) -> None:
     train, test = data(args.task, args.size)
     texts = [p + " " + a + tok.eos_token for p, a in zip(train["prompt"], train["answer"], strict=True)]
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.sft_lr, total_steps=args.sft_steps, pct_start=0.1)
+    sched = None
+    if args.sft_schedule == "onecycle":
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.sft_lr, total_steps=args.sft_steps, pct_start=0.1)
+    anneal = SFTAnneal(args.sft_lr, args.sft_steps, args.max_sft_seconds, args.sft_anneal_steps)
     g = torch.Generator().manual_seed(args.seed)
     tok.padding_side = "right"  # SFT batches: no fully masked (pad) query rows
-    t0, skipped, checks, steps_done = time.time(), 0, [], 0
+    t0, skipped, checks, steps_done, check_s = time.time(), 0, [], 0, 0.0
     model.train()
     for step in range(args.sft_steps):
-        if args.max_sft_seconds and time.time() - t0 > args.max_sft_seconds:
+        if sched is None:  # anneal: lr from progress in steps and seconds; it ends at lr 0
+            lr = anneal.lr(step, time.time() - t0 - check_s)  # seconds of training: the checks not counted
+            if lr is None:
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr
+        elif args.max_sft_seconds and time.time() - t0 > args.max_sft_seconds:
             break
-        if args.target_accuracy is not None and step and step % args.sft_eval_every == 0:
-            tok.padding_side = "left"
+        if args.target_accuracy is not None and step and step % args.sft_eval_every == 0 and anneal.hit_at is None:
+            tok.padding_side, c0 = "left", time.time()
             n_check = min(args.eval_problems, 128)  # a quick check; the warm start's accuracy below uses them all
             acc = evaluate(copy.deepcopy(model).to(dtype), tok, test, n_check, args.max_completion_length,
                            reward=reward_of(args.task))  # fmt: skip
             tok.padding_side = "right"
+            check_s += time.time() - c0
             checks.append({"step": step, "test_accuracy": acc, "seconds": time.time() - t0})
             print(f"SFT step {step:5d}: greedy test accuracy {acc:.3f}", flush=True)
             if acc >= args.target_accuracy:
-                break
+                if sched is not None:
+                    break
+                anneal.hit(step)
         idx = torch.randint(len(texts), (args.sft_batch,), generator=g).tolist()
         enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True).to(dev)
         labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
@@ -250,7 +304,8 @@ def warm(args) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == args.sft_steps - 1:
             print(f"SFT step {step:5d} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
@@ -268,6 +323,8 @@ def warm(args) -> None:
                        reward=reward_of(args.task))  # fmt: skip
     result = {"task": args.task, "size": args.size, "sft_steps": steps_done, "sft_steps_max": args.sft_steps,
               "target_accuracy": args.target_accuracy, "checks": checks, "wall_s": time.time() - t0,
+              "sft_schedule": args.sft_schedule, "target_hit_at": anneal.hit_at, "last_lr": opt.param_groups[0]["lr"],
+              "check_seconds": check_s,
               "test_accuracy_bf16": acc, "test_accuracy_fp4": acc_fp4}  # fmt: skip
     with open(os.path.join(args.out, "warm.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -438,6 +495,25 @@ class EqualSteps(TrainerCallback):
             control.should_training_stop = True
 
 
+class SkipNonFinite(TrainerCallback):
+    """Skips the optimizer step of any step whose gradient has a NaN or inf (every `.grad` set to None: AdamW then
+    leaves those weights and their moments alone) and counts them. In the first 500-step study one run's NaN
+    gradient at step 207 went into the weights and killed the run; the trainer itself does not skip such steps."""
+
+    def __init__(self):
+        self.skipped: list[int] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        import torch
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads)):  # one device sync per step
+            for p in model.parameters():
+                p.grad = None
+            self.skipped.append(state.global_step + 1)
+            print(f"step {state.global_step + 1}: non-finite gradient, optimizer step skipped", flush=True)
+
+
 def plain_copy(model):
     """The same master weights in an unquantized model (BF16 inference)."""
     from transformers import AutoModelForCausalLM
@@ -505,10 +581,10 @@ def grpo(args) -> None:
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
-        temperature=1.0,
+        temperature=args.temperature,
         learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "constant",
+        warmup_steps=args.warmup_steps,
         beta=args.beta,
         max_steps=args.steps,
         logging_steps=1,
@@ -520,7 +596,8 @@ def grpo(args) -> None:
         use_cpu=dev.type == "cpu",
         disable_tqdm=True,
     )
-    callbacks = []
+    skip = SkipNonFinite()
+    callbacks = [skip]
     if args.eval_every:
         callbacks.append(
             TestAccuracy(tok, test, args.eval_problems, args.max_completion_length, args.eval_every, reward)
@@ -559,6 +636,13 @@ def grpo(args) -> None:
         "steps_done": trainer.state.global_step,
         "stopped_by_budget": bool(budget and budget.stopped),
         "common_last_step": equal.target if equal else None,
+        "nonfinite_steps_skipped": skip.skipped,
+        "learning_rate": args.learning_rate,
+        "warmup_steps": args.warmup_steps,
+        "temperature": args.temperature,
+        "beta": args.beta,
+        "num_generations": args.num_generations,
+        "prompts_per_step": args.prompts_per_step,
         "train_wall_s": wall,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "history": trainer.state.log_history,
@@ -603,7 +687,7 @@ def steps_of(r: dict) -> list[dict]:
 
 def run_stat(r: dict, key: str) -> float | None:
     """One run's value of a per-step metric: the max over steps for a `.../max`, else the mean; None if not logged."""
-    vals = [h[key] for h in steps_of(r) if key in h and math.isfinite(h[key])]
+    vals = [h[key] for h in steps_of(r) if h.get(key) is not None and math.isfinite(h[key])]
     if not vals:
         return None
     return max(vals) if key.endswith("/max") else sum(vals) / len(vals)
@@ -619,7 +703,7 @@ def curve(runs: list[dict], key: str, evals: bool = False) -> tuple[list[int], l
     by_step: dict[int, list[float]] = {}
     for r in runs:
         for h in r["history"] if evals else steps_of(r):
-            if key in h and math.isfinite(h[key]):
+            if h.get(key) is not None and math.isfinite(h[key]):
                 by_step.setdefault(h["step"], []).append(h[key])
     x = sorted(by_step)
     return x, [sum(by_step[s]) / len(by_step[s]) for s in x]
@@ -649,9 +733,12 @@ COMPARISONS = (  # (claim, regime a, its accuracy, regime b, its accuracy): a - 
 
 def degradation_step(steps: list[int], rewards: list[float]) -> int | None:
     """The pre-registered degradation rule: the first step from which the trailing `DEGRADE_WINDOW`-step mean reward
-    stays more than `DEGRADE_DROP` below its running maximum for `DEGRADE_HOLD` consecutive steps; None if never."""
+    stays more than `DEGRADE_DROP` below its running maximum for `DEGRADE_HOLD` consecutive steps; None if never.
+    Means over fewer than `DEGRADE_WINDOW` steps (the first steps) are left out (section 6c)."""
     best, start, below = -math.inf, None, 0
-    for step, value in zip(steps, smooth(rewards, DEGRADE_WINDOW), strict=True):
+    for i, (step, value) in enumerate(zip(steps, smooth(rewards, DEGRADE_WINDOW), strict=True)):
+        if i + 1 < DEGRADE_WINDOW:  # only full windows: a first step's lucky mean must not set the maximum (6b)
+            continue
         best = max(best, value)
         if value < best - DEGRADE_DROP:
             start, below = (step if below == 0 else start), below + 1
@@ -688,16 +775,96 @@ def outcomes(results: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+WARM_WINDOW = (0.20, 0.50)  # the warm start's greedy test accuracy that leaves GRPO headroom (section 6a)
+CLAIMS = (  # (the paper's claim, index into COMPARISONS, the verdict and sign that reproduce it)
+    ("naive FP4 ends below BF16", 1, "separate", -1),
+    ("TRACE matches BF16", 3, "no separation", 0),
+    ("TRACE beats QAT without hints", 4, "separate", +1),
+    ("TRACE-trained FP4 policy beats PTQ of the BF16 policy", 6, "separate", +1),
+)
+
+
+def claims(results: dict[str, list[dict]]) -> dict:
+    """The pre-registered reading of `outcomes` (section 6a): the gate (the warm start inside `WARM_WINDOW` and BF16
+    GRPO learning: comparison 1 separates upwards), then each of the paper's `CLAIMS` as "reproduced",
+    "contradicted" (separate the other way; for "TRACE matches BF16": separate at all) or "not shown". With the gate
+    closed every claim reads "no claim (gate closed)"."""
+    rows = {o["claim"]: o for o in outcomes(results)}
+    warm = next((r["warm_test_accuracy"] for runs in results.values() for r in runs), None)
+    learn = rows.get(COMPARISONS[0][0])
+    in_window = warm is not None and WARM_WINDOW[0] <= warm <= WARM_WINDOW[1]
+    learns = learn is not None and learn["verdict"] == "separate" and learn["diff"] > 0
+    gate = in_window and learns
+    out = {"warm_test_accuracy": warm, "warm_in_window": in_window, "bf16_learns": learns, "gate_open": gate,
+           "claims": []}  # fmt: skip
+    for text, i, verdict, sign in CLAIMS:
+        o = rows.get(COMPARISONS[i][0])
+        if o is None:
+            reading = "not run"
+        elif not gate:
+            reading = "no claim (gate closed)"
+        elif sign == 0:
+            reading = "reproduced" if o["verdict"] == "no separation" else "contradicted"
+        elif o["verdict"] == "separate":
+            reading = "reproduced" if o["diff"] * sign > 0 else "contradicted"
+        else:
+            reading = "not shown"
+        out["claims"].append({"claim": text, "comparison": COMPARISONS[i][0], "reading": reading,
+                              "diff": o and o["diff"], "se": o and o["se"]})  # fmt: skip
+    return out
+
+
+def claims_table(results: dict[str, list[dict]]) -> str:
+    c = claims(results)
+    warm = "n/a" if c["warm_test_accuracy"] is None else f"{c['warm_test_accuracy']:.3f}"
+    lines = [
+        f"Gate: warm start {warm} (window {WARM_WINDOW[0]}-{WARM_WINDOW[1]}: {'in' if c['warm_in_window'] else 'OUT'}); "
+        f"BF16 GRPO learns (comparison 1 separates upwards): {'yes' if c['bf16_learns'] else 'NO'}; "
+        f"gate {'open' if c['gate_open'] else 'closed: no claim about the regimes'}.",
+        "",
+        "| the paper's claim | comparison | a - b | 2 SE | reading |",
+        "|---|---|---|---|---|",
+    ]
+    for row in c["claims"]:
+        nums = "n/a | n/a" if row["diff"] is None else f"{row['diff']:+.3f} | {2 * row['se']:.3f}"
+        lines.append(f"| {row['claim']} | {row['comparison']} | {nums} | {row['reading']} |")
+    return "\n".join(lines) + "\n"
+
+
+def accuracy_by_step(results: dict[str, list[dict]]) -> str:
+    """Greedy test accuracy (rollout precision) at every evaluation step that all of a regime's seeds logged:
+    mean +- SE over seeds."""
+    per_regime = {}
+    for regime, runs in results.items():
+        per_seed = [{h["step"]: h[ACC] for h in r["history"] if ACC in h} for r in runs]
+        steps = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
+        per_regime[regime] = {step: mean_se([c[step] for c in per_seed]) for step in steps}
+    steps = sorted({step for v in per_regime.values() for step in v})
+    if not steps:
+        return ""
+    lines = ["| regime | " + " | ".join(str(s) for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for regime, v in per_regime.items():
+        cells = [f"{v[s][0]:.3f} +- {v[s][1]:.3f}" if s in v else "" for s in steps]
+        lines.append(f"| {regime} | " + " | ".join(cells) + " |")
+    return (
+        "Greedy test accuracy by GRPO step (rollout precision; mean +- SE over seeds):\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def accuracy_table(results: dict[str, list[dict]], summary: dict[str, dict]) -> str:
     """The outcome table: final greedy test accuracy (FP4 and BF16 inference) per seed, mean +- SE, the reward's
     start and end, the degradation step of each seed, then the pre-registered comparisons."""
+
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.3f}"
 
     def acc(runs, key):
         m, se = mean_se([r[key] for r in runs])
         return f"{m:.3f} +- {se:.3f} ({', '.join(f'{r[key]:.3f}' for r in runs)})"
 
     head = ["regime", "seeds", "steps", "warm acc", "reward, first 50 -> last 50 steps", "test acc by step",
-            "final acc, FP4 inference", "final acc, BF16 inference", "degraded at step (per seed)"]  # fmt: skip
+            "final acc, FP4 inference", "final acc, BF16 inference", "degraded at step (per seed)",
+            "zero-std groups, first 50 -> last 50", "entropy, first 50 -> last 50", "non-finite steps skipped"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for regime, runs in results.items():
         s = summary[regime]
@@ -709,6 +876,9 @@ def accuracy_table(results: dict[str, list[dict]], summary: dict[str, dict]) -> 
             f"{s['eval_first']:.3f} -> {s['eval_last']:.3f}" if s["eval_first"] is not None else "n/a",
             acc(runs, "test_accuracy_fp4"), acc(runs, "test_accuracy_bf16"),
             ", ".join("-" if d is None else str(d) for d in s["degraded_at"]),
+            f"{fmt(s['frac_reward_zero_std_first50'])} -> {fmt(s['frac_reward_zero_std_last50'])}",
+            f"{fmt(s['entropy_first50'])} -> {fmt(s['entropy_last50'])}",
+            str(sum(len(k) for k in s["nonfinite_steps_skipped"])),
         ]) + " |")  # fmt: skip
     lines += ["", "| comparison (a - b) | a | b | mean a | mean b | a - b | SE | verdict |", "|---" * 8 + "|"]
     for o in outcomes(results):
@@ -720,7 +890,7 @@ def accuracy_table(results: dict[str, list[dict]], summary: dict[str, dict]) -> 
         f"{DEGRADE_DROP} below its running max for {DEGRADE_HOLD} steps ('-': never). FP4 inference: W4A4 experts "
         "+ FP4 KV cache (the packed rollout path); for bf16 that is post-training quantization (PTQ).\n"
     )
-    return "\n".join(lines) + "\n" + notes
+    return "\n".join(lines) + "\n" + notes + "\n" + claims_table(results) + "\n" + accuracy_by_step(results)
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
@@ -759,6 +929,10 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
         s["test_accuracy_fp4"] = seed_mean(r["test_accuracy_fp4"] for r in runs)
         s["test_accuracy_bf16"] = seed_mean(r["test_accuracy_bf16"] for r in runs)
         s["train_wall_s"] = seed_mean(r["train_wall_s"] for r in runs)
+        for name, key in [("frac_reward_zero_std", "frac_reward_zero_std"), ("entropy", "entropy")]:
+            s[f"{name}_first50"] = seed_mean(seed_mean(h.get(key) for h in steps_of(r)[:50]) for r in runs)
+            s[f"{name}_last50"] = seed_mean(seed_mean(h.get(key) for h in steps_of(r)[-50:]) for r in runs)
+        s["nonfinite_steps_skipped"] = [r.get("nonfinite_steps_skipped", []) for r in runs]
         summary[regime] = s
     return summary
 
@@ -819,14 +993,15 @@ def report(args) -> None:
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({**summary, "outcomes": outcomes(results)}, f, indent=1)
+        json.dump({**summary, "outcomes": outcomes(results), "claims": claims(results)}, f, indent=1)
     written = ["table.md", "summary.json", "study.png", "kl_vs_bytes.png"]
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(26, 4))
     for regime, runs in results.items():
-        for ax, key in zip(axes, ["reward", GAP_MEAN, KL], strict=True):
+        for ax, key in zip(axes, ["reward", GAP_MEAN, KL, "entropy", "frac_reward_zero_std"], strict=True):
             ax.plot(*curve(runs, key), label=regime)
-    titles = ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)"]
+    titles = ["reward", "mean |logp_train - logp_rollout|", "KL(rollout || train)", "entropy per token",
+              "prompt groups with zero reward std"]  # fmt: skip
     for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title + " (mean over seeds)")
         ax.set_xlabel("GRPO step")
