@@ -40,12 +40,14 @@ if has tests; then
   # From $PKG, so that `python -m pytest` (which puts the working directory first on sys.path) finds the
   # trace_hf with kernels/ linked in. pytest's `pythonpath` (pyproject.toml) then puts the root first, for the
   # tests that import `benchmarks`: its trace_hf binds the kernels/ beside it, the same code.
-  # TEST_FILES: names under tests/ (default: every file with GPU tests).
-  FILES=""
-  for f in ${TEST_FILES:-test_fp4_moe.py test_fp4_moe_hopper.py test_hints.py test_fp4_attention.py \
-      test_fp4_attention_hopper.py test_fast_decode.py test_fp4_kernels.py test_rollout.py}; do
-    FILES="$FILES $ROOT/tests/$f"
-  done
+  # TEST_FILES: test file names (found in tests/'s subject folders; default: the whole tests/ tree, -m gpu).
+  FILES="$ROOT/tests"
+  if [ -n "${TEST_FILES:-}" ]; then
+    FILES=""
+    for f in $TEST_FILES; do
+      FILES="$FILES $(ls "$ROOT"/tests/*/"$f")"
+    done
+  fi
   (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -q -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
     $FILES) > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"

@@ -1,6 +1,6 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Inputs that used to give silently wrong results now either do the right thing or raise an error naming the fix
-(issue 16): quantizer inputs and hints, the config, load-time refusals, and the integrity of an FP4 export."""
+"""Bad input does the right thing or raises an error naming the fix: quantizer inputs and hints, the config,
+load-time refusals, and the integrity of an FP4 export."""
 
 import json
 import shutil

@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""No silent wrong results (issue 16, classes 1-5): stale FP4 weights, beam search, use_hints in eval mode,
+"""No silent wrong results: stale FP4 weights, beam search, use_hints in eval mode,
 misaligned hints, routers replay cannot reproduce. Each case does the right thing or raises naming the fix."""
 
 from __future__ import annotations

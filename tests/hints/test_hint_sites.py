@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Hints at every FP4 site (issue 19): experts_input, experts_hidden, kv. Tiny models on CPU in fp32."""
+"""Hints at every FP4 site: experts_input, experts_hidden, kv. Tiny models on CPU in fp32."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def load(path, sites=SITES, hint_layers=4, **quant):
 
 
 def perturb_rollout(model, sites=SITES, scale=1e-2, seed=0):
-    """Stand in for the rollout kernels' own rounding (as `perturb_rollout` in tests/test_trainer.py does for the MoE
+    """Stand in for the rollout kernels' own rounding (as `perturb_rollout` in tests/train/test_trainer.py does for the MoE
     input): small noise in eval mode only, right where each site's values are computed, and nowhere else (the router
     input stays clean): the experts' input, the expert activation feeding the down projection, and K and V."""
     gen = torch.Generator().manual_seed(seed)
@@ -352,7 +352,7 @@ def test_hint_batch_rows_and_inputs_carry_the_sites(model_dir):
 
 
 def test_rollout_engine_takes_every_site(model_dir):
-    """The engine records every site (tests/test_rollout.py checks its hints): no refusal, so "auto" falls back to
+    """The engine records every site (tests/rollout/test_rollout.py checks its hints): no refusal, so "auto" falls back to
     generate only where the engine cannot run at all (here: no CUDA device)."""
     model = load(model_dir).eval()
     assert unsupported_reason(model, require_cuda=False) is None

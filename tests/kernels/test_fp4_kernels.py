@@ -23,7 +23,7 @@ from trace_hf import fp4
 from trace_hf.kernels import fp4_quant as K
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The interpreter runs the kernels in numpy, which warns about the NaN/Inf lanes the kernels mask out.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -102,7 +102,7 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
 def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
     """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes, Gluon against the Triton kernels (which
-    tests/test_fp4_moe.py holds to the torch path), with the hidden codes it quantized."""
+    tests/kernels/test_fp4_moe.py holds to the torch path), with the hidden codes it quantized."""
     from trace_hf.kernels import fp4_quant
 
     E, H, NI, K = 128, 2048, 768, 8

@@ -2,7 +2,7 @@
 """The wgmma expert GEMMs (`trace_hf.kernels.fp4_moe_wgmma`, sm_90+, many tokens per expert) against the spec, the
 decode kernels and the torch path, and the dispatch that picks them (`fp4_moe_configs.WGMMA`).
 
-Gluon does not run in the interpreter, so the numerics are GPU tests (as in tests/test_fp4_moe_hopper.py): the MMA
+Gluon does not run in the interpreter, so the numerics are GPU tests (as in tests/kernels/test_fp4_moe_hopper.py): the MMA
 adds exact products in fp32 in another order than torch, so each GEMM must match an fp64 reference of the same
 dequantized operands to fp32 rounding, and NaN scales must reach exactly the rows that read them. On the CPU the
 dispatch is checked with a patched device capability, and the kernels are compiled for sm_90 with Triton's bundled
@@ -147,7 +147,7 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
 @pytest.mark.parametrize("M", [256, 512, 2048])
 def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monkeypatch):
     """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes (decode batch 256 and 512, a 2,048-token prefill
-    chunk): the table's wgmma entry against the Triton kernels (held to the torch path by tests/test_fp4_moe.py) and
+    chunk): the table's wgmma entry against the Triton kernels (held to the torch path by tests/kernels/test_fp4_moe.py) and
     the torch reference, and the hidden codes it quantized against the Triton kernels' (equal up to rare flips at a
     rounding boundary from the summation order)."""
     from trace_hf.kernels import fp4_quant

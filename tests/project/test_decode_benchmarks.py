@@ -17,7 +17,7 @@ from benchmarks import harness
 from benchmarks.kernels import hopper_ab, ncu_summary
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(module: str, out: Path, runner: tuple[str, ...] = ()) -> tuple[dict, str]:

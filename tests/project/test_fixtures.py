@@ -15,7 +15,7 @@ from trace_hf import data as D
 from trace_hf import testing as T
 
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = [
     "",
     "Q: Tom has 3 apples and buys 4 more. How many apples does he have?\nA:",

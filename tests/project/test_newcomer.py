@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""A newcomer's first hour (issue 28): import from the source tree; inputs that crashed unclearly or passed silently."""
+"""A newcomer's first hour: import from the source tree; inputs that crashed unclearly or passed silently."""
 
 import copy
 import os
@@ -18,7 +18,7 @@ from trace_hf.rollout import make_rollout
 from trace_hf.testing import save_tiny_model
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _IMPORT = """
 import importlib.util, os, sys

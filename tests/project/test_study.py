@@ -15,7 +15,7 @@ from trace_hf import hint_bytes_per_token
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--size", "tiny", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "12",
          "--eval-problems", "4"]  # fmt: skip
 
@@ -81,7 +81,7 @@ def test_warm_grpo_report(study, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The task with headroom (issue 34): chained word problems, the strict reward, the outcome rules
+# The task with headroom: chained word problems, the strict reward, the outcome rules
 # ----------------------------------------------------------------------------------------------------------
 
 _LINE = re.compile(r"(\d+)([+\-*])(\d+)=(\d+)")

@@ -260,7 +260,7 @@ def test_decode_benchmark_smoke(tmp_path):
     import sys
     from pathlib import Path
 
-    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.rollout.decode_qwen35", "--smoke", "--out", str(out)],
                           cwd=str(tmp_path), env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},

@@ -218,7 +218,9 @@ def test_engine_refuses_what_it_does_not_implement():
         EngineRollout()(model, _prompts(model), _gc(num_beams=2))
     with pytest.raises(ValueError, match="num_beams"):
         GenerateRollout()(model, _prompts(model), _gc(num_beams=2))
-    biased = T.tiny_model(num_hidden_layers=2, attention_bias=True).eval()  # Qwen3.5: tests/test_qwen35_engine.py
+    biased = T.tiny_model(
+        num_hidden_layers=2, attention_bias=True
+    ).eval()  # Qwen3.5: tests/rollout/test_qwen35_engine.py
     with pytest.raises(ValueError, match="cannot roll out"):
         make_rollout(biased, "engine")
     assert isinstance(make_rollout(biased, "auto"), GenerateRollout)

@@ -1,7 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """FSDP2 on two CPU processes (gloo): the FP4 model with sharded master weights (see test_trainer_distributed.py).
 
-    torchrun --standalone --nproc_per_node 2 tests/distributed_fsdp2.py OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/train/distributed_fsdp2.py OUT_DIR
 
 Each rank shards the decoder layers with torch's `fully_shard`, rolls out its own prompts with hints, trains one
 step under `use_hints` (backward inside), and checks that the packed FP4 rollout weights built during the next

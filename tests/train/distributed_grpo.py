@@ -1,11 +1,11 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """A two-step TraceGRPOTrainer run on two CPU processes (see test_trainer_distributed.py).
 
-    torchrun --standalone --nproc_per_node 2 tests/distributed_grpo.py OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/train/distributed_grpo.py OUT_DIR
 
 Each rank then checks that the packed FP4 rollout weights its experts computed after the optimizer steps equal the
 quantization of the updated masters. (FSDP through the Trainer is not tested here: accelerate enables FSDP only on
-accelerators, never for MULTI_CPU; tests/distributed_fsdp2.py checks the model side with torch's `fully_shard`.)
+accelerators, never for MULTI_CPU; tests/train/distributed_fsdp2.py checks the model side with torch's `fully_shard`.)
 
 Each process rolls out its own rows with hints; TRL gathers rewards across processes and slices them back. The main
 process writes the log history to OUT_DIR/log_history.json.

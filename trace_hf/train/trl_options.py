@@ -1,7 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """TRL `GRPOConfig` options that `TraceGRPOTrainer` cannot honour, refused when the config is built.
 
-Every other GRPOConfig field that touches generation or the loss works with the trainer; `tests/test_trl_options.py`
+Every other GRPOConfig field that touches generation or the loss works with the trainer; `tests/train/test_trl_options.py`
 runs each on the tiny model, and docs/api.md lists the outcomes. A refusal names the field, why, and what to do
 instead, so that no option is silently ignored.
 """
