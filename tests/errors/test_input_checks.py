@@ -11,7 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trace_hf import TraceFP4Config, fp4
-from trace_hf.export import EXPERTS_FILE, export_fp4, load_fp4
+from trace_hf.export import export_fp4, load_fp4
+from trace_hf.export.trace_fp4 import EXPERTS_FILE
 from trace_hf.quant.experts import fp4_experts
 from trace_hf.quant.quantizer import quantize_model
 from trace_hf.testing import save_tiny_model, tiny_model
