@@ -277,13 +277,14 @@ def measure(model, ids, mask, new: int, seed: int, recurrent: bool, rollout_kern
 def measure_engine(model, ids, mask, new: int, seed: int, train: dict[str, dict]) -> dict:
     """`trace_hf.rollout.EngineRollout` (its own recurrent Gated DeltaNet step in a CUDA graph; prefill through the
     model with the torch fallbacks) against the teacher-forced forward with each of `train`'s kernels."""
-    import copy
+    from transformers import GenerationConfig
 
     from trace_hf.rollout import EngineRollout
 
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    gc = copy.deepcopy(model.generation_config)
-    gc.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new)
+    g = model.generation_config
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                          eos_token_id=g.eos_token_id, pad_token_id=g.pad_token_id, bos_token_id=g.bos_token_id)  # fmt: skip
     torch.manual_seed(seed)
     start = time.perf_counter()
     with delta_rule(torch_kernels()):
