@@ -20,9 +20,13 @@ shape) it adds flash-linear-attention's kernels (``--fla``: its chunked rule for
 recurrent step for decode; recorded as not available, with the reason, when it does not import or its forward
 fails) and the rollout engine against the training forward (``--engine``):
 
-    python -m benchmarks.mismatch.qwen35_mismatch --device cuda --shape small --out mismatch.json
+    python -m benchmarks.mismatch.qwen35_mismatch --device cuda --shape small --warm-steps 200 --warm-pairs 5 \
+        --lr 1e-3 --new 96 --budget-s 80 --out mismatch.json
 
-The torch rows always use transformers' torch fallbacks, also when fla is installed (transformers would pick fla).
+The torch rows always use transformers' torch fallbacks, also when fla is installed (transformers would pick fla);
+the warm-up always does (fla's chunked backward refuses Triton < 3.7.1 on Hopper). fla's autotuners are pinned to
+their first config by default (``--fla-autotune full`` times them all: minutes of compiling). Each row is written
+to ``--out`` as soon as it is measured, and ``--budget-s`` skips the rows that would start later.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import os
 import random
 import time
 
@@ -319,7 +324,7 @@ SMALL = {"hidden_size": 512, "num_hidden_layers": 8, "full_attention_interval": 
 
 
 def _print(key: str, r: dict) -> None:
-    print(key, {k: round(v, 6) for k, v in r.items() if isinstance(v, float)})
+    print(key, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items() if k != "layers"})
     for row in r.get("layers", []):
         parts = [k for k in ("mixer", "moe", "layer", "mixer_local", "moe_local") if k in row]
         print("   ", row["index"], row["type"], {k: f"{row[k]:.2e}" for k in parts})
@@ -343,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=None,
                    help="also measure trace_hf's rollout engine in BF16 (default: on CUDA)")  # fmt: skip
     p.add_argument("--fp32", action=argparse.BooleanOptionalAction, default=True, help="the fp32 floor rows")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="skip the rows that would start past this many seconds (0: no limit)")  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dev = torch.device(args.device)
@@ -375,44 +382,43 @@ def main(argv=None) -> int:
         fla, results["fla"] = fla_kernels(dev, args.fla_autotune, shape)
         print("fla:", results["fla"])
     ids, mask = batch.input_ids, batch.attention_mask
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def part(key: str, fn) -> None:
+        """One row: timed, written out at once (a run cut short keeps its rows), an error recorded, not fatal."""
+        if args.budget_s and time.perf_counter() - t0 > args.budget_s:
+            results[key] = {"skipped": f"past --budget-s {args.budget_s}"}
+        else:
+            t = time.perf_counter()
+            try:
+                results[key] = fn()
+            except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                results[key] = {"error": f"{type(e).__name__}: {e}"}
+            seconds[key] = time.perf_counter() - t
+        _print(key, results[key])
+        seconds["total"] = time.perf_counter() - t0
+        results["seconds"] = seconds
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
     for dtype in (torch.float32, torch.bfloat16) if args.fp32 else (torch.bfloat16,):
         m = model.to(dtype)
         name = str(dtype).split(".")[-1]
         for recurrent in (False, True):
             key = f"{name}_train_{'recurrent' if recurrent else 'chunked'}"
-            t = time.perf_counter()
-            results[key] = measure(m, ids, mask, args.new, 0, recurrent)
-            seconds[key] = time.perf_counter() - t
-            _print(key, results[key])
+            part(key, lambda m=m, recurrent=recurrent: measure(m, ids, mask, args.new, 0, recurrent))
+    model = model.to(torch.bfloat16)
     if fla is not None:
         # fla everywhere (what transformers runs with fla installed), its recurrent control, and each side alone.
         for key, roll_k, train_k, recurrent in (("bfloat16_fla_train_chunked", fla, fla, False),
                                                ("bfloat16_fla_train_recurrent", fla, fla, True),
                                                ("bfloat16_fla_rollout_torch_train", fla, None, False),
                                                ("bfloat16_torch_rollout_fla_train", None, fla, False)):  # fmt: skip
-            t = time.perf_counter()
-            try:
-                results[key] = measure(model, ids, mask, args.new, 0, recurrent, roll_k, train_k)
-                _print(key, results[key])
-            except Exception as e:  # noqa: BLE001 - recorded, not fatal
-                results[key] = {"error": f"{type(e).__name__}: {e}"}
-                print(key, results[key])
-            seconds[key] = time.perf_counter() - t
+            part(key, lambda r=roll_k, t=train_k, rec=recurrent: measure(model, ids, mask, args.new, 0, rec, r, t))
     if use_engine:
-        t = time.perf_counter()
         train = {"torch_chunked": torch_kernels(), **({"fla_chunked": fla} if fla is not None else {})}
-        try:
-            results["bfloat16_engine"] = measure_engine(model, ids, mask, args.new, 0, train)
-            print("bfloat16_engine", results["bfloat16_engine"])
-        except Exception as e:  # noqa: BLE001
-            results["bfloat16_engine"] = {"error": f"{type(e).__name__}: {e}"}
-            print("bfloat16_engine", results["bfloat16_engine"])
-        seconds["bfloat16_engine"] = time.perf_counter() - t
-    seconds["total"] = time.perf_counter() - t0
-    results["seconds"] = seconds
+        part("bfloat16_engine", lambda: measure_engine(model, ids, mask, args.new, 0, train))
     print("seconds", {k: round(v, 1) for k, v in seconds.items()})
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
     return 0
 
 
