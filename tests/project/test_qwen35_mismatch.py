@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""The smoke path of benchmarks/mismatch/qwen35_mismatch.py: every row it writes, on CPU in a few seconds."""
+"""The Qwen3.5 mismatch benchmark's smoke path: every row it writes, on CPU in a few seconds."""
 
 import json
 
