@@ -25,7 +25,7 @@ import torch
 
 
 def dims(layers: int, smoke: bool):
-    from trace_hf.rollout.qwen35 import HybridDims
+    from trace_hf.rollout.engine.qwen35 import HybridDims
 
     types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
     if smoke:
@@ -37,7 +37,7 @@ def dims(layers: int, smoke: bool):
 
 
 def random_weights(d, dtype, device, seed=0):
-    from trace_hf.rollout.qwen35 import HybridDecodeWeights, HybridLayerWeights
+    from trace_hf.rollout.engine.qwen35 import HybridDecodeWeights, HybridLayerWeights
 
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
             return 2
     if args.smoke:
         args.layers, args.cells, args.steps = 4, "2x16", 2
-    from trace_hf.rollout.decode import quantize_experts
-    from trace_hf.rollout.qwen35 import HybridDecoder
+    from trace_hf.rollout.engine.decoder import quantize_experts
+    from trace_hf.rollout.engine.qwen35 import HybridDecoder
 
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -153,9 +153,9 @@ def main(argv=None) -> int:
 
 
 def _fill(cache, g):
-    from trace_hf.rollout.decode import _kernels
+    from trace_hf.rollout.engine.kernels import kernels
 
-    _kernels()[1].fill_random(cache, g)
+    kernels().attention.fill_random(cache, g)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decode import DecodeWeights, Dims, FastDecoder, _kernels, experts_moved
+from .decoder import DecodeWeights, Dims, FastDecoder, experts_moved
+from .kernels import kernels
 
 
 @dataclass
@@ -116,7 +117,7 @@ class HybridWeights:
     projections, ``1 + w`` norms) recomputed from the parameters; a parameter whose storage moved rebuilds all."""
 
     def __init__(self, lm, layout):
-        from ..experts import fp4_experts
+        from ...experts import fp4_experts
 
         self.lm, self.layout = lm, layout
         self.experts = fp4_experts(lm)
@@ -140,7 +141,7 @@ class HybridWeights:
         return self._derive(lambda: module.weight.detach().float() + off)
 
     def _read(self) -> HybridDecodeWeights:
-        from ..experts import TraceFP4Experts
+        from ...experts import TraceFP4Experts
 
         lm, lay = self.lm, self.layout
         dims = HybridDims.from_config(lm.config)
@@ -275,7 +276,7 @@ class HybridDecoder(FastDecoder):
 
     def _full_attention(self, xn, lw: HybridLayerWeights, i: int, cos, sin, lengths) -> torch.Tensor:
         d, B = self.dims, self.batch
-        dec, A, _, _ = _kernels()
+        dec, A = kernels().ops, kernels().attention
         D, Hq, Hkv = d.head_dim, d.num_heads, d.num_kv_heads
         q, k, v, gate = dec.linear(xn, lw.w_in).split([Hq * D, Hkv * D, Hkv * D, Hq * D], -1)
         q = _rope(_rmsnorm(q.view(B, Hq, D), lw.q_norm, d.eps), cos, sin)
@@ -287,7 +288,7 @@ class HybridDecoder(FastDecoder):
 
     def _linear_attention(self, xn, lw: HybridLayerWeights, i: int) -> torch.Tensor:
         d, B = self.dims, self.batch
-        dec = _kernels()[0]
+        dec = kernels().ops
         Hk, Hv, Dk, Dv = d.lin_k_heads, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim
         mixed, z, b, a = dec.linear(xn, lw.w_in).split([d.conv_dim, Hv * Dv, Hv, Hv], -1)
         # causal conv1d: shift the window of the last `kernel` inputs, one depthwise product over it, SiLU
@@ -321,14 +322,14 @@ class HybridDecoder(FastDecoder):
         """Gated RMSNorm (norm, weight, then * silu(z)) per value head, and the output projection."""
         d, B = self.dims, self.batch
         Hv, Dv = d.lin_v_heads, d.lin_v_dim
-        dec = _kernels()[0]
+        dec = kernels().ops
         h = out.float()
         h = lw.gate_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)).to(out.dtype)
         h = (h * F.silu(z.reshape(B, Hv, Dv).float())).to(out.dtype)
         return dec.linear(h.reshape(B, -1), lw.w_out)
 
     def _shared_expert(self, xn, lw: HybridLayerWeights) -> torch.Tensor:
-        dec = _kernels()[0]
+        dec = kernels().ops
         gate, up, sg = dec.linear(xn, lw.w_shared).split([self.dims.shared_dim, self.dims.shared_dim, 1], -1)
         return torch.sigmoid(sg) * dec.linear(F.silu(gate) * up, lw.w_shared_down)
 
@@ -337,7 +338,7 @@ class HybridDecoder(FastDecoder):
     def step(self) -> None:
         """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
         d = self.dims
-        dec, _, moe, _ = _kernels()
+        dec, moe = kernels().ops, kernels().moe
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
         pos = self.positions.long()

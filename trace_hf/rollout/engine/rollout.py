@@ -17,8 +17,8 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
 Before every rollout the engine refreshes what it reads from the model: packed FP4 experts are re-quantized from
 the masters in place (`TraceFP4Experts.refresh_packed`), the fused QKV weight is re-copied, and any parameter whose
 storage moved (reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it
-was made. What it reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.layouts`
-(Qwen3 MoE: `FastDecoder`; Qwen3.5 MoE: `trace_hf.rollout.qwen35.HybridDecoder`). Under FSDP2 the engine owns
+was made. What it reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.engine.layouts`
+(Qwen3 MoE: `FastDecoder`; Qwen3.5 MoE: `trace_hf.rollout.engine.qwen35.HybridDecoder`). Under FSDP2 the engine owns
 full copies of what it reads, refreshed by gathering one layer at a time (`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
 """
 
@@ -32,16 +32,17 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
-from .. import fp4
-from ..experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
-from ..hints import HintRecorder, hint_batch_from_columns, kv_rows
-from ..kv_cache import FP4KVLayer, fp4_cache
-from .base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
-from .decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, experts_moved, weights_from_hf
-from .generate import check_sampling
+from ... import fp4
+from ...experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
+from ...hints import HintRecorder, hint_batch_from_columns, kv_rows
+from ...kv_cache import FP4KVLayer, fp4_cache
+from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
+from ..generate import check_sampling
+from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
+from .decoder import DecodeWeights, Dims, FastDecoder, LayerWeights, experts_moved, weights_from_hf
+from .kernels import kernels
 from .layouts import layout_of, supported_model_types
 from .qwen35 import HybridDecoder
-from .sampling import SamplingSettings, draw, process_logits, sampler_logprobs
 
 
 def kv_format(model) -> str | None:
@@ -52,7 +53,7 @@ def kv_format(model) -> str | None:
 
 def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     """Why the engine cannot roll out this model (None: it can). The engine implements the families of
-    `trace_hf.rollout.layouts`: Qwen3 MoE-style decoders whose every layer is full-attention MoE (q/k norms, default
+    `trace_hf.rollout.engine.layouts`: Qwen3 MoE-style decoders whose every layer is full-attention MoE (q/k norms, default
     RoPE, SiLU experts, softmax top-k router), and Qwen3.5 MoE (Gated DeltaNet and gated full attention, shared
     expert)."""
     lm = causal_lm(model)
@@ -426,7 +427,7 @@ class EngineRollout:
         if dev.type != "cuda":
             return
         d = w.dims
-        A = _kernels()[1]
+        A = kernels().attention
         kv = A.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size()) * w.num_kv_layers
         need = batch * length * kv + 8 * batch * d.vocab * 4  # cache + the sampler's [B, V] fp32 temporaries
         need += batch * w.state_bytes_per_row()

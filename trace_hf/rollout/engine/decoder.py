@@ -27,14 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import fp4
-from ..fp4 import FP4Tensor
-
-
-def _kernels():
-    from trace_hf.kernels import decode_ops, fp4_attention, fp4_moe, fp4_quant
-
-    return decode_ops, fp4_attention, fp4_moe, fp4_quant
+from ... import fp4
+from ...fp4 import FP4Tensor
+from .kernels import kernels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -143,7 +138,7 @@ def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
     FP4 experts (`TraceFP4Experts`) give their cached packed weights and hinted flags; plain experts stay dense
     unless ``fp4_experts=True`` (then they are quantized here, and the last half of the layers is hinted).
     """
-    from ..experts import TraceFP4Experts
+    from ...experts import TraceFP4Experts
 
     dims = Dims.from_config(model.config)
     inner = model.model
@@ -211,7 +206,7 @@ def rope_tables(dims: Dims, max_len: int, dtype, device) -> tuple[torch.Tensor, 
 
 @torch.library.custom_op("trace_hf::add_rmsnorm", mutates_args=("res",))
 def add_rmsnorm_op(res: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _kernels()[0].add_rmsnorm(res, add, weight, eps)
+    return kernels().ops.add_rmsnorm(res, add, weight, eps)
 
 
 @add_rmsnorm_op.register_fake
@@ -221,7 +216,7 @@ def _(res, add, weight, eps):
 
 @torch.library.custom_op("trace_hf::linear", mutates_args=())
 def linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _kernels()[0].linear(x, w)
+    return kernels().ops.linear(x, w)
 
 
 @linear_op.register_fake
@@ -231,7 +226,7 @@ def _(x, w):
 
 @torch.library.custom_op("trace_hf::router_topk", mutates_args=())
 def router_topk_op(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels()[0].router_topk(logits, top_k, normalize)
+    return kernels().ops.router_topk(logits, top_k, normalize)
 
 
 @router_topk_op.register_fake
@@ -258,7 +253,7 @@ def qkv_post_op(
     sin: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    A = _kernels()[1]
+    A = kernels().attention
     cache = A.KVCache(k, v, k_scale, v_scale, k_g, v_g)
     return A.qkv_post(qkv, cache, positions, num_heads, num_kv_heads, q_norm, k_norm, cos, sin, eps)
 
@@ -282,7 +277,7 @@ def decode_attention_op(
     splits: int,
     chunk: int,
 ) -> torch.Tensor:
-    A = _kernels()[1]
+    A = kernels().attention
     return A.decode_attention(q, A.KVCache(k, v, k_scale, v_scale, k_g, v_g), lengths, splits=(splits, chunk))
 
 
@@ -309,7 +304,7 @@ def moe_experts_op(
 ) -> torch.Tensor:
     """Routed experts: ``x`` packed FP4 [M, H/2] (with its scales) or dense [M, H]; weights packed with scales,
     or dense. Returns fp32 [M, top_k, H] (weighted per-slot outputs)."""
-    moe = _kernels()[2]
+    moe = kernels().moe
 
     def wrap(t, s, g):
         return t if s is None else FP4Tensor(t, s, g, "nvfp4")
@@ -372,7 +367,7 @@ class FastDecoder:
         record_routing: bool = False,
         sample=None,
     ):
-        _, A, _, _ = _kernels()
+        A = kernels().attention
         self.w = weights
         d = weights.dims
         self.dims, self.batch, self.max_len, self.kv_fp4 = d, batch, max_len, kv_fp4
@@ -422,7 +417,7 @@ class FastDecoder:
     def _add_rmsnorm(self, res, add, w):
         if self.use_ops:
             return torch.ops.trace_hf.add_rmsnorm(res, add, w, self.dims.eps)
-        return _kernels()[0].add_rmsnorm(res, add, w, self.dims.eps)
+        return kernels().ops.add_rmsnorm(res, add, w, self.dims.eps)
 
     def _add_rmsnorm_fp4(self, res, add, w, layer: int) -> tuple[torch.Tensor, FP4Tensor]:
         """The post-attention norm and the experts' input quantized per token in one launch; at hinted layers the
@@ -431,14 +426,14 @@ class FastDecoder:
         if self.record_hints and self.w.layers[layer].hinted:
             j = self.hinted.index(layer)
             hints = fp4.FP4Hints(self.hint_bits[j], self.hint_scale[j], self.hint_g[j].view(-1, 1), "nvfp4")
-        return _kernels()[0].add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints,
+        return kernels().ops.add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints,
                                              round_normalized=self.round_normalized)  # fmt: skip
 
     def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
         """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they
         quantized, put in slot order (graph-safe). Called directly, not as a custom op (the op returns no hints)."""
         lw = self.w.layers[layer]
-        y, hidden = _kernels()[2].experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, True, return_hidden=True)
+        y, hidden = kernels().moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, True, return_hidden=True)
         j, pos = self.hidden_hinted.index(layer), hidden.positions()
         h = hidden.hints
         for dst, src in ((self.hidden_bits, h.mantissa_bits), (self.hidden_scale, h.block_scale),
@@ -449,7 +444,8 @@ class FastDecoder:
     def step(self) -> None:
         """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
         d, B = self.dims, self.batch
-        dec, A, moe, _ = _kernels()
+        k = kernels()
+        dec, A, moe = k.ops, k.attention, k.moe
         ops = torch.ops.trace_hf
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .decode import FastDecoder
+from .decoder import FastDecoder
 from .qwen35 import HybridDecoder, HybridWeights
 
 
@@ -49,7 +49,7 @@ class Layout:
 
 
 def _qwen3_weights(lm):
-    from .engine import _sharded, _ShardedWeights, _Weights
+    from .rollout import _sharded, _ShardedWeights, _Weights
 
     return (_ShardedWeights if _sharded(lm) else _Weights)(lm)
 
