@@ -54,7 +54,7 @@ def test_fast_decode_matches_transformers(fp4, B):
             hb = rec.collect(torch.ones(B, T, dtype=torch.long))
         else:
             ref = model(toks, use_cache=False).logits
-    dec = fd.FastDecoder(fd.weights_from_hf(model), B, T + 1, kv_fp4=fp4, use_ops=fp4)
+    dec = fd.FastDecoder(fd.weights_from_hf(model), B, T + 1, kv_fp4=fp4)
     logits, bits, scales, gs = [], [], [], []
     for t in range(T):
         dec.tokens.copy_(toks[:, t])

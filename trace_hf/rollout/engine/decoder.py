@@ -15,9 +15,6 @@ hidden they quantized, in slot order), whose per-slot outputs the next norm sums
 the greedy next token (or the rollout engine's sampler, `trace_hf.rollout.engine`), which becomes the next step's
 input. At batch 1 the QKV, o_proj and router products run `decode_ops.gemv` (cuBLAS leaves most of the GPU idle
 on one row).
-
-The kernels are also registered as torch custom ops (``torch.ops.trace_hf.*``, with fake implementations) so
-that `torch.compile` can trace code that calls them.
 """
 
 from __future__ import annotations
@@ -200,134 +197,6 @@ def rope_tables(dims: Dims, max_len: int, dtype, device) -> tuple[torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Custom ops (torch.library): the kernels as ops torch.compile can trace
-# ----------------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("trace_hf::add_rmsnorm", mutates_args=("res",))
-def add_rmsnorm_op(res: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return kernels().ops.add_rmsnorm(res, add, weight, eps)
-
-
-@add_rmsnorm_op.register_fake
-def _(res, add, weight, eps):
-    return torch.empty_like(res)
-
-
-@torch.library.custom_op("trace_hf::linear", mutates_args=())
-def linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return kernels().ops.linear(x, w)
-
-
-@linear_op.register_fake
-def _(x, w):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-@torch.library.custom_op("trace_hf::router_topk", mutates_args=())
-def router_topk_op(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return kernels().ops.router_topk(logits, top_k, normalize)
-
-
-@router_topk_op.register_fake
-def _(logits, top_k, normalize):
-    m = logits.shape[0]
-    return (logits.new_empty(m, top_k, dtype=torch.int32), logits.new_empty(m, top_k, dtype=torch.float32))
-
-
-@torch.library.custom_op("trace_hf::qkv_post", mutates_args=("k", "v", "k_scale", "v_scale", "k_g", "v_g"))
-def qkv_post_op(
-    qkv: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_g: torch.Tensor | None,
-    v_g: torch.Tensor | None,
-    positions: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    A = kernels().attention
-    cache = A.KVCache(k, v, k_scale, v_scale, k_g, v_g)
-    return A.qkv_post(qkv, cache, positions, num_heads, num_kv_heads, q_norm, k_norm, cos, sin, eps)
-
-
-@qkv_post_op.register_fake
-def _(qkv, k, v, k_scale, v_scale, k_g, v_g, positions, num_heads, num_kv_heads, q_norm, k_norm, cos, sin, eps):
-    head_dim = k.shape[-1] * (2 if k_scale is not None else 1)
-    return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
-
-
-@torch.library.custom_op("trace_hf::decode_attention", mutates_args=())
-def decode_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    k_g: torch.Tensor | None,
-    v_g: torch.Tensor | None,
-    lengths: torch.Tensor,
-    splits: int,
-    chunk: int,
-) -> torch.Tensor:
-    A = kernels().attention
-    return A.decode_attention(q, A.KVCache(k, v, k_scale, v_scale, k_g, v_g), lengths, splits=(splits, chunk))
-
-
-@decode_attention_op.register_fake
-def _(q, k, v, k_scale, v_scale, k_g, v_g, lengths, splits, chunk):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("trace_hf::moe_experts", mutates_args=())
-def moe_experts_op(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    x_g: torch.Tensor | None,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    gate_up_scale: torch.Tensor | None,
-    gate_up_g: torch.Tensor | None,
-    down: torch.Tensor,
-    down_scale: torch.Tensor | None,
-    down_g: torch.Tensor | None,
-    hidden_fp4: bool,
-    hidden: int,
-) -> torch.Tensor:
-    """Routed experts: ``x`` packed FP4 [M, H/2] (with its scales) or dense [M, H]; weights packed with scales,
-    or dense. Returns fp32 [M, top_k, H] (weighted per-slot outputs)."""
-    moe = kernels().moe
-
-    def wrap(t, s, g):
-        return t if s is None else FP4Tensor(t, s, g, "nvfp4")
-
-    return moe.experts_from_quantized(
-        wrap(x, x_scale, x_g), topk_ids, topk_weights, wrap(gate_up, gate_up_scale, gate_up_g),
-        wrap(down, down_scale, down_g), hidden_fp4=hidden_fp4,
-    )  # fmt: skip
-
-
-@moe_experts_op.register_fake
-def _(x, x_scale, x_g, topk_ids, topk_weights, gate_up, gate_up_scale, gate_up_g, down, down_scale, down_g,
-      hidden_fp4, hidden):  # fmt: skip
-    return x.new_empty(topk_ids.shape[0], topk_ids.shape[1], hidden, dtype=torch.float32)
-
-
-def _fp4_parts(q: FP4Tensor | torch.Tensor):
-    if isinstance(q, FP4Tensor):
-        return q.packed, q.block_scale, q.global_scale
-    return q, None, None
-
-
-# ----------------------------------------------------------------------------------------------------------
 # The decoder
 # ----------------------------------------------------------------------------------------------------------
 
@@ -342,8 +211,6 @@ class FastDecoder:
             experts input into `hint_bits` / `hint_scale` / `hint_g` ([n_hinted, batch, ...]), and at layers hinted at
             "experts_hidden" of the down projection's input per slot into `hidden_bits` / `hidden_scale` /
             `hidden_g` ([n_hidden, batch, top_k, ...], slots in the router's order).
-        use_ops: call the kernels through the ``torch.ops.trace_hf`` custom ops (else directly). The FP4 path's
-            norm + input quantization, which writes the hint buffers, is always a direct call.
         record_routing: write every layer's routed expert ids into `routing` ([num_layers, batch, top_k] int16).
         sample: called at the end of each step with the decoder, instead of the greedy argmax: it reads `logits` and
             writes the next `tokens` (the rollout engine's sampler and stop bookkeeping; must be graph-safe).
@@ -363,7 +230,6 @@ class FastDecoder:
         max_len: int,
         kv_fp4: bool = True,
         record_hints: bool = True,
-        use_ops: bool = True,
         record_routing: bool = False,
         sample=None,
     ):
@@ -373,7 +239,6 @@ class FastDecoder:
         self.dims, self.batch, self.max_len, self.kv_fp4 = d, batch, max_len, kv_fp4
         self.device = weights.embed.device
         self.dtype = weights.dtype
-        self.use_ops = use_ops
         self.fp4_experts = weights.fp4_experts
         self.record_hints = record_hints and self.fp4_experts
         self.caches = [
@@ -415,13 +280,11 @@ class FastDecoder:
         return [i for i, lw in enumerate(self.w.layers) if lw.hinted and site in lw.hint_sites]
 
     def _add_rmsnorm(self, res, add, w):
-        if self.use_ops:
-            return torch.ops.trace_hf.add_rmsnorm(res, add, w, self.dims.eps)
         return kernels().ops.add_rmsnorm(res, add, w, self.dims.eps)
 
     def _add_rmsnorm_fp4(self, res, add, w, layer: int) -> tuple[torch.Tensor, FP4Tensor]:
         """The post-attention norm and the experts' input quantized per token in one launch; at hinted layers the
-        hints go straight into the static buffers. Called directly, not as a custom op (it writes the buffers)."""
+        hints go straight into the static buffers."""
         hints = None
         if self.record_hints and self.w.layers[layer].hinted:
             j = self.hinted.index(layer)
@@ -431,7 +294,7 @@ class FastDecoder:
 
     def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
         """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they
-        quantized, put in slot order (graph-safe). Called directly, not as a custom op (the op returns no hints)."""
+        quantized, put in slot order (graph-safe)."""
         lw = self.w.layers[layer]
         y, hidden = kernels().moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, True, return_hidden=True)
         j, pos = self.hidden_hinted.index(layer), hidden.positions()
@@ -446,41 +309,26 @@ class FastDecoder:
         d, B = self.dims, self.batch
         k = kernels()
         dec, A, moe = k.ops, k.attention, k.moe
-        ops = torch.ops.trace_hf
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
-        linear = ops.linear if self.use_ops else dec.linear  # one row: `decode_ops.gemv`, else cuBLAS
         pending = None
         for i, lw in enumerate(self.w.layers):
             c = self.caches[i]
             xn = self._add_rmsnorm(res, pending, lw.ln_in)
-            qkv = linear(xn, lw.w_qkv)
-            cargs = (c.k, c.v, c.k_scale, c.v_scale, c.k_g, c.v_g)
-            if self.use_ops:
-                q = ops.qkv_post(qkv, *cargs, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm,
-                                 self.cos, self.sin, d.eps)  # fmt: skip
-                attn = ops.decode_attention(q, *cargs, lengths, *self.splits)
-            else:
-                q = A.qkv_post(qkv, c, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm, self.cos,
-                               self.sin, d.eps)  # fmt: skip
-                attn = A.decode_attention(q, c, lengths, splits=self.splits)
-            o = linear(attn.view(B, -1), lw.w_o)
+            qkv = dec.linear(xn, lw.w_qkv)  # one row: `decode_ops.gemv`, else cuBLAS
+            q = A.qkv_post(qkv, c, self.positions, d.num_heads, d.num_kv_heads, lw.q_norm, lw.k_norm, self.cos,
+                           self.sin, d.eps)  # fmt: skip
+            attn = A.decode_attention(q, c, lengths, splits=self.splits)
+            o = dec.linear(attn.view(B, -1), lw.w_o)
             if self.fp4_experts:
                 xn, xq = self._add_rmsnorm_fp4(res, o.unsqueeze(1), lw.ln_post, i)
             else:
                 xn = xq = self._add_rmsnorm(res, o.unsqueeze(1), lw.ln_post)
-            rl = linear(xn, lw.w_router)
-            if self.use_ops:
-                ids, tw = ops.router_topk(rl, d.top_k, d.norm_topk_prob)
-            else:
-                ids, tw = dec.router_topk(rl, d.top_k, d.norm_topk_prob)
+            ids, tw = dec.router_topk(dec.linear(xn, lw.w_router), d.top_k, d.norm_topk_prob)
             if self.record_routing:
                 self.routing[i].copy_(ids)
             if self.record_hints and i in self.hidden_hinted:
                 pending = self._experts_recording_hidden(xq, ids, tw, i)
-            elif self.use_ops:
-                pending = ops.moe_experts(*_fp4_parts(xq), ids, tw, *_fp4_parts(lw.gate_up), *_fp4_parts(lw.down),
-                                          self.fp4_experts, d.hidden)  # fmt: skip
             else:
                 pending = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
         xn = self._add_rmsnorm(res, pending, self.w.norm)

@@ -226,8 +226,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 class HybridDecoder(FastDecoder):
     """`FastDecoder` for Qwen3.5 MoE: K/V caches at full-attention layers only, static conv and recurrent states
     at linear-attention layers (`conv_states` [B, C, kernel] in the model dtype, `recurrent_states`
-    [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook; the kernels
-    are called directly (``use_ops`` is not offered).
+    [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook.
 
     ``delta_rule``: ``"torch"`` (transformers' recurrent step, op for op) or ``"triton"``
     (`trace_hf.kernels.gated_delta`: the state read and written once instead of six passes; the same function up
@@ -236,14 +235,12 @@ class HybridDecoder(FastDecoder):
     round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
 
     def __init__(self, weights: HybridDecodeWeights, batch: int, max_len: int, kv_fp4: bool = True,
-                 record_hints: bool = True, use_ops: bool = False, record_routing: bool = False, sample=None,
+                 record_hints: bool = True, record_routing: bool = False, sample=None,
                  delta_rule: str = "torch"):  # fmt: skip
-        if use_ops:
-            raise ValueError("HybridDecoder calls its kernels directly: use_ops=True is not implemented.")
         if delta_rule not in ("torch", "triton"):
             raise ValueError(f"delta_rule={delta_rule!r}: use 'torch' or 'triton'.")
         self.delta_rule = delta_rule
-        super().__init__(weights, batch, max_len, kv_fp4, record_hints, False, record_routing, sample)
+        super().__init__(weights, batch, max_len, kv_fp4, record_hints, record_routing, sample)
         d, dev = self.dims, self.device
         linear = [t == "linear_attention" for t in d.layer_types]
         self.conv_states = [torch.zeros(batch, d.conv_dim, d.conv_kernel, dtype=self.dtype, device=dev) if lin else None

@@ -309,7 +309,7 @@ class _Runner:
                  decoder: type[FastDecoder] = FastDecoder):  # fmt: skip
         d = w.dims
         self.s, self.batch, self.record = s, batch, record
-        self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record, use_ops=False,
+        self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record,
                            record_routing=record, sample=self._sample)  # fmt: skip
         dev = self.dec.device
         n = s.max_new_tokens
