@@ -547,7 +547,8 @@ class EngineRollout:
             if c is None:  # linear attention: its states were loaded above
                 continue
             if isinstance(layer, FP4KVLayer):
-                for q, (codes, scale, g) in ((layer._k, (c.k, c.k_scale, c.k_g)), (layer._v, (c.v, c.v_scale, c.v_g))):
+                for q, (codes, scale, g) in ((layer.fp4_keys, (c.k, c.k_scale, c.k_g)),
+                                          (layer.fp4_values, (c.v, c.v_scale, c.v_g))):  # fmt: skip
                     put(codes, q.packed)
                     put(scale, q.block_scale)
                     put(g, q.global_scale.squeeze(-1))
