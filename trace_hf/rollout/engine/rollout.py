@@ -285,8 +285,7 @@ class _ShardedWeights:
                         if m.experts.frozen:  # unsharded buffers: the packed weights themselves
                             gu, d = m.experts.packed_weights()
                         else:
-                            m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
-                            gu, d = m.experts._packed[1], m.experts._packed[2]
+                            gu, d = m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
                         hinted, sites = m.experts.hinted, m.experts.hint_sites or ("experts_input",)
                     else:
                         gu = own(old and old.gate_up, m.experts.gate_up_proj)
