@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             return 2
     if args.smoke:
         args.layers, args.cells, args.steps = 4, "2x16", 2
-    from trace_hf.rollout.engine.decoder import quantize_experts
+    from trace_hf.rollout.engine import quantize_experts
     from trace_hf.rollout.engine.qwen35 import HybridDecoder
 
     dev = torch.device("cuda" if cuda else "cpu")

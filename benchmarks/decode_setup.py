@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from trace_hf.fp4 import FP4Tensor
-from trace_hf.rollout.engine.decoder import DecodeWeights, Dims, FastDecoder, LayerWeights, quantize_experts
+from trace_hf.rollout.engine import DecodeWeights, Dims, FastDecoder, LayerWeights, quantize_experts
 from trace_hf.rollout.engine.kernels import kernels
 
 

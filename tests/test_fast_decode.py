@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""The static decode step (`trace_hf.rollout.engine.decoder`) against the transformers model's eval path, fp32 on CPU.
+"""The static decode step (`trace_hf.rollout.engine`) against the transformers model's eval path, fp32 on CPU.
 
 The fast path is fed the sequence one token per step (teacher forcing) and its logits are compared with a
 full-sequence forward of the transformers model: with `TraceFP4Config` (W4A4 experts, FP4 KV cache) for the FP4
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import decode_setup  # noqa: E402
 
 
-fd = pytest.importorskip("trace_hf.rollout.engine.decoder")
+fd = pytest.importorskip("trace_hf.rollout.engine")
 pytest.importorskip("trace_hf.kernels.fp4_moe")
 
 

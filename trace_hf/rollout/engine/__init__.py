@@ -11,9 +11,10 @@ A small package in the spirit of nano-vllm, one module per job:
 
 from __future__ import annotations
 
-from .decoder import DecodeWeights, Dims, FastDecoder, LayerWeights, quantize_experts, rope_tables, weights_from_hf
+from .decoder import FastDecoder, rope_tables
 from .qwen35 import HybridDecoder
-from .rollout import LORA_TARGETS, EngineRollout, kv_format, lora_weight, unsupported_reason
+from .rollout import LORA_TARGETS, EngineRollout, kv_format, unsupported_reason
+from .weights import DecodeWeights, Dims, LayerWeights, lora_weight, quantize_experts, weights_from_hf
 
 
 __all__ = [

@@ -19,171 +19,13 @@ on one row).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
 from ... import fp4
 from ...fp4 import FP4Tensor
 from .kernels import kernels
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Weights
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Dims:
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    expert_dim: int
-    vocab: int
-    num_layers: int
-    eps: float = 1e-6
-    rope_theta: float = 1e6
-    norm_topk_prob: bool = True
-
-    @classmethod
-    def qwen3_30b_a3b(cls, num_layers: int = 48) -> Dims:
-        return cls(2048, 32, 4, 128, 128, 8, 768, 151936, num_layers)
-
-    @classmethod
-    def from_config(cls, config) -> Dims:
-        c = config.get_text_config(decoder=True)
-        if getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1:
-            raise ValueError("fast_decode handles Qwen3 MoE models whose every layer is MoE.")
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"fast_decode implements default RoPE, not {rope.get('rope_type')!r}.")
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, c.num_experts,
-            c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size, c.num_hidden_layers, c.rms_norm_eps,
-            float(theta), bool(getattr(c, "norm_topk_prob", True)),
-        )  # fmt: skip
-
-
-@dataclass
-class LayerWeights:
-    ln_in: torch.Tensor
-    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    w_o: torch.Tensor
-    ln_post: torch.Tensor
-    w_router: torch.Tensor  # [E, H]
-    gate_up: FP4Tensor | torch.Tensor  # [E, 2I, H]
-    down: FP4Tensor | torch.Tensor  # [E, H, I]
-    hinted: bool = False
-    hint_sites: tuple[str, ...] = ("experts_input",)  # what a hinted layer records (`TraceFP4Config.hint_sites`)
-
-    def nbytes_dense(self) -> int:
-        ts = (self.ln_in, self.w_qkv, self.q_norm, self.k_norm, self.w_o, self.ln_post, self.w_router)
-        return sum(t.numel() * t.element_size() for t in ts)
-
-
-@dataclass
-class DecodeWeights:
-    dims: Dims
-    embed: torch.Tensor
-    norm: torch.Tensor
-    lm_head: torch.Tensor
-    layers: list[LayerWeights] = field(default_factory=list)
-
-    @property
-    def fp4_experts(self) -> bool:
-        return isinstance(self.layers[0].gate_up, FP4Tensor)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def num_kv_layers(self) -> int:
-        """Layers with a K/V cache."""
-        return self.dims.num_layers
-
-    def state_bytes_per_row(self) -> int:
-        """Bytes of per-sequence state other than the K/V cache (none for Qwen3)."""
-        return 0
-
-    def expert_bytes(self) -> int:
-        """Bytes of one expert (gate_up + down) as stored."""
-        lw = self.layers[0]
-        E = self.dims.num_experts
-        if isinstance(lw.gate_up, FP4Tensor):
-            return (lw.gate_up.nbytes() + lw.down.nbytes()) // E
-        return (lw.gate_up.numel() * lw.gate_up.element_size() + lw.down.numel() * lw.down.element_size()) // E
-
-
-def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[FP4Tensor, FP4Tensor]:
-    """NVFP4 expert weights with one global scale per expert, as `TraceFP4Experts.packed_weights`."""
-    with torch.no_grad():
-        return fp4.quantize(gate_up, "nvfp4", "expert"), fp4.quantize(down, "nvfp4", "expert")
-
-
-def weights_from_hf(model, fp4_experts: bool | None = None) -> DecodeWeights:
-    """Take the weights of a transformers Qwen3 MoE causal LM (plain, or loaded with `TraceFP4Config`).
-
-    FP4 experts (`TraceFP4Experts`) give their cached packed weights and hinted flags; plain experts stay dense
-    unless ``fp4_experts=True`` (then they are quantized here, and the last half of the layers is hinted).
-    """
-    from ...experts import TraceFP4Experts
-
-    dims = Dims.from_config(model.config)
-    inner = model.model
-    layers = []
-    n = dims.num_layers
-    for i, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_proj.bias is not None:
-            raise ValueError("fast_decode does not handle attention biases.")
-        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
-        ex = mlp.experts
-        if isinstance(ex, TraceFP4Experts):
-            if ex.fmt != "nvfp4" or ex.activations != "fp4":
-                raise ValueError("fast_decode's FP4 experts are NVFP4 W4A4 (TraceFP4Config defaults).")
-            gu, d = ex.packed_weights()
-            hinted, sites = ex.hinted, ex.hint_sites or ("experts_input",)
-        elif fp4_experts:
-            gu, d = quantize_experts(ex.gate_up_proj.detach(), ex.down_proj.detach())
-            hinted, sites = i >= n - (n + 1) // 2, ("experts_input",)
-        else:
-            gu, d, hinted, sites = ex.gate_up_proj.detach(), ex.down_proj.detach(), False, ()
-        layers.append(
-            LayerWeights(
-                layer.input_layernorm.weight.detach(),
-                w_qkv,
-                attn.q_norm.weight.detach(),
-                attn.k_norm.weight.detach(),
-                attn.o_proj.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(),
-                mlp.gate.weight.detach(),
-                gu,
-                d,
-                hinted,
-                sites,
-            )  # fmt: skip
-        )
-    return DecodeWeights(dims, inner.embed_tokens.weight.detach(), inner.norm.weight.detach(),
-                         model.lm_head.weight.detach(), layers)  # fmt: skip
-
-
-def experts_moved(experts, layers) -> bool:
-    """Whether a refresh left any FP4 experts module holding packed tensors other than the ones these decode weights
-    point at (it had to reallocate them): then the weights are rebuilt and the captured graphs dropped."""
-    for ex, lw in zip(experts, layers, strict=False):
-        gate_up, down = ex.packed_weights()
-        if gate_up is not lw.gate_up or down is not lw.down:
-            return True
-    return False
+from .weights import DecodeWeights, Dims
 
 
 def rope_tables(dims: Dims, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,12 +216,4 @@ class FastDecoder:
     # -- content --------------------------------------------------------------------------------------------
 
 
-__all__ = [
-    "Dims",
-    "LayerWeights",
-    "DecodeWeights",
-    "FastDecoder",
-    "weights_from_hf",
-    "quantize_experts",
-    "rope_tables",
-]
+__all__ = ["FastDecoder", "rope_tables"]

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decoder import DecodeWeights, Dims, FastDecoder, experts_moved
+from .decoder import FastDecoder
 from .kernels import kernels
+from .weights import DecodeWeights, Dims
 
 
 @dataclass
@@ -109,100 +110,6 @@ class HybridDecodeWeights(DecodeWeights):
         return n * (
             d.conv_dim * d.conv_kernel * self.embed.element_size() + d.lin_v_heads * d.lin_k_dim * d.lin_v_dim * 4
         )
-
-
-class HybridWeights:
-    """The `HybridDecodeWeights` of a Qwen3.5 model, refreshed in place before each rollout (what the engine's
-    `_Weights` is for Qwen3): packed FP4 experts re-quantized from their masters, every derived tensor (fused
-    projections, ``1 + w`` norms) recomputed from the parameters; a parameter whose storage moved rebuilds all."""
-
-    def __init__(self, lm, layout):
-        from ...experts import fp4_experts
-
-        self.lm, self.layout = lm, layout
-        self.experts = fp4_experts(lm)
-        self._build()
-
-    def _build(self) -> None:
-        self._derived: list[tuple[torch.Tensor, object]] = []
-        self.w = self._read()
-        self._ptrs = self._pointers()
-
-    def _pointers(self) -> list[int]:
-        return [p.data_ptr() for p in self.lm.parameters()]
-
-    def _derive(self, make) -> torch.Tensor:
-        t = make()
-        self._derived.append((t, make))
-        return t
-
-    def _norm(self, module) -> torch.Tensor:
-        off = self.layout.norm_offset
-        return self._derive(lambda: module.weight.detach().float() + off)
-
-    def _read(self) -> HybridDecodeWeights:
-        from ...experts import TraceFP4Experts
-
-        lm, lay = self.lm, self.layout
-        dims = HybridDims.from_config(lm.config)
-        inner = lm.model
-        D, Hq = dims.head_dim, dims.num_heads
-        shared_name, shared_gate_name = lay.shared_expert
-        layers = []
-        with torch.no_grad():
-            for i, layer in enumerate(inner.layers):
-                kind = dims.layer_types[i]
-                mixer, mlp = getattr(layer, lay.mixers[kind]), layer.mlp
-                if kind == "full_attention":
-
-                    def qkvg(a=mixer):
-                        q = a.q_proj.weight.detach().view(Hq, 2 * D, -1)  # per head: query rows, then gate rows
-                        H = q.shape[-1]
-                        return torch.cat([q[:, :D].reshape(-1, H), a.k_proj.weight.detach(),
-                                          a.v_proj.weight.detach(), q[:, D:].reshape(-1, H)])  # fmt: skip
-
-                    extra = {"q_norm": self._norm(mixer.q_norm), "k_norm": self._norm(mixer.k_norm)}
-                    w_in, w_out = self._derive(qkvg), mixer.o_proj.weight.detach()
-                else:
-
-                    def inproj(a=mixer):
-                        return torch.cat([a.in_proj_qkv.weight, a.in_proj_z.weight, a.in_proj_b.weight,
-                                          a.in_proj_a.weight]).detach()  # fmt: skip
-
-                    extra = {"conv": mixer.conv1d.weight.detach().squeeze(1), "a_log": mixer.A_log.detach(),
-                             "dt_bias": mixer.dt_bias.detach(), "gate_norm": mixer.norm.weight.detach()}  # fmt: skip
-                    w_in, w_out = self._derive(inproj), mixer.out_proj.weight.detach()
-                ex = mlp.experts
-                if isinstance(ex, TraceFP4Experts):
-                    gu, dn = ex.packed_weights()
-                    hinted, sites = ex.hinted, ex.hint_sites or ("experts_input",)
-                else:
-                    gu, dn, hinted, sites = ex.gate_up_proj.detach(), ex.down_proj.detach(), False, ()
-                sh, sg = getattr(mlp, shared_name), getattr(mlp, shared_gate_name)
-
-                def shared(sh=sh, sg=sg):
-                    return torch.cat([sh.gate_proj.weight, sh.up_proj.weight, sg.weight]).detach()
-
-                layers.append(HybridLayerWeights(
-                    kind, self._norm(layer.input_layernorm), w_in, w_out, self._norm(layer.post_attention_layernorm),
-                    mlp.gate.weight.detach(), gu, dn, self._derive(shared), sh.down_proj.weight.detach(),
-                    hinted=hinted, hint_sites=sites, **extra,
-                ))  # fmt: skip
-            return HybridDecodeWeights(dims, inner.embed_tokens.weight.detach(), self._norm(inner.norm),
-                                       lm.lm_head.weight.detach(), layers)  # fmt: skip
-
-    def refresh(self) -> bool:
-        """Bring the weights up to date with the model; False if they had to be rebuilt (graphs are stale)."""
-        with torch.no_grad():
-            for ex in self.experts:
-                ex.refresh_packed()
-            stale = self._pointers() != self._ptrs or experts_moved(self.experts, self.w.layers)
-            if stale:
-                self._build()
-                return False
-            for dst, make in self._derived:
-                dst.copy_(make())
-        return True
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -365,4 +272,4 @@ class HybridDecoder(FastDecoder):
         self._next_token(xn)
 
 
-__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridWeights", "HybridDecoder"]
+__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridDecoder"]

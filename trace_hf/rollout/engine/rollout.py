@@ -33,16 +33,17 @@ import torch
 from transformers import DynamicCache
 
 from ... import fp4
-from ...experts import TraceFP4Experts, fp4_experts, no_prefill_refresh
+from ...experts import fp4_experts, no_prefill_refresh
 from ...hints import HintRecorder, hint_batch_from_columns, kv_rows
 from ...kv_cache import FP4KVLayer, fp4_cache
 from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from ..generate import check_sampling
 from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
-from .decoder import DecodeWeights, Dims, FastDecoder, LayerWeights, experts_moved, weights_from_hf
+from .decoder import FastDecoder
 from .kernels import kernels
 from .layouts import layout_of, supported_model_types
 from .qwen35 import HybridDecoder
+from .weights import DecodeWeights, Dims, EngineWeights, ShardedWeights, engine_weights, sharded
 
 
 def kv_format(model) -> str | None:
@@ -74,7 +75,7 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
         return f"layer types {sorted(mixers - set(layout.mixers))} are not implemented for {layout.family}"
     if layout.hybrid and any(hasattr(m, "lora_A") for m in lm.modules()):
         return f"LoRA adapters are not folded into the {layout.family} engine's weights"
-    if layout.hybrid and _sharded(lm):
+    if layout.hybrid and sharded(lm):
         return f"FSDP2-sharded {layout.family} models are not implemented (Qwen3 MoE ones are)"
     if getattr(text, "use_sliding_window", False):
         return "sliding-window attention is not implemented"
@@ -135,25 +136,6 @@ def _adapter_problems(lm) -> str | None:
     return None
 
 
-def lora_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """The weight a linear computes with now: a PEFT LoRA layer's base weight plus its active, unmerged adapters'
-    delta (PEFT's own `get_delta_weight`, summed in fp32); any other linear's own weight."""
-    base = getattr(linear, "base_layer", None)
-    if base is None:
-        return linear.weight
-    active = [a for a in linear.active_adapters if a in linear.lora_A and a not in linear.merged_adapters]
-    if linear.disable_adapters or not active:
-        return base.weight
-    w = base.weight.float()
-    for a in active:
-        w = w + linear.get_delta_weight(a).float()
-    return w.to(base.weight.dtype)
-
-
-def _has_lora(linear: torch.nn.Module) -> bool:
-    return getattr(linear, "base_layer", None) is not None
-
-
 def _cache_kwarg(lm) -> str:
     """transformers renamed the forward's cache argument `past_key_values` -> `cache` (5.2x)."""
     import inspect
@@ -163,142 +145,6 @@ def _cache_kwarg(lm) -> str:
 
 def _bucket(n: int, step: int) -> int:
     return -(-n // step) * step
-
-
-class _Weights:
-    """The `DecodeWeights` of one model, refreshed in place before each rollout."""
-
-    def __init__(self, lm):
-        self.lm = lm
-        self.w = weights_from_hf(lm)
-        self.experts = fp4_experts(lm)
-        self._ptrs = self._pointers()
-        self._fold_adapters(own=True)
-
-    def _fold_adapters(self, own: bool = False) -> None:
-        """The fused QKV weight, re-concatenated, and o_proj where it has LoRA (the engine's own copy: ``own``
-        allocates it), from the current adapters: merged at every rollout, so the engine never decodes with a stale
-        one. The prefill runs the PEFT model itself."""
-        for lw, layer in zip(self.w.layers, self.lm.model.layers, strict=True):
-            a = layer.self_attn
-            torch.cat([lora_weight(a.q_proj), lora_weight(a.k_proj), lora_weight(a.v_proj)], out=lw.w_qkv)
-            if _has_lora(a.o_proj):
-                if own:
-                    lw.w_o = lora_weight(a.o_proj).detach().clone()
-                else:
-                    lw.w_o.copy_(lora_weight(a.o_proj))
-
-    def _sources(self):
-        inner = self.lm.model
-        out = [(self.w.embed, inner.embed_tokens.weight), (self.w.norm, inner.norm.weight),
-               (self.w.lm_head, self.lm.lm_head.weight)]  # fmt: skip
-        for lw, layer in zip(self.w.layers, inner.layers, strict=True):
-            a, m = layer.self_attn, layer.mlp
-            out += [(lw.ln_in, layer.input_layernorm.weight), (lw.q_norm, a.q_norm.weight),
-                    (lw.k_norm, a.k_norm.weight), (lw.w_o, a.o_proj.weight),
-                    (lw.ln_post, layer.post_attention_layernorm.weight), (lw.w_router, m.gate.weight)]  # fmt: skip
-            if not isinstance(m.experts, TraceFP4Experts):
-                out += [(lw.gate_up, m.experts.gate_up_proj), (lw.down, m.experts.down_proj)]
-        return out
-
-    def _pointers(self):
-        return [p.data_ptr() for _, p in self._sources()]
-
-    def refresh(self) -> bool:
-        """Bring the weights up to date with the model; False if they had to be rebuilt (graphs are stale)."""
-        with torch.no_grad():
-            for ex in self.experts:
-                ex.refresh_packed()
-            stale = self._pointers() != self._ptrs or experts_moved(self.experts, self.w.layers)
-            if stale:
-                self.w = weights_from_hf(self.lm)
-                self._ptrs = self._pointers()
-                self._fold_adapters(own=True)
-                return False
-            self._fold_adapters()
-        return True
-
-
-def _sharded(lm) -> bool:
-    """Whether FSDP2 (`fully_shard`) holds the parameters as DTensor shards."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in lm.parameters())
-
-
-@contextlib.contextmanager
-def _unsharded(modules):
-    """Full parameters of these FSDP2 modules' own parameter groups inside (an all-gather each; collective: every
-    rank must enter in the same order)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    mods = [m for m in modules if isinstance(m, FSDPModule)]
-    for m in mods:
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in reversed(mods):
-            m.reshard()
-
-
-class _ShardedWeights:
-    """FSDP2: the engine owns full copies of the non-expert weights (and of the experts for the BF16 engine); FP4
-    experts are packed by their own modules from the gathered masters. Each refresh gathers the root's parameters
-    and then one decoder layer at a time, so no layer's full BF16 experts outlive its turn."""
-
-    def __init__(self, lm):
-        self.lm = lm
-        self.experts = fp4_experts(lm)
-        self.w = self._gather(None)
-
-    def refresh(self) -> bool:
-        self._gather(self.w)
-        return True
-
-    def _gather(self, w: DecodeWeights | None) -> DecodeWeights:
-        lm, inner = self.lm, self.lm.model
-
-        # The compute dtype: FSDP2 with mixed precision keeps fp32 shards and gathers them in the config's dtype.
-        dtype = getattr(lm.config, "dtype", None)
-        dtype = dtype if isinstance(dtype, torch.dtype) else next(lm.parameters()).dtype
-
-        def full(t):  # anything unshard() left sharded (a layout other than one group per layer): gather it
-            return (t.full_tensor() if type(t).__name__ == "DTensor" else t).detach().to(dtype)
-
-        def own(dst, src):
-            src = full(src)
-            return src.clone() if dst is None else dst.copy_(src)
-
-        with torch.no_grad(), _unsharded([lm]):
-            embed = own(w and w.embed, inner.embed_tokens.weight)
-            norm = own(w and w.norm, inner.norm.weight)
-            head = own(w and w.lm_head, lm.lm_head.weight)
-            layers = []
-            for i, layer in enumerate(inner.layers):
-                old = w.layers[i] if w is not None else None
-                with _unsharded(list(layer.modules())):
-                    a, m = layer.self_attn, layer.mlp
-                    qkv = torch.cat([full(lora_weight(a.q_proj)), full(lora_weight(a.k_proj)),
-                                     full(lora_weight(a.v_proj))])  # fmt: skip
-                    if isinstance(m.experts, TraceFP4Experts):
-                        if m.experts.frozen:  # unsharded buffers: the packed weights themselves
-                            gu, d = m.experts.packed_weights()
-                        else:
-                            gu, d = m.experts.pack_from(full(m.experts.gate_up_proj), full(m.experts.down_proj))
-                        hinted, sites = m.experts.hinted, m.experts.hint_sites or ("experts_input",)
-                    else:
-                        gu = own(old and old.gate_up, m.experts.gate_up_proj)
-                        d, hinted, sites = own(old and old.down, m.experts.down_proj), False, ()
-                    layers.append(LayerWeights(
-                        own(old and old.ln_in, layer.input_layernorm.weight), own(old and old.w_qkv, qkv),
-                        own(old and old.q_norm, a.q_norm.weight), own(old and old.k_norm, a.k_norm.weight),
-                        own(old and old.w_o, lora_weight(a.o_proj)), own(old and old.ln_post, layer.post_attention_layernorm.weight),
-                        own(old and old.w_router, m.gate.weight), gu, d, hinted, sites,
-                    ))  # fmt: skip
-        if w is not None:
-            return w
-        return DecodeWeights(Dims.from_config(lm.config), embed, norm, head, layers)
 
 
 class _Runner:
@@ -381,7 +227,7 @@ class EngineRollout:
         self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
         self.use_graphs = use_graphs
         self._model = None
-        self._weights: _Weights | None = None
+        self._weights: EngineWeights | ShardedWeights | None = None
         self._runners: OrderedDict = OrderedDict()
 
     # -- weights and buckets ------------------------------------------------------------------------------------
@@ -389,7 +235,7 @@ class EngineRollout:
     def _weights_for(self, lm) -> DecodeWeights:
         if self._model is not lm:
             self._runners.clear()
-            self._weights, self._model = layout_of(lm.config).weights(lm), lm
+            self._weights, self._model = engine_weights(lm, layout_of(lm.config)), lm
         elif not self._weights.refresh():
             self._runners.clear()
         return self._weights.w
