@@ -12,37 +12,47 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
   followed by the sampler (`trace_hf.rollout.sampling`), the per-row EOS stop and the hint/routing records, all
   inside one step that a CUDA graph captures once per (batch, length, sampling) bucket and replays;
 * stop: rows that emit an EOS id stop (their later tokens are padding); the loop ends at max_new_tokens or once
-  every row has stopped (checked every few steps, the only host synchronization).
+  every row has stopped (checked every few steps, the only host synchronization);
+* admission: as many rows decode at once as fit in the memory the engine may take (`runner.bytes_per_row`: the
+  FP4 KV cache makes that several times more rows than BF16's); a rollout of more rows runs in equal waves, one
+  after the other, in one bucket. Waves, not continuous batching: the prefill, its hint recorder and the step
+  records stay one batch per wave, laid out as `HintRecorder.collect` lays them out, and in GRPO the rows of a
+  rollout usually fit at once, where refilling gains nothing. The price is the long tail: a wave decodes until its
+  longest row stops (`EngineStats.slot_occupancy` says how much of that was kept).
 
-Before every rollout the engine refreshes what it reads from the model: packed FP4 experts are re-quantized from
-the masters in place (`TraceFP4Experts.refresh_packed`), the fused QKV weight is re-copied, and any parameter whose
-storage moved (reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it
-was made. What it reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.engine.layouts`
-(Qwen3 MoE: `FastDecoder`; Qwen3.5 MoE: `trace_hf.rollout.engine.qwen35.HybridDecoder`). Under FSDP2 the engine owns
-full copies of what it reads, refreshed by gathering one layer at a time (`_ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
+Before every rollout the engine refreshes what it reads from the model (`trace_hf.rollout.engine.weights`): packed
+FP4 experts are re-quantized from the masters in place (`TraceFP4Experts.refresh_packed`), every tensor it derives
+(fused projections, LoRA-folded weights, offset norms) is recomputed in place, and any parameter whose storage moved
+(reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it was made. What it
+reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.engine.layouts` (Qwen3 MoE:
+`FastDecoder`; Qwen3.5 MoE: `HybridDecoder`). Under FSDP2 the engine owns full copies of what it reads, refreshed by
+gathering one layer at a time (`ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import os
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from ... import fp4
 from ...experts import fp4_experts, no_prefill_refresh
-from ...hints import HintRecorder, hint_batch_from_columns, kv_rows
+from ...hints import HintRecorder
 from ...kv_cache import FP4KVLayer, fp4_cache
 from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from ..generate import check_sampling
 from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
 from .decoder import FastDecoder
-from .kernels import kernels
 from .layouts import layout_of, supported_model_types
 from .qwen35 import HybridDecoder
+from .recording import cat_hints
+from .runner import Runner, bytes_per_row, largest_bucket, row_bucket
 from .weights import DecodeWeights, Dims, EngineWeights, ShardedWeights, engine_weights, sharded
 
 
@@ -147,71 +157,37 @@ def _bucket(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-class _Runner:
-    """Static buffers, the decoder and (on CUDA) the captured step of one (batch, length, sampling) bucket."""
+@dataclass
+class EngineStats:
+    """What the last rollout ran: its waves (all of ``rows_per_wave`` rows but the last, in buckets of
+    ``bucket_rows``), the decode steps of each (with the prefill's token) and each row's kept tokens.
 
-    def __init__(self, w: DecodeWeights, batch: int, max_len: int, s: SamplingSettings, kv_fp4: bool, record: bool,
-                 decoder: type[FastDecoder] = FastDecoder):  # fmt: skip
-        d = w.dims
-        self.s, self.batch, self.record = s, batch, record
-        self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record,
-                           record_routing=record, sample=self._sample)  # fmt: skip
-        dev = self.dec.device
-        n = s.max_new_tokens
-        self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
-        self.eos = torch.tensor(list(s.eos_token_id) or [-1], dtype=torch.int64, device=dev)
-        self.out_tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
-        self.out_logps = torch.zeros(batch, n, dtype=torch.float32, device=dev)
-        self.seen = torch.zeros(batch, d.vocab, dtype=torch.bool, device=dev) if s.repetition_penalty else None
-        H, n_h = d.hidden, len(self.dec.hinted)
-        rec_n = n if record else 0
-        self.rec_bits = torch.zeros(n_h, batch, rec_n, H // 8, dtype=torch.uint8, device=dev)
-        self.rec_scale = torch.zeros(n_h, batch, rec_n, H // 16, dtype=torch.uint8, device=dev)
-        self.rec_g = torch.zeros(n_h, batch, rec_n, dtype=torch.float32, device=dev)
-        dh = self.dec
-        self.rec_hidden = tuple(torch.zeros(t.shape[0], batch, rec_n, *t.shape[2:], dtype=t.dtype, device=dev)
-                                for t in (dh.hidden_bits, dh.hidden_scale, dh.hidden_g))  # fmt: skip
-        self.rec_route = torch.zeros(d.num_layers if record else 0, batch, rec_n, d.top_k, dtype=torch.int16,
-                                     device=dev)  # fmt: skip
-        self.graph_ready = False
+    ``slot_occupancy`` is the long tail's cost: the kept tokens over the row-steps the buckets decoded (each wave
+    runs until its longest row stops, and a stopped row's slot decodes padding until then)."""
 
-    def _sample(self, dec: FastDecoder) -> None:
-        """End of a decode step (graph-safe): draw the next token, record it, its log-prob and the step's hints."""
-        s = self.s
-        x = process_logits(dec.logits, s, self.seen)
-        tok = draw(x, s, self.seed, self.step)
-        lp = sampler_logprobs(dec.logits, tok, s)
-        tok = torch.where(self.finished, torch.full_like(tok, s.pad_token_id), tok)
-        col = (self.step + 1).view(1, 1).expand(self.batch, 1)
-        self.out_tokens.scatter_(1, col, tok.unsqueeze(1))
-        self.out_logps.scatter_(1, col, lp.unsqueeze(1))
-        if self.record:
-            if dec.hinted:
-                self.rec_bits.index_copy_(2, self.step, dec.hint_bits.unsqueeze(2))
-                self.rec_scale.index_copy_(2, self.step, dec.hint_scale.unsqueeze(2))
-                self.rec_g.index_copy_(2, self.step, dec.hint_g.unsqueeze(2))
-            if dec.hidden_hinted:
-                for rec, t in zip(self.rec_hidden, (dec.hidden_bits, dec.hidden_scale, dec.hidden_g), strict=True):
-                    rec.index_copy_(2, self.step, t.unsqueeze(2))
-            self.rec_route.index_copy_(2, self.step, dec.routing.unsqueeze(2))
-        self.finished |= torch.isin(tok, self.eos)
-        if self.seen is not None:
-            self.seen.scatter_(1, tok.unsqueeze(1), True)
-        dec.tokens.copy_(tok)
-        self.step.add_(1)
+    rows: int
+    waves: int
+    rows_per_wave: int
+    bucket_rows: int
+    steps: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
 
-    def capture(self) -> None:
-        self.step.zero_()
-        self.finished.zero_()
-        self.dec.capture()
-        self.graph_ready = True
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def slot_occupancy(self) -> float:
+        return self.tokens / max(1, self.bucket_rows * sum(self.steps))
 
 
 class EngineRollout:
     """Rolls out through the engine (see the module docstring). Keeps the decoders of the last ``max_buckets``
-    (batch, length, sampling) buckets, with their graphs, across calls.
+    (rows, length, sampling) buckets, with their graphs, across calls.
+
+    It decodes as many rows at once as fit: one row takes `bytes_per_row` (its KV cache, FP4 or in the model dtype,
+    the prefill's cache, sampler and record buffers), and a rollout of more rows than fit runs in waves of equal size
+    (see `EngineStats` for what the waves and the long tail of lengths cost).
 
     Args:
         max_buckets: decoders (KV caches and graphs) kept alive at once.
@@ -219,18 +195,31 @@ class EngineRollout:
             graph.
         check_every: decode steps between checks that every row has stopped (each check synchronizes).
         use_graphs: capture the decode step in a CUDA graph (default: on CUDA).
+        max_rows: most rows decoded at once, one wave (None: as many as fit).
+        gpu_memory_utilization: the share of the device memory free at the rollout (what the engine's own cached
+            buckets hold counted as free) that one wave's rows may take; the rest is the prefill's activations'.
+        memory_limit: bytes one wave's rows may take, instead of that share (also on CPU, where nothing is
+            measured and rows are otherwise unlimited).
     """
 
     name = "engine"
 
-    def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None):
+    def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None,
+                 max_rows: int | None = None, gpu_memory_utilization: float = 0.9,
+                 memory_limit: int | None = None):  # fmt: skip
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows={max_rows}: use None (as many as fit) or at least 1.")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: use a share in (0, 1].")
         self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
         self.use_graphs = use_graphs
+        self.max_rows, self.gpu_memory_utilization, self.memory_limit = max_rows, gpu_memory_utilization, memory_limit
+        self.stats: EngineStats | None = None
         self._model = None
         self._weights: EngineWeights | ShardedWeights | None = None
         self._runners: OrderedDict = OrderedDict()
 
-    # -- weights and buckets ------------------------------------------------------------------------------------
+    # -- weights, admission and buckets -------------------------------------------------------------------------
 
     def _weights_for(self, lm) -> DecodeWeights:
         if self._model is not lm:
@@ -240,54 +229,69 @@ class EngineRollout:
             self._runners.clear()
         return self._weights.w
 
-    def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool):
+    def _budget(self, dev) -> int | None:
+        """Bytes one wave's rows may take (None: unlimited)."""
+        if self.memory_limit is not None:
+            return int(self.memory_limit)
+        if dev.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(dev)
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        free += sum(r.nbytes for r in self._runners.values())  # evicted before a new bucket is allocated
+        return int(free * self.gpu_memory_utilization)
+
+    def _waves(self, rows: int, per_row: int, prompt_len: int, max_new: int, dev) -> tuple[int, int]:
+        """(rows per wave, bucket rows) for a rollout of ``rows`` rows of ``per_row`` bytes each: as many rows as the
+        budget admits, in equal waves. Raises only when a single row does not fit."""
+        budget = self._budget(dev)
+        bucketed = dev.type == "cuda"
+        fit = rows if budget is None else budget // per_row
+        fit = largest_bucket(fit) if bucketed else fit
+        if fit < 1:
+            knob = "memory_limit" if self.memory_limit is not None else "gpu_memory_utilization"
+            raise torch.OutOfMemoryError(
+                f"The rollout engine cannot fit one row of {prompt_len} prompt + {max_new} completion tokens: it "
+                f"takes about {per_row / 2**20:.1f} MiB (KV cache, prefill cache, sampler and record buffers) and "
+                f"EngineRollout({knob}={getattr(self, knob)}) allows {budget / 2**20:.1f} MiB. Raise {knob} (or "
+                "free device memory), or lower max_completion_length / max_prompt_length."
+            )
+        limit = min(fit, self.max_rows or rows, rows)
+        waves = -(-rows // limit)
+        wave = -(-rows // waves)
+        return wave, row_bucket(wave) if bucketed else wave
+
+    def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool,
+                per_row: int = 0):  # fmt: skip
         key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record)
         if key in self._runners:
             self._runners.move_to_end(key)
             return self._runners[key]
-        while len(self._runners) >= self.max_buckets:
-            self._runners.popitem(last=False)
         dev = w.embed.device
-        self._check_memory(w, batch, length, s, kv_fp4, record, dev)
+        while len(self._runners) >= self.max_buckets or (self._runners and dev.type == "cuda"
+                                                          and batch * per_row > self._free(dev)):  # fmt: skip
+            self._runners.popitem(last=False)
+            if dev.type == "cuda":
+                gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
         try:
-            runner = _Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder)
+            runner = Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder)
             graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
             if graphs and s.max_new_tokens > 3:
                 runner.capture()
         except torch.OutOfMemoryError as e:
             self._runners.clear()
-            raise torch.OutOfMemoryError(self._memory_message(batch, length)) from e
+            raise torch.OutOfMemoryError(
+                f"The rollout engine could not allocate a bucket of {batch} rows x {length} tokens (KV cache, logits "
+                "and graph buffers) although its estimate fit. Lower EngineRollout(gpu_memory_utilization=...) or "
+                "max_rows, or max_completion_length / max_prompt_length."
+            ) from e
+        runner.nbytes = batch * per_row
         self._runners[key] = runner
         return runner
 
     @staticmethod
-    def _memory_message(batch: int, length: int) -> str:
-        return (
-            f"The rollout engine cannot fit {batch} rows x {length} tokens (KV cache, logits and graph buffers) "
-            "on this GPU. Lower per_device_train_batch_size x steps_per_generation (rows per rollout), "
-            "max_completion_length or max_prompt_length, or roll out with rollout_engine='generate'."
-        )
-
-    def _check_memory(self, w, batch, length, s, kv_fp4, record, dev) -> None:
-        if dev.type != "cuda":
-            return
-        d = w.dims
-        A = kernels().attention
-        kv = A.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size()) * w.num_kv_layers
-        need = batch * length * kv + 8 * batch * d.vocab * 4  # cache + the sampler's [B, V] fp32 temporaries
-        need += batch * w.state_bytes_per_row()
-        if record:
-            n_hidden = sum(lw.hinted and "experts_hidden" in lw.hint_sites for lw in w.layers)
-            need += batch * s.max_new_tokens * (d.num_layers * (d.hidden // 8 + d.hidden // 16 + 4) + 2 * d.top_k
-                                                * d.num_layers)  # fmt: skip
-            need += batch * s.max_new_tokens * n_hidden * d.top_k * (d.expert_dim // 8 + d.expert_dim // 16 + 4)
+    def _free(dev) -> int:
         free, _ = torch.cuda.mem_get_info(dev)
-        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        if need > free:
-            raise torch.OutOfMemoryError(
-                self._memory_message(batch, length) + f" It needs about {need / 2**30:.1f} GiB, "
-                f"{free / 2**30:.1f} GiB are free."
-            )
+        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
     # -- rollout ------------------------------------------------------------------------------------------------
 
@@ -313,17 +317,40 @@ class EngineRollout:
     def _rollout(self, lm, prompt_ids, s: SamplingSettings, record: bool, storage: str) -> RolloutOutput:
         w = self._weights_for(lm)
         dev = w.embed.device
-        B = len(prompt_ids)
-        ids, mask = left_pad(prompt_ids, s.pad_token_id, dev, vocab_size_of(lm))
-        P = ids.shape[1]
-        batch = B if dev.type != "cuda" else 1 << max(0, (B - 1).bit_length())
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("A rollout needs at least one prompt, each of at least one token.")
+        # One left-pad width for every wave, so each wave's rows are laid out as in one batch of all of them.
+        P = max(len(p) for p in prompt_ids)
         length = _bucket(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
         kv_fp4 = kv_format(lm) is not None
-        r = self._runner(w, batch, length, s, kv_fp4, record)
+        per_row = bytes_per_row(w, length, P, s, kv_fp4, record)
+        wave, batch = self._waves(len(prompt_ids), per_row, P, s.max_new_tokens, dev)
+        self.stats = EngineStats(len(prompt_ids), -(-len(prompt_ids) // wave), wave, batch)
+        ids, lps, hints = [], [], []
+        for k, a in enumerate(range(0, len(prompt_ids), wave)):
+            # Wave k draws with seed + k: its rows' draws are independent of the other waves' rows of the same slots.
+            sk = s if k == 0 else dataclasses.replace(s, seed=s.seed + k)
+            r = self._runner(w, batch, length, sk, kv_fp4, record, per_row)
+            c, lp, h = self._wave(lm, r, prompt_ids[a : a + wave], P, sk, record, dev)
+            ids += c
+            lps += lp
+            hints += [h] if h is not None else []
+        self.stats.lengths = [len(c) for c in ids]
+        out_hints = None
+        if record:
+            out_hints = cat_hints(hints)
+            if storage == "cpu":
+                out_hints = out_hints.to("cpu")
+        return RolloutOutput(ids, lps, out_hints, self.name)
+
+    def _wave(self, lm, r: Runner, prompt_ids, P: int, s: SamplingSettings, record: bool, dev):
+        """Prefill and decode one wave of rows in runner ``r``: (completion ids, log-probs, hints or None)."""
         dec = r.dec
+        B = len(prompt_ids)
+        ids, mask = left_pad(prompt_ids, s.pad_token_id, dev, vocab_size_of(lm), width=P)
 
         # Prefill through the transformers model: its cache, its hints, the first token's logits.
-        cache = fp4_cache(lm.config, "nvfp4") if kv_fp4 else DynamicCache(config=lm.config)
+        cache = fp4_cache(lm.config, "nvfp4") if dec.kv_fp4 else DynamicCache(config=lm.config)
         recorder = HintRecorder(lm) if record else contextlib.nullcontext()
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         with recorder, no_prefill_refresh():  # _weights_for has just refreshed the packed experts
@@ -332,6 +359,7 @@ class EngineRollout:
                         **kw).logits[:, -1].float()  # fmt: skip
         lengths = mask.sum(1)
         self._load_cache(dec, cache, lengths, P)
+        del cache
 
         # State of the decode loop; rows past B are padding, stopped from the start.
         r.seed.fill_(s.seed)
@@ -362,18 +390,18 @@ class EngineRollout:
                 break
             dec.run()
             steps += 1
+        self.stats.steps.append(steps + 1)
 
         completion = r.out_tokens[:B, : steps + 1]
         keep = cut_after_eos(completion, s.eos_token_id) if s.eos_token_id else torch.ones_like(completion, dtype=bool)
         hints = None
         if record:
-            hints = self._hints(recorder, r, B, steps, torch.cat([mask, keep.to(mask.dtype)], dim=1), lengths)
-            if storage == "cpu":
-                hints = hints.to("cpu")
+            full_mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
+            hints = r.records.hints(recorder, dec, r.out_tokens, B, steps, full_mask, lengths)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         completion_ids, logprobs = to_lists(completion, r.out_logps[:B, : steps + 1], keep)
-        return RolloutOutput(completion_ids, logprobs, hints, self.name)
+        return completion_ids, logprobs, hints
 
     @staticmethod
     def _load_cache(dec: FastDecoder, cache, lengths: torch.Tensor, P: int) -> None:
@@ -393,57 +421,10 @@ class EngineRollout:
                 continue
             if isinstance(layer, FP4KVLayer):
                 for q, (codes, scale, g) in ((layer.fp4_keys, (c.k, c.k_scale, c.k_g)),
-                                          (layer.fp4_values, (c.v, c.v_scale, c.v_g))):  # fmt: skip
+                                             (layer.fp4_values, (c.v, c.v_scale, c.v_g))):  # fmt: skip
                     put(codes, q.packed)
                     put(scale, q.block_scale)
                     put(g, q.global_scale.squeeze(-1))
             else:
                 put(c.k, layer.keys.to(c.k.dtype))
                 put(c.v, layer.values.to(c.v.dtype))
-
-    @staticmethod
-    def _hints(recorder: HintRecorder, r: _Runner, B: int, steps: int, full_mask: torch.Tensor, lengths):
-        """Prompt columns from the prefill's recorder, then one column per decode step (its input token); the decode
-        steps' K/V hints are read from the decoder's FP4 cache afterwards (the codes attention read)."""
-        bits, scales, gscale, routing, ids = recorder.columns()
-
-        def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
-            return t[:, :B, :steps].movedim(0, 2)
-
-        def decoded(site):
-            if site == "experts_hidden":
-                return tuple(cols(t) for t in r.rec_hidden)
-            return _kv_hints(r.dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps)
-
-        sites = {
-            site: tuple(torch.cat([a, b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
-            for site, ts in recorder.site_columns().items()
-        }
-
-        bits = torch.cat([bits, cols(r.rec_bits)], dim=1)
-        scales = torch.cat([scales, cols(r.rec_scale)], dim=1)
-        gscale = torch.cat([gscale, cols(r.rec_g)], dim=1)
-        routing = torch.cat([routing, cols(r.rec_route)], dim=1)
-        ids = torch.cat([ids, r.out_tokens[:B, :steps].to(ids.dtype)], dim=1)  # decode step s fed completion token s
-        return hint_batch_from_columns(bits, scales, gscale, routing, full_mask, recorder.fmt, recorder.hint_layers,
-                                       ids, site_columns=sites)  # fmt: skip
-
-
-def _kv_hints(dec: FastDecoder, layers: list[int], lengths: torch.Tensor, steps: int):
-    """The "kv" hints of the decode steps at decoder layers `layers`, [B, steps, n_layers, 2, kv_heads, ...] (bits,
-    block scales, row scales), from the FP4 cache: step s of row b wrote position ``lengths[b] + s`` there."""
-    B = lengths.shape[0]
-    where = lengths[:, None].long() + torch.arange(steps, device=lengths.device)  # [B, steps]
-
-    def take(t):  # [batch, kv_heads, T, ...] -> [B, kv_heads, steps, ...]
-        idx = where.view(B, 1, steps, *([1] * (t.ndim - 3))).expand(B, t.shape[1], steps, *t.shape[3:])
-        return torch.gather(t[:B], 2, idx)
-
-    per_layer = []
-    for j in layers:
-        c = dec.caches[j]
-        qk, qv = (fp4.FP4Tensor(take(q), take(sc), take(g).unsqueeze(-1), "nvfp4")
-                  for q, sc, g in ((c.k, c.k_scale, c.k_g), (c.v, c.v_scale, c.v_g)))  # fmt: skip
-        h = fp4.extract_hints(kv_rows(qk, qv))
-        per_layer.append((h.mantissa_bits, h.block_scale, h.global_scale.squeeze(-1)))
-    return tuple(torch.stack([p[k] for p in per_layer], dim=1).unflatten(0, (B, steps)) for k in range(3))

@@ -1,0 +1,120 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The engine admits as many rows as fit and runs the rest in waves (CPU, interpreter, fp32, tiny model; the
+memory cap simulated by `EngineRollout(memory_limit=...)`): the same tokens, log-probs and hints per row as one
+batch of all rows; a row that cannot fit at all is an error naming the knob; row buckets up to 512 and past."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trace_hf import TraceFP4Config
+from trace_hf import testing as T
+from trace_hf.quantizer import quantize_model
+from trace_hf.rollout import EngineRollout
+
+
+pytest.importorskip("trace_hf.kernels.sampling")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROWS = (5, 3, 7, 4, 6)  # prompt lengths
+
+
+def _model(fp4: bool):
+    torch.manual_seed(0)
+    model = T.tiny_model(num_hidden_layers=2)
+    if fp4:
+        quantize_model(model, TraceFP4Config(hint_layers=2, hint_sites=["experts_input", "experts_hidden", "kv"]))
+    return model.eval()
+
+
+def _prompts(model):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in ROWS]
+
+
+def _gc(**kw):
+    return GenerationConfig(**{"max_new_tokens": 6, "do_sample": False, "eos_token_id": [1], "pad_token_id": 0, **kw})
+
+
+def _per_row(model, gc, record: bool) -> int:
+    """What one row takes, as the engine counts it (`bytes_per_row`)."""
+    from trace_hf.rollout.engine import kv_format, weights_from_hf
+    from trace_hf.rollout.engine.runner import bytes_per_row
+    from trace_hf.rollout.sampling import SamplingSettings
+
+    s = SamplingSettings.from_generation_config(gc)
+    P = max(ROWS)
+    return bytes_per_row(weights_from_hf(model), P + s.max_new_tokens, P, s, kv_format(model) is not None, record)
+
+
+def test_row_buckets_up_to_512_and_past():
+    from trace_hf.rollout.engine.runner import largest_bucket, row_bucket
+
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 33, 64, 65, 129, 200, 257, 384, 511, 512, 513)] == [
+        1, 2, 4, 8, 64, 64, 128, 192, 256, 320, 384, 512, 512, 576,
+    ]  # fmt: skip
+    for n in range(1, 1100):
+        b = row_bucket(n)
+        assert n <= b < 2 * n and (n <= 64 or b < n + 64)
+        assert largest_bucket(b) == b and largest_bucket(n) <= n < 2 * largest_bucket(n)
+    assert largest_bucket(0) == 0
+    with pytest.raises(ValueError, match="at least one row"):
+        row_bucket(0)
+
+
+def test_waves_give_the_rows_of_one_batch():
+    """Greedy, FP4 experts and KV cache, every hint site recorded, rows stopping at different lengths: waves of 2
+    rows (a memory cap of 2 rows) give each row the tokens of one batch of all 5, and its log-probs and hints up to
+    fp32 summation order."""
+    model = _model(True)
+    prompts = _prompts(model)
+    one = EngineRollout()(model, prompts, _gc(), record=True)
+    eos = one.completion_ids[1][2]  # row 1 stops at its third token; the others where they meet it, or run on
+    gc = _gc(eos_token_id=[eos])
+    one = EngineRollout()(model, prompts, gc, record=True)
+    eng = EngineRollout(memory_limit=2 * _per_row(model, gc, True) + 100)
+    waves = eng(model, prompts, gc, record=True)
+    assert eng.stats.waves == 3 and eng.stats.rows_per_wave == 2 and len(eng.stats.steps) == 3
+    assert waves.completion_ids == one.completion_ids
+    assert len({len(c) for c in one.completion_ids}) > 1  # the rows did stop at different lengths
+    for x, y in zip(waves.logprobs, one.logprobs, strict=True):  # fp32 sums over batches of other shapes
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
+    a, b = waves.hints, one.hints
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.token_ids, b.token_ids)
+    pairs = [((a.mantissa_bits, a.block_scale, a.global_scale), (b.mantissa_bits, b.block_scale, b.global_scale))]
+    pairs += [(a.site_hints[site], b.site_hints[site]) for site in ("experts_hidden", "kv")]
+    for (bits, scale, g), (bits1, scale1, g1) in pairs:  # codes of inputs that differ in their last fp32 bits
+        assert bits.shape == bits1.shape and (bits == bits1).float().mean() > 0.999
+        assert (scale == scale1).float().mean() > 0.999
+        torch.testing.assert_close(g, g1, rtol=1e-5, atol=0)
+    assert (a.routing == b.routing).float().mean() > 0.999
+    assert 0 < eng.stats.slot_occupancy <= 1
+
+
+def test_max_rows_waves_and_sampling_seeds():
+    """``max_rows`` caps a wave; sampled rows of the first wave draw what one batch draws in those slots, later
+    waves draw with their own seed."""
+    model = _model(False)
+    prompts = _prompts(model)
+    gc = _gc(do_sample=True, temperature=1.0, eos_token_id=None)
+    torch.manual_seed(4)
+    one = EngineRollout()(model, prompts, gc)
+    eng = EngineRollout(max_rows=3)
+    torch.manual_seed(4)
+    waves = eng(model, prompts, gc)
+    assert eng.stats.waves == 2 and eng.stats.rows_per_wave == 3
+    assert waves.completion_ids[:3] == one.completion_ids[:3]
+    assert waves.completion_ids[3:] != one.completion_ids[3:]
+    assert all(len(c) == 6 for c in waves.completion_ids)
+
+
+def test_a_row_that_cannot_fit_names_the_knob():
+    model = _model(False)
+    gc = _gc()
+    eng = EngineRollout(memory_limit=_per_row(model, gc, False) - 1)
+    with pytest.raises(torch.OutOfMemoryError, match=r"cannot fit one row .* Raise memory_limit"):
+        eng(model, _prompts(model), gc)
+    with pytest.raises(ValueError, match="max_rows=0"):
+        EngineRollout(max_rows=0)
