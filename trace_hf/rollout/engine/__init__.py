@@ -4,21 +4,32 @@
 A small package in the spirit of nano-vllm, one module per job:
 
 * `layouts`: one `Layout` entry per model family (where its decode weights live, which decoder steps it);
+* `weights`: the decode weights (`Dims`, `DecodeWeights`) read through a family's layout map, and kept equal to
+  the model's before every rollout (`EngineWeights`; under FSDP2 `ShardedWeights`);
 * `decoder` (`FastDecoder`, Qwen3 MoE) and `qwen35` (`HybridDecoder`, Qwen3.5 MoE): static buffers and one decode
-  step over them;
-* `rollout`: the `EngineRollout` front (what `trace_hf.rollout.make_rollout` returns) and `unsupported_reason`.
+  step over them; `kernels`: the Triton kernel modules they call, by name;
+* `runner`: one bucket (`Runner`: rows, cache length, sampler state, the CUDA graph), `row_bucket`, and what a row
+  costs in memory (`bytes_per_row`, what admission counts);
+* `recording`: the hint and routing records of the decode steps, assembled into a `HintBatch`;
+* `rollout`: the `EngineRollout` front (what `trace_hf.rollout.make_rollout` returns: admission, waves, prefill,
+  decode loop), `EngineStats`, and `unsupported_reason`.
+
+Data flows: model -> `weights` (refresh) -> `Runner` of the wave's bucket -> prefill through the model, its cache
+copied into the decoder's -> decode steps (graph replays) writing tokens, log-probs and step records -> per wave a
+`RolloutOutput` part, joined in row order.
 """
 
 from __future__ import annotations
 
 from .decoder import FastDecoder, rope_tables
 from .qwen35 import HybridDecoder
-from .rollout import LORA_TARGETS, EngineRollout, kv_format, unsupported_reason
+from .rollout import LORA_TARGETS, EngineRollout, EngineStats, kv_format, unsupported_reason
 from .weights import DecodeWeights, Dims, LayerWeights, lora_weight, quantize_experts, weights_from_hf
 
 
 __all__ = [
     "EngineRollout",
+    "EngineStats",
     "unsupported_reason",
     "kv_format",
     "lora_weight",
