@@ -44,11 +44,11 @@ class Dims:
     def from_config(cls, config) -> Dims:
         c = config.get_text_config(decoder=True)
         if getattr(c, "mlp_only_layers", None) or getattr(c, "decoder_sparse_step", 1) != 1:
-            raise ValueError("fast_decode handles Qwen3 MoE models whose every layer is MoE.")
+            raise ValueError("the engine handles Qwen3 MoE models whose every layer is MoE")
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"fast_decode implements default RoPE, not {rope.get('rope_type')!r}.")
+            raise ValueError(f"the engine implements default RoPE, not {rope.get('rope_type')!r}")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(
             c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, c.num_experts,
