@@ -196,8 +196,10 @@ class EngineRollout:
         check_every: decode steps between checks that every row has stopped (each check synchronizes).
         use_graphs: capture the decode step in a CUDA graph (default: on CUDA).
         max_rows: most rows decoded at once, one wave (None: as many as fit).
-        gpu_memory_utilization: the share of the device memory free at the rollout (what the engine's own cached
+        free_memory_fraction: the share of the device memory free at the rollout (what the engine's own cached
             buckets hold counted as free) that one wave's rows may take; the rest is the prefill's activations'.
+            Not vLLM's ``gpu_memory_utilization`` (a share of all device memory, weights included): the model's
+            weights are already resident here, and training needs what the rollout leaves.
         memory_limit: bytes one wave's rows may take, instead of that share (also on CPU, where nothing is
             measured and rows are otherwise unlimited).
     """
@@ -205,15 +207,15 @@ class EngineRollout:
     name = "engine"
 
     def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None,
-                 max_rows: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_rows: int | None = None, free_memory_fraction: float = 0.9,
                  memory_limit: int | None = None):  # fmt: skip
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows={max_rows}: use None (as many as fit) or at least 1.")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: use a share in (0, 1].")
+        if not 0 < free_memory_fraction <= 1:
+            raise ValueError(f"free_memory_fraction={free_memory_fraction}: use a share in (0, 1].")
         self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
         self.use_graphs = use_graphs
-        self.max_rows, self.gpu_memory_utilization, self.memory_limit = max_rows, gpu_memory_utilization, memory_limit
+        self.max_rows, self.free_memory_fraction, self.memory_limit = max_rows, free_memory_fraction, memory_limit
         self.stats: EngineStats | None = None
         self._model = None
         self._weights: EngineWeights | ShardedWeights | None = None
@@ -238,7 +240,7 @@ class EngineRollout:
         free, _ = torch.cuda.mem_get_info(dev)
         free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         free += sum(r.nbytes for r in self._runners.values())  # evicted before a new bucket is allocated
-        return int(free * self.gpu_memory_utilization)
+        return int(free * self.free_memory_fraction)
 
     def _waves(self, rows: int, per_row: int, prompt_len: int, max_new: int, dev) -> tuple[int, int]:
         """(rows per wave, bucket rows) for a rollout of ``rows`` rows of ``per_row`` bytes each: as many rows as the
@@ -248,7 +250,7 @@ class EngineRollout:
         fit = rows if budget is None else budget // per_row
         fit = largest_bucket(fit) if bucketed else fit
         if fit < 1:
-            knob = "memory_limit" if self.memory_limit is not None else "gpu_memory_utilization"
+            knob = "memory_limit" if self.memory_limit is not None else "free_memory_fraction"
             raise torch.OutOfMemoryError(
                 f"The rollout engine cannot fit one row of {prompt_len} prompt + {max_new} completion tokens: it "
                 f"takes about {per_row / 2**20:.1f} MiB (KV cache, prefill cache, sampler and record buffers) and "
@@ -281,7 +283,7 @@ class EngineRollout:
             self._runners.clear()
             raise torch.OutOfMemoryError(
                 f"The rollout engine could not allocate a bucket of {batch} rows x {length} tokens (KV cache, logits "
-                "and graph buffers) although its estimate fit. Lower EngineRollout(gpu_memory_utilization=...) or "
+                "and graph buffers) although its estimate fit. Lower EngineRollout(free_memory_fraction=...) or "
                 "max_rows, or max_completion_length / max_prompt_length."
             ) from e
         runner.nbytes = batch * per_row
