@@ -12,7 +12,7 @@ A small package in the spirit of nano-vllm, one module per job:
   costs in memory (`bytes_per_row`, what admission counts);
 * `recording`: the hint and routing records of the decode steps, assembled into a `HintBatch`;
 * `rollout`: the `EngineRollout` front (what `trace_hf.rollout.make_rollout` returns: admission, waves, prefill,
-  decode loop), `EngineStats`, and `unsupported_reason`.
+  decode loop) and `EngineStats`; `support`: `unsupported_reason`, what the engine can roll out.
 
 Data flows: model -> `weights` (refresh) -> `Runner` of the wave's bucket -> prefill through the model, its cache
 copied into the decoder's -> decode steps (graph replays) writing tokens, log-probs and step records -> per wave a
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from .decoder import FastDecoder, rope_tables
 from .qwen35 import HybridDecoder
-from .rollout import LORA_TARGETS, EngineRollout, EngineStats, kv_format, unsupported_reason
+from .rollout import EngineRollout, EngineStats
+from .support import LORA_TARGETS, kv_format, unsupported_reason
 from .weights import DecodeWeights, Dims, LayerWeights, lora_weight, quantize_experts, weights_from_hf
 
 
