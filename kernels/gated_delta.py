@@ -2,7 +2,7 @@
 """One decode token of the gated delta rule (Gated DeltaNet, Qwen3.5's linear attention), in place on its state.
 
 Why: the rule's state is [B, Hv, Dk, Dv] fp32 (2 MB a sequence per layer at Qwen3.5-35B-A3B's 32 x 128 x 128), and
-a decode step is bound by reading it. transformers' torch step (and `trace_hf.rollout.qwen35`'s default) passes
+a decode step is bound by reading it. transformers' torch step (and `trace_hf.rollout.engine.qwen35`'s default) passes
 over it six times (decay, two matrix-vector products, the rank-one update, in place); this kernel reads it once
 and writes it once. It runs under the CPU interpreter (CI) and in CUDA graphs, on any Triton, which is why it is
 not flash-linear-attention's ``fused_recurrent_gated_delta_rule``.

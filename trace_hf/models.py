@@ -9,6 +9,7 @@ once here, from the config where the config alone decides.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -108,3 +109,22 @@ def is_softmax_topk_router(router: nn.Module) -> bool:
     """A router module routing replay can rebuild (a PEFT adapter on it computes the same rule)."""
     router = getattr(router, "base_layer", router)
     return type(router).__name__ in SOFTMAX_TOPK_ROUTERS or hasattr(router, "norm_topk_prob")
+
+
+def lora_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The weight a linear computes with now: a PEFT LoRA layer's base weight plus its active, unmerged adapters'
+    delta (PEFT's own `get_delta_weight`, summed in fp32); any other linear's own weight."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight
+    active = [a for a in linear.active_adapters if a in linear.lora_A and a not in linear.merged_adapters]
+    if linear.disable_adapters or not active:
+        return base.weight
+    w = base.weight.float()
+    for a in active:
+        w = w + linear.get_delta_weight(a).float()
+    return w.to(base.weight.dtype)
+
+
+def has_lora(linear: torch.nn.Module) -> bool:
+    return getattr(linear, "base_layer", None) is not None

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         from trace_hf.kernels import fp4_moe as moe
         from trace_hf.kernels import fp4_moe_configs as configs
         from trace_hf.kernels import fp4_quant
-        from trace_hf.rollout.decode import quantize_experts
+        from trace_hf.rollout.engine import quantize_experts
 
         E, H, NI, K = 128, 2048, 768, 8
         w_gu = torch.randn(E, 2 * NI, H, device=dev, generator=g).mul_(0.02).bfloat16()

@@ -26,7 +26,7 @@ from benchmarks import harness
 
 
 def dims(layers: int, smoke: bool):
-    from trace_hf.rollout.qwen35 import HybridDims
+    from trace_hf.rollout.engine.qwen35 import HybridDims
 
     types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
     if smoke:
@@ -38,7 +38,7 @@ def dims(layers: int, smoke: bool):
 
 
 def random_weights(d, dtype, device, seed=0):
-    from trace_hf.rollout.qwen35 import HybridDecodeWeights, HybridLayerWeights
+    from trace_hf.rollout.engine.qwen35 import HybridDecodeWeights, HybridLayerWeights
 
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     cuda = env.cuda
     if args.smoke:
         args.layers, args.cells, args.steps = 4, "2x16", 2
-    from trace_hf.rollout.decode import quantize_experts
-    from trace_hf.rollout.qwen35 import HybridDecoder
+    from trace_hf.rollout.engine import quantize_experts
+    from trace_hf.rollout.engine.qwen35 import HybridDecoder
 
     dev, dtype = env.device, env.dtype
     d = dims(args.layers, args.smoke)
@@ -137,9 +137,9 @@ def main(argv=None) -> int:
 
 
 def _fill(cache, g):
-    from trace_hf.rollout.decode import _kernels
+    from trace_hf.rollout.engine.kernels import kernels
 
-    _kernels()[1].fill_random(cache, g)
+    kernels().attention.fill_random(cache, g)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from trace_hf.fp4 import FP4Tensor
-from trace_hf.rollout.decode import DecodeWeights, Dims, FastDecoder, LayerWeights, _kernels, quantize_experts
+from trace_hf.rollout.engine import DecodeWeights, Dims, FastDecoder, LayerWeights, quantize_experts
+from trace_hf.rollout.engine.kernels import kernels
 
 
 def random_weights(
@@ -67,7 +68,7 @@ def random_weights(
 def fill_random_context(dec: FastDecoder, length: int, seed: int = 0) -> None:
     """Every sequence holds ``length`` cached tokens of random K/V (benchmarks: the step costs the same
     whatever the values)."""
-    A = _kernels()[1]
+    A = kernels().attention
     g = torch.Generator(device=dec.device).manual_seed(seed)
     for c in dec.caches:
         A.fill_random(c, g)
@@ -76,7 +77,7 @@ def fill_random_context(dec: FastDecoder, length: int, seed: int = 0) -> None:
 
 
 def kv_bytes_read(dec: FastDecoder, length: int) -> int:
-    A = _kernels()[1]
+    A = kernels().attention
     per_tok = A.kv_bytes_per_token(dec.dims.num_kv_heads, dec.dims.head_dim, dec.kv_fp4,
                                    torch.finfo(dec.dtype).bits // 8)  # fmt: skip
     return per_tok * length * dec.batch * dec.dims.num_layers

@@ -10,7 +10,7 @@ Setups, per cell (batch B x context T):
   1. ``hf``: `Qwen3MoeForCausalLM.generate` (BF16, default experts implementation, DynamicCache). The cache is
      prefilled with random K/V (no real prefill: a decode step costs the same whatever the values); the step
      time is (generate of 2 + N tokens - generate of 2 tokens) / N.
-  2. ``fast_bf16``: `trace_hf.rollout.decode.FastDecoder` with the same BF16 weights and a BF16 KV cache, one CUDA
+  2. ``fast_bf16``: `trace_hf.rollout.engine.FastDecoder` with the same BF16 weights and a BF16 KV cache, one CUDA
      graph per step.
   3. ``fast_fp4``: the same decoder with NVFP4 experts (W4A4), an NVFP4 KV cache and hints recorded; the same
      step without hints is timed too (hint overhead).
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     from benchmarks.rollout.decode_setup import bytes_per_step, fill_random_context, kv_bytes_read, random_weights
     from trace_hf.kernels import pdl
-    from trace_hf.rollout.decode import Dims, FastDecoder, weights_from_hf
+    from trace_hf.rollout.engine import Dims, FastDecoder, weights_from_hf
 
     pdl.ENABLED = not args.no_pdl
 
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     if "hf" in setups:
         try:
             model = _build_hf_model(dims, dtype, dev)
-            dense = weights_from_hf(model, fp4_experts=False)
+            dense = weights_from_hf(model)
             for T in contexts:
                 for B in batches:
                     if not args.smoke and args.hf_max_context < T:

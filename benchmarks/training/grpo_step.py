@@ -17,10 +17,14 @@ gradients) and trains PEFT LoRA on q/k/v/o. The model is built on the meta devic
 (random BF16 experts drawn per layer from a seeded generator, then quantized), so all BF16 experts never exist at
 once in the FP4 setups. ``--eos-mean N`` gives completions a long-tailed length spread: the EOS row of lm_head is set
 to ``a * u`` (``u`` a fixed random direction), with ``a`` chosen on a calibration prefill of 32 prompts so that the
-expected completion length is N (`calibrate_eos`). Each row then stops at its own rate, so lengths are a mixture
-of geometric distributions, truncated at ``--completion``. ``--wave-rows`` splits the BF16
-engine's rollout into waves of that many rows (the BF16 KV cache of 256 x 1K rows of the full model does not fit
-beside its weights). Every setup also reports a per-phase profile of the last step (``phases_last_step``).
+expected completion length is N (`calibrate_eos`). Each row then stops at its own rate (the random model's hidden
+state keeps a component of its prompt, so rates differ between rows far more than along a row): lengths are a
+mixture of geometric distributions, truncated at ``--completion``. The
+spread of the last rollout (length quantiles, min, max) and what it cost the engine (waves, bucket rows, decode
+steps per wave, slot occupancy: kept tokens over the row-steps decoded) are in ``engine_last_rollout``.
+``--wave-rows`` caps the engine's rows per wave (`EngineRollout(max_rows=...)`); without it the engine admits as
+many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
+model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``).
 
     python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
         --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
@@ -72,7 +76,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--micro-batch", type=int, default=8, help="rows per training forward (per_device_train_batch_size)"
     )
-    p.add_argument("--wave-rows", type=int, default=0, help="BF16 engine rollout in waves of this many rows (0: one)")
+    p.add_argument("--wave-rows", type=int, default=0,
+                   help="engine rollouts in waves of at most this many rows (EngineRollout(max_rows=...); 0: as "
+                        "many as fit in free memory, the engine's own admission)")  # fmt: skip
     p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
     return p.parse_args(argv)
 
@@ -197,23 +203,6 @@ def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int, m
     with torch.no_grad():
         head[eos].copy_((a * u).to(head.dtype))
     return a
-
-
-class Waves:
-    """A rollout path that runs another in waves of `rows` rows (one KV cache of `rows` rows at a time)."""
-
-    def __init__(self, inner, rows: int):
-        self.inner, self.rows, self.name = inner, rows, inner.name
-
-    def __call__(self, model, prompt_ids, generation_config, record: bool = False, storage: str = "device"):
-        from trace_hf.rollout import RolloutOutput
-
-        if record:
-            raise ValueError("Waves joins no hints: use it for the BF16 setups (nothing recorded).")
-        outs = [self.inner(model, prompt_ids[i : i + self.rows], generation_config, record, storage)
-                for i in range(0, len(prompt_ids), self.rows)]  # fmt: skip
-        return RolloutOutput([c for o in outs for c in o.completion_ids], [lp for o in outs for lp in o.logprobs],
-                             None, self.name, sum(o.seconds for o in outs))  # fmt: skip
 
 
 class PhaseTimer:
@@ -342,6 +331,21 @@ class LastStepProfile:
         self.callback = _CB()
 
 
+def engine_stats(rollout) -> dict | None:
+    """The last engine rollout's waves, buckets, length spread and slot occupancy (`EngineStats`; None for generate):
+    what the long tail of completion lengths costs (a wave decodes until its longest row stops)."""
+    st = getattr(rollout, "stats", None)
+    if st is None:
+        return None
+    q = sorted(st.lengths)
+    return {
+        "rows": st.rows, "waves": st.waves, "rows_per_wave": st.rows_per_wave, "bucket_rows": st.bucket_rows,
+        "decode_steps": st.steps, "slot_occupancy": st.slot_occupancy,
+        "length_quantiles": {f"p{p}": q[min(len(q) - 1, len(q) * p // 100)] for p in (10, 50, 90, 99)},
+        "length_min": q[0], "length_max": q[-1],
+    }  # fmt: skip
+
+
 def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     import torch
     from datasets import Dataset
@@ -391,8 +395,9 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         from trace_hf.rollout import make_rollout
 
         engine = make_rollout(trainer.accelerator.unwrap_model(trainer.model), "engine", trainer.generation_config)
+        engine.max_rows = args.wave_rows or None
         phases.watch_engine(engine)
-        trainer.rollout = Waves(engine, args.wave_rows) if args.wave_rows and not fp4 else engine
+        trainer.rollout = engine
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
                 lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
     phases.wrap(trainer.accelerator, "backward", "backward")
@@ -418,7 +423,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "eos_scale": eos_scale,
         "rows": rows,
         "micro_batch": mb,
-        "wave_rows": args.wave_rows if args.wave_rows and not fp4 else None,
+        "wave_rows": args.wave_rows or None,
+        "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
         "freeze_experts": args.freeze_experts,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

@@ -33,7 +33,7 @@ def test_qkv_post_writes_the_cache(kv_fp4):
     qkv[0, HQ * D : (HQ + 1) * D] = 0.0  # a zero K row: g = 0, all codes 0
     pos = torch.tensor([0, 7, 19], dtype=torch.int32)
     qn, kn = torch.rand(D) + 0.5, torch.rand(D) + 0.5
-    from trace_hf.rollout.decode import Dims, rope_tables
+    from trace_hf.rollout.engine import Dims, rope_tables
 
     cos, sin = rope_tables(Dims(64, HQ, HKV, D, 4, 2, 32, 16, 1), T, torch.float32, "cpu")
     q = A.qkv_post(qkv, cache, pos, HQ, HKV, qn, kn, cos, sin, 1e-6)

@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""The static decode step (`trace_hf.rollout.decode`) against the transformers model's eval path, fp32 on CPU.
+"""The static decode step (`trace_hf.rollout.engine`) against the transformers model's eval path, fp32 on CPU.
 
 The fast path is fed the sequence one token per step (teacher forcing) and its logits are compared with a
 full-sequence forward of the transformers model: with `TraceFP4Config` (W4A4 experts, FP4 KV cache) for the FP4
@@ -18,7 +18,7 @@ from trace_hf.quant.quantizer import quantize_model
 from trace_hf.testing import tiny_model
 
 
-fd = pytest.importorskip("trace_hf.rollout.decode")
+fd = pytest.importorskip("trace_hf.rollout.engine")
 pytest.importorskip("trace_hf.kernels.fp4_moe")
 
 
@@ -48,7 +48,7 @@ def test_fast_decode_matches_transformers(fp4, B):
             hb = rec.collect(torch.ones(B, T, dtype=torch.long))
         else:
             ref = model(toks, use_cache=False).logits
-    dec = fd.FastDecoder(fd.weights_from_hf(model), B, T + 1, kv_fp4=fp4, use_ops=fp4)
+    dec = fd.FastDecoder(fd.weights_from_hf(model), B, T + 1, kv_fp4=fp4)
     logits, bits, scales, gs = [], [], [], []
     for t in range(T):
         dec.tokens.copy_(toks[:, t])

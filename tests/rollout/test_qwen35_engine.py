@@ -15,8 +15,8 @@ from trace_hf import testing as T
 from trace_hf.quant.experts import fp4_experts
 from trace_hf.quant.quantizer import quantize_model
 from trace_hf.rollout import EngineRollout, GenerateRollout, make_rollout, unsupported_reason
-from trace_hf.rollout.layouts import QWEN3_5_MOE, QWEN3_MOE, layout_of
-from trace_hf.rollout.qwen35 import HybridDecoder
+from trace_hf.rollout.engine.layouts import QWEN3_5_MOE, QWEN3_MOE, layout_of
+from trace_hf.rollout.engine.qwen35 import HybridDecoder
 
 
 pytest.importorskip("trace_hf.kernels.sampling")
@@ -120,10 +120,10 @@ def test_gated_delta_step_kernel_is_transformers_recurrent_step():
 )
 def test_triton_delta_rule_decodes_as_torch():
     """The decoder with ``delta_rule="triton"`` steps the same logits as with the torch rule."""
-    from trace_hf.rollout.layouts import QWEN3_5_MOE
+    from trace_hf.rollout.engine import weights_from_hf
 
     model = _model(False)
-    w = QWEN3_5_MOE.weights(model).w
+    w = weights_from_hf(model)
     logits = []
     for rule in ("torch", "triton"):
         dec = HybridDecoder(w, 2, 8, kv_fp4=False, record_hints=False, delta_rule=rule)

@@ -54,7 +54,7 @@ def _identity(config) -> dict:
 def _merged_state(model) -> dict[str, torch.Tensor]:
     """The plain model's state dict, with the active PEFT LoRA adapters merged into their linears' weights (the
     model itself is left as it is): what the policy computes, under the names a plain checkpoint has."""
-    from ..rollout.engine import lora_weight
+    from ..models import lora_weight
 
     lora = {name: m for name, m in model.named_modules() if getattr(m, "base_layer", None) is not None}
     out = {}

@@ -230,16 +230,16 @@ class TraceFP4Experts(nn.Module):
             return
         self.pack_from(self.gate_up_proj, self.down_proj)
 
-    def pack_from(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Quantize given full master tensors into the packed weights (in place when they fit): `refresh_packed`,
-        or a caller that gathered sharded masters itself (the rollout engine under FSDP2). Frozen experts: the new
-        packed buffers (how to set them from BF16 values one layer at a time)."""
+    def pack_from(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[fp4.FP4Tensor, fp4.FP4Tensor]:
+        """Quantize given full master tensors into the packed weights (in place when they fit) and return them:
+        `refresh_packed`, or a caller that gathered sharded masters itself (the rollout engine under FSDP2). Frozen
+        experts: the new packed buffers (how to set them from BF16 values one layer at a time)."""
         with torch.no_grad():
             gu = fp4.quantize(gate_up.detach(), self.fmt, scale="expert")
             d = fp4.quantize(down.detach(), self.fmt, scale="expert")
         if self.frozen:
             self.load_packed_weights(gu, d)
-            return
+            return self._frozen_weights()
         with torch.no_grad():
             old = self._packed_storage
             if old is not None and all(_same_layout(a, b) for a, b in zip(old, (gu, d))):
@@ -254,6 +254,7 @@ class TraceFP4Experts(nn.Module):
         self._packed_sample = self._masters_sample()
         if freshness.DEBUG:
             self._packed_fingerprint = self._fingerprint()
+        return gu, d
 
     def fake_quantized_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized packed weights in the masters' dtype (or `dtype`), for the QAT forward (and the torch

@@ -73,6 +73,16 @@ class FP4KVLayer(DynamicLayer):
         _FROM_FP4_CACHE[id(k)] = k  # already FP4 values: the attention wrapper must not quantize them again
         return k, v
 
+    @property
+    def fp4_keys(self) -> fp4.FP4Tensor | None:
+        """The cached K as stored (codes, block scales, row scales; [B, H, T, ...]); None before the first update."""
+        return self._k
+
+    @property
+    def fp4_values(self) -> fp4.FP4Tensor | None:
+        """The cached V as stored, as `fp4_keys`."""
+        return self._v
+
     def _map(self, fn) -> None:
         if self._k is None:
             return

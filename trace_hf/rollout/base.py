@@ -47,13 +47,13 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def left_pad(
-    prompt_ids: list[list[int]], pad_id: int, device, vocab_size: int | None = None
+    prompt_ids: list[list[int]], pad_id: int, device, vocab_size: int | None = None, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and mask [B, P], as TRL and generate lay prompts out. With `vocab_size`, the prompt ids are
-    checked against it (`check_token_ids`) while they are still on the host."""
+    """Left-padded ids and mask [B, P], as TRL and generate lay prompts out (P: the longest prompt, or `width`).
+    With `vocab_size`, the prompt ids are checked against it (`check_token_ids`) while they are still on the host."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("A rollout needs at least one prompt, each of at least one token.")
-    p = max(len(x) for x in prompt_ids)
+    p = max(len(x) for x in prompt_ids) if width is None else width
     ids = torch.full((len(prompt_ids), p), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompt_ids), p), dtype=torch.long)
     for r, x in enumerate(prompt_ids):

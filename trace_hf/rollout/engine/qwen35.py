@@ -37,7 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decode import DecodeWeights, Dims, FastDecoder, _kernels, experts_moved
+from .decoder import FastDecoder
+from .kernels import kernels
+from .weights import DecodeWeights, Dims
 
 
 @dataclass
@@ -110,100 +112,6 @@ class HybridDecodeWeights(DecodeWeights):
         )
 
 
-class HybridWeights:
-    """The `HybridDecodeWeights` of a Qwen3.5 model, refreshed in place before each rollout (what the engine's
-    `_Weights` is for Qwen3): packed FP4 experts re-quantized from their masters, every derived tensor (fused
-    projections, ``1 + w`` norms) recomputed from the parameters; a parameter whose storage moved rebuilds all."""
-
-    def __init__(self, lm, layout):
-        from ..quant.experts import fp4_experts
-
-        self.lm, self.layout = lm, layout
-        self.experts = fp4_experts(lm)
-        self._build()
-
-    def _build(self) -> None:
-        self._derived: list[tuple[torch.Tensor, object]] = []
-        self.w = self._read()
-        self._ptrs = self._pointers()
-
-    def _pointers(self) -> list[int]:
-        return [p.data_ptr() for p in self.lm.parameters()]
-
-    def _derive(self, make) -> torch.Tensor:
-        t = make()
-        self._derived.append((t, make))
-        return t
-
-    def _norm(self, module) -> torch.Tensor:
-        off = self.layout.norm_offset
-        return self._derive(lambda: module.weight.detach().float() + off)
-
-    def _read(self) -> HybridDecodeWeights:
-        from ..quant.experts import TraceFP4Experts
-
-        lm, lay = self.lm, self.layout
-        dims = HybridDims.from_config(lm.config)
-        inner = lm.model
-        D, Hq = dims.head_dim, dims.num_heads
-        shared_name, shared_gate_name = lay.shared_expert
-        layers = []
-        with torch.no_grad():
-            for i, layer in enumerate(inner.layers):
-                kind = dims.layer_types[i]
-                mixer, mlp = getattr(layer, lay.mixers[kind]), layer.mlp
-                if kind == "full_attention":
-
-                    def qkvg(a=mixer):
-                        q = a.q_proj.weight.detach().view(Hq, 2 * D, -1)  # per head: query rows, then gate rows
-                        H = q.shape[-1]
-                        return torch.cat([q[:, :D].reshape(-1, H), a.k_proj.weight.detach(),
-                                          a.v_proj.weight.detach(), q[:, D:].reshape(-1, H)])  # fmt: skip
-
-                    extra = {"q_norm": self._norm(mixer.q_norm), "k_norm": self._norm(mixer.k_norm)}
-                    w_in, w_out = self._derive(qkvg), mixer.o_proj.weight.detach()
-                else:
-
-                    def inproj(a=mixer):
-                        return torch.cat([a.in_proj_qkv.weight, a.in_proj_z.weight, a.in_proj_b.weight,
-                                          a.in_proj_a.weight]).detach()  # fmt: skip
-
-                    extra = {"conv": mixer.conv1d.weight.detach().squeeze(1), "a_log": mixer.A_log.detach(),
-                             "dt_bias": mixer.dt_bias.detach(), "gate_norm": mixer.norm.weight.detach()}  # fmt: skip
-                    w_in, w_out = self._derive(inproj), mixer.out_proj.weight.detach()
-                ex = mlp.experts
-                if isinstance(ex, TraceFP4Experts):
-                    gu, dn = ex.packed_weights()
-                    hinted, sites = ex.hinted, ex.hint_sites or ("experts_input",)
-                else:
-                    gu, dn, hinted, sites = ex.gate_up_proj.detach(), ex.down_proj.detach(), False, ()
-                sh, sg = getattr(mlp, shared_name), getattr(mlp, shared_gate_name)
-
-                def shared(sh=sh, sg=sg):
-                    return torch.cat([sh.gate_proj.weight, sh.up_proj.weight, sg.weight]).detach()
-
-                layers.append(HybridLayerWeights(
-                    kind, self._norm(layer.input_layernorm), w_in, w_out, self._norm(layer.post_attention_layernorm),
-                    mlp.gate.weight.detach(), gu, dn, self._derive(shared), sh.down_proj.weight.detach(),
-                    hinted=hinted, hint_sites=sites, **extra,
-                ))  # fmt: skip
-            return HybridDecodeWeights(dims, inner.embed_tokens.weight.detach(), self._norm(inner.norm),
-                                       lm.lm_head.weight.detach(), layers)  # fmt: skip
-
-    def refresh(self) -> bool:
-        """Bring the weights up to date with the model; False if they had to be rebuilt (graphs are stale)."""
-        with torch.no_grad():
-            for ex in self.experts:
-                ex.refresh_packed()
-            stale = self._pointers() != self._ptrs or experts_moved(self.experts, self.w.layers)
-            if stale:
-                self._build()
-                return False
-            for dst, make in self._derived:
-                dst.copy_(make())
-        return True
-
-
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5's RMSNorm with its fp32 scale ``w`` (= 1 + weight), as transformers computes it."""
     xf = x.float()
@@ -225,8 +133,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 class HybridDecoder(FastDecoder):
     """`FastDecoder` for Qwen3.5 MoE: K/V caches at full-attention layers only, static conv and recurrent states
     at linear-attention layers (`conv_states` [B, C, kernel] in the model dtype, `recurrent_states`
-    [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook; the kernels
-    are called directly (``use_ops`` is not offered).
+    [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook.
 
     ``delta_rule``: ``"torch"`` (transformers' recurrent step, op for op) or ``"triton"``
     (`trace_hf.kernels.gated_delta`: the state read and written once instead of six passes; the same function up
@@ -235,14 +142,12 @@ class HybridDecoder(FastDecoder):
     round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
 
     def __init__(self, weights: HybridDecodeWeights, batch: int, max_len: int, kv_fp4: bool = True,
-                 record_hints: bool = True, use_ops: bool = False, record_routing: bool = False, sample=None,
+                 record_hints: bool = True, record_routing: bool = False, sample=None,
                  delta_rule: str = "torch"):  # fmt: skip
-        if use_ops:
-            raise ValueError("HybridDecoder calls its kernels directly: use_ops=True is not implemented.")
         if delta_rule not in ("torch", "triton"):
             raise ValueError(f"delta_rule={delta_rule!r}: use 'torch' or 'triton'.")
         self.delta_rule = delta_rule
-        super().__init__(weights, batch, max_len, kv_fp4, record_hints, False, record_routing, sample)
+        super().__init__(weights, batch, max_len, kv_fp4, record_hints, record_routing, sample)
         d, dev = self.dims, self.device
         linear = [t == "linear_attention" for t in d.layer_types]
         self.conv_states = [torch.zeros(batch, d.conv_dim, d.conv_kernel, dtype=self.dtype, device=dev) if lin else None
@@ -275,7 +180,7 @@ class HybridDecoder(FastDecoder):
 
     def _full_attention(self, xn, lw: HybridLayerWeights, i: int, cos, sin, lengths) -> torch.Tensor:
         d, B = self.dims, self.batch
-        dec, A, _, _ = _kernels()
+        dec, A = kernels().ops, kernels().attention
         D, Hq, Hkv = d.head_dim, d.num_heads, d.num_kv_heads
         q, k, v, gate = dec.linear(xn, lw.w_in).split([Hq * D, Hkv * D, Hkv * D, Hq * D], -1)
         q = _rope(_rmsnorm(q.view(B, Hq, D), lw.q_norm, d.eps), cos, sin)
@@ -287,7 +192,7 @@ class HybridDecoder(FastDecoder):
 
     def _linear_attention(self, xn, lw: HybridLayerWeights, i: int) -> torch.Tensor:
         d, B = self.dims, self.batch
-        dec = _kernels()[0]
+        dec = kernels().ops
         Hk, Hv, Dk, Dv = d.lin_k_heads, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim
         mixed, z, b, a = dec.linear(xn, lw.w_in).split([d.conv_dim, Hv * Dv, Hv, Hv], -1)
         # causal conv1d: shift the window of the last `kernel` inputs, one depthwise product over it, SiLU
@@ -321,14 +226,14 @@ class HybridDecoder(FastDecoder):
         """Gated RMSNorm (norm, weight, then * silu(z)) per value head, and the output projection."""
         d, B = self.dims, self.batch
         Hv, Dv = d.lin_v_heads, d.lin_v_dim
-        dec = _kernels()[0]
+        dec = kernels().ops
         h = out.float()
         h = lw.gate_norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)).to(out.dtype)
         h = (h * F.silu(z.reshape(B, Hv, Dv).float())).to(out.dtype)
         return dec.linear(h.reshape(B, -1), lw.w_out)
 
     def _shared_expert(self, xn, lw: HybridLayerWeights) -> torch.Tensor:
-        dec = _kernels()[0]
+        dec = kernels().ops
         gate, up, sg = dec.linear(xn, lw.w_shared).split([self.dims.shared_dim, self.dims.shared_dim, 1], -1)
         return torch.sigmoid(sg) * dec.linear(F.silu(gate) * up, lw.w_shared_down)
 
@@ -337,7 +242,7 @@ class HybridDecoder(FastDecoder):
     def step(self) -> None:
         """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
         d = self.dims
-        dec, _, moe, _ = _kernels()
+        dec, moe = kernels().ops, kernels().moe
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
         pos = self.positions.long()
@@ -367,4 +272,4 @@ class HybridDecoder(FastDecoder):
         self._next_token(xn)
 
 
-__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridWeights", "HybridDecoder"]
+__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridDecoder"]

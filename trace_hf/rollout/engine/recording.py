@@ -1,0 +1,113 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The engine's hint and routing records: written inside each captured decode step, assembled into a `HintBatch`
+after the rollout in exactly the layout `HintRecorder.collect` gives (prompt columns from the prefill's recorder,
+then one column per decode step, the step's input token)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ... import fp4
+from ...hints import HintBatch, HintRecorder, hint_batch_from_columns, kv_rows
+
+
+class StepRecords:
+    """Per decode step, for every row of a bucket: the experts-input hints of hinted layers, the experts-hidden hints
+    of layers hinted there, and every layer's routed experts. The "kv" hints are not copied per step: the decoder's
+    FP4 cache holds them (the codes attention read), and `hints` reads them back from it.
+
+    ``steps`` = 0 (not recording) allocates nothing per step."""
+
+    def __init__(self, dec, steps: int):
+        d, B, dev = dec.dims, dec.batch, dec.device
+        H, n_h = d.hidden, len(dec.hinted)
+        self.bits = torch.zeros(n_h, B, steps, H // 8, dtype=torch.uint8, device=dev)
+        self.scale = torch.zeros(n_h, B, steps, H // 16, dtype=torch.uint8, device=dev)
+        self.g = torch.zeros(n_h, B, steps, dtype=torch.float32, device=dev)
+        self.hidden = tuple(torch.zeros(t.shape[0], B, steps, *t.shape[2:], dtype=t.dtype, device=dev)
+                            for t in (dec.hidden_bits, dec.hidden_scale, dec.hidden_g))  # fmt: skip
+        self.route = torch.zeros(d.num_layers if steps else 0, B, steps, d.top_k, dtype=torch.int16, device=dev)
+
+    @staticmethod
+    def bytes_per_row(dec_dims, n_hinted: int, n_hidden: int, steps: int) -> int:
+        """What `StepRecords` allocates per row for ``steps`` decode steps."""
+        d = dec_dims
+        per_step = n_hinted * (d.hidden // 8 + d.hidden // 16 + 4) + 2 * d.top_k * d.num_layers
+        per_step += n_hidden * d.top_k * (d.expert_dim // 8 + d.expert_dim // 16 + 4)
+        return steps * per_step
+
+    def write(self, dec, step: torch.Tensor) -> None:
+        """Record the decoder's step at column ``step`` (a device scalar: graph-safe)."""
+        if dec.hinted:
+            self.bits.index_copy_(2, step, dec.hint_bits.unsqueeze(2))
+            self.scale.index_copy_(2, step, dec.hint_scale.unsqueeze(2))
+            self.g.index_copy_(2, step, dec.hint_g.unsqueeze(2))
+        if dec.hidden_hinted:
+            for rec, t in zip(self.hidden, (dec.hidden_bits, dec.hidden_scale, dec.hidden_g), strict=True):
+                rec.index_copy_(2, step, t.unsqueeze(2))
+        self.route.index_copy_(2, step, dec.routing.unsqueeze(2))
+
+    def hints(self, recorder: HintRecorder, dec, out_tokens: torch.Tensor, B: int, steps: int,
+              full_mask: torch.Tensor, lengths: torch.Tensor) -> HintBatch:  # fmt: skip
+        """Prompt columns from the prefill's recorder, then one column per decode step (its input token); the decode
+        steps' K/V hints are read from the decoder's FP4 cache afterwards."""
+        bits, scales, gscale, routing, ids = recorder.columns()
+
+        def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
+            return t[:, :B, :steps].movedim(0, 2)
+
+        def decoded(site):
+            if site == "experts_hidden":
+                return tuple(cols(t) for t in self.hidden)
+            return _kv_hints(dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps)
+
+        sites = {
+            site: tuple(torch.cat([a, b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
+            for site, ts in recorder.site_columns().items()
+        }
+        bits = torch.cat([bits, cols(self.bits)], dim=1)
+        scales = torch.cat([scales, cols(self.scale)], dim=1)
+        gscale = torch.cat([gscale, cols(self.g)], dim=1)
+        routing = torch.cat([routing, cols(self.route)], dim=1)
+        ids = torch.cat([ids, out_tokens[:B, :steps].to(ids.dtype)], dim=1)  # decode step s fed completion token s
+        return hint_batch_from_columns(bits, scales, gscale, routing, full_mask, recorder.fmt, recorder.hint_layers,
+                                       ids, site_columns=sites)  # fmt: skip
+
+
+def _kv_hints(dec, layers: list[int], lengths: torch.Tensor, steps: int):
+    """The "kv" hints of the decode steps at decoder layers `layers`, [B, steps, n_layers, 2, kv_heads, ...] (bits,
+    block scales, row scales), from the FP4 cache: step s of row b wrote position ``lengths[b] + s`` there."""
+    B = lengths.shape[0]
+    where = lengths[:, None].long() + torch.arange(steps, device=lengths.device)  # [B, steps]
+
+    def take(t):  # [batch, kv_heads, T, ...] -> [B, kv_heads, steps, ...]
+        idx = where.view(B, 1, steps, *([1] * (t.ndim - 3))).expand(B, t.shape[1], steps, *t.shape[3:])
+        return torch.gather(t[:B], 2, idx)
+
+    per_layer = []
+    for j in layers:
+        c = dec.caches[j]
+        qk, qv = (fp4.FP4Tensor(take(q), take(sc), take(g).unsqueeze(-1), "nvfp4")
+                  for q, sc, g in ((c.k, c.k_scale, c.k_g), (c.v, c.v_scale, c.v_g)))  # fmt: skip
+        h = fp4.extract_hints(kv_rows(qk, qv))
+        per_layer.append((h.mantissa_bits, h.block_scale, h.global_scale.squeeze(-1)))
+    return tuple(torch.stack([p[k] for p in per_layer], dim=1).unflatten(0, (B, steps)) for k in range(3))
+
+
+def cat_hints(parts: list[HintBatch]) -> HintBatch:
+    """The rows of several `HintBatch`es (waves of one rollout) in order, each padded with zeros to the longest
+    sample (what `hint_batch_from_columns` puts past a row's length)."""
+    if len(parts) == 1:
+        return parts[0]
+    L = max(p.routing.shape[1] for p in parts)
+
+    def cat(ts):
+        return torch.cat([F.pad(t, [0, 0] * (t.ndim - 2) + [0, L - t.shape[1]]) for t in ts], dim=0)
+
+    first = parts[0]
+    sites = {s: tuple(cat([p.site_hints[s][k] for p in parts]) for k in range(3)) for s in first.site_hints}
+    ids = None if first.token_ids is None else cat([p.token_ids for p in parts])
+    return HintBatch(cat([p.mantissa_bits for p in parts]), cat([p.block_scale for p in parts]),
+                     cat([p.global_scale for p in parts]), cat([p.routing for p in parts]),
+                     torch.cat([p.lengths for p in parts]), first.fmt, first.hint_layers, ids, sites)  # fmt: skip

@@ -1,0 +1,343 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""The rollout engine: batched prefill, then sampling decode steps replayed from a CUDA graph.
+
+Why: `model.generate` spends more time per token in Python and kernel launches than an FP4 decode step of an MoE
+model takes on the GPU, which hides everything FP4 saves. The engine keeps generate's function and the
+`RolloutOutput` contract, and changes how it runs:
+
+* prefill: one forward of the transformers model over the left-padded prompts (eval mode: FP4 experts, the FP4 or
+  BF16 KV cache, a `HintRecorder` for the prompt's hints), keeping only the last position's logits; its K/V are
+  copied, left padding removed, into the static cache of `FastDecoder`;
+* decode: `FastDecoder.step` (the model's own parameters and packed FP4 experts, fixed kernels, static buffers)
+  followed by the sampler (`trace_hf.rollout.sampling`), the per-row EOS stop and the hint/routing records, all
+  inside one step that a CUDA graph captures once per (batch, length, sampling) bucket and replays;
+* stop: rows that emit an EOS id stop (their later tokens are padding); the loop ends at max_new_tokens or once
+  every row has stopped (checked every few steps, the only host synchronization);
+* admission: as many rows decode at once as fit in the memory the engine may take (`runner.bytes_per_row`: the
+  FP4 KV cache makes that several times more rows than BF16's); a rollout of more rows runs in equal waves, one
+  after the other, in one bucket. Waves, not continuous batching: the prefill, its hint recorder and the step
+  records stay one batch per wave, laid out as `HintRecorder.collect` lays them out, and in GRPO the rows of a
+  rollout usually fit at once, where refilling gains nothing. The price is the long tail: a wave decodes until its
+  longest row stops (`EngineStats.slot_occupancy` says how much of that was kept).
+
+Before every rollout the engine refreshes what it reads from the model (`trace_hf.rollout.engine.weights`): packed
+FP4 experts are re-quantized from the masters in place (`TraceFP4Experts.refresh_packed`), every tensor it derives
+(fused projections, LoRA-folded weights, offset norms) is recomputed in place, and any parameter whose storage moved
+(reloaded) rebuilds the weights and drops the graphs. So the engine sees every update, however it was made. What it
+reads, and which decoder steps it, is the model family's entry in `trace_hf.rollout.engine.layouts` (Qwen3 MoE:
+`FastDecoder`; Qwen3.5 MoE: `HybridDecoder`). Under FSDP2 the engine owns full copies of what it reads, refreshed by
+gathering one layer at a time (`ShardedWeights`). On CPU it runs eagerly through the Triton interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ...hints import HintRecorder
+from ...quant.experts import fp4_experts
+from ...quant.freshness import no_prefill_refresh
+from ...quant.kv_cache import FP4KVLayer, fp4_cache
+from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
+from ..generate import check_sampling
+from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
+from .decoder import FastDecoder
+from .layouts import layout_of
+from .qwen35 import HybridDecoder
+from .recording import cat_hints
+from .runner import Runner, bytes_per_row, largest_bucket, row_bucket
+from .support import kv_format, unsupported_reason
+from .weights import DecodeWeights, EngineWeights, ShardedWeights, engine_weights
+
+
+def _cache_kwarg(lm) -> str:
+    """transformers renamed the forward's cache argument `past_key_values` -> `cache` (5.2x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+
+
+def _bucket(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+@dataclass
+class EngineStats:
+    """What the last rollout ran: its waves (all of ``rows_per_wave`` rows but the last, in buckets of
+    ``bucket_rows``), the decode steps of each (with the prefill's token) and each row's kept tokens.
+
+    ``slot_occupancy`` is the long tail's cost: the kept tokens over the row-steps the buckets decoded (each wave
+    runs until its longest row stops, and a stopped row's slot decodes padding until then)."""
+
+    rows: int
+    waves: int
+    rows_per_wave: int
+    bucket_rows: int
+    steps: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def slot_occupancy(self) -> float:
+        return self.tokens / max(1, self.bucket_rows * sum(self.steps))
+
+
+class EngineRollout:
+    """Rolls out through the engine (see the module docstring). Keeps the decoders of the last ``max_buckets``
+    (rows, length, sampling) buckets, with their graphs, across calls.
+
+    It decodes as many rows at once as fit: one row takes `bytes_per_row` (its KV cache, FP4 or in the model dtype,
+    the prefill's cache, sampler and record buffers), and a rollout of more rows than fit runs in waves of equal size
+    (see `EngineStats` for what the waves and the long tail of lengths cost).
+
+    Args:
+        max_buckets: decoders (KV caches and graphs) kept alive at once.
+        length_bucket: cache lengths are rounded up to a multiple of this, so prompts of other lengths reuse a
+            graph.
+        check_every: decode steps between checks that every row has stopped (each check synchronizes).
+        use_graphs: capture the decode step in a CUDA graph (default: on CUDA).
+        max_rows: most rows decoded at once, one wave (None: as many as fit).
+        free_memory_fraction: the share of the device memory free at the rollout (what the engine's own cached
+            buckets hold counted as free) that one wave's rows may take; the rest is the prefill's activations'.
+            Not vLLM's ``gpu_memory_utilization`` (a share of all device memory, weights included): the model's
+            weights are already resident here, and training needs what the rollout leaves.
+        memory_limit: bytes one wave's rows may take, instead of that share (also on CPU, where nothing is
+            measured and rows are otherwise unlimited).
+    """
+
+    name = "engine"
+
+    def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None,
+                 max_rows: int | None = None, free_memory_fraction: float = 0.9,
+                 memory_limit: int | None = None):  # fmt: skip
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows={max_rows}: use None (as many as fit) or at least 1.")
+        if not 0 < free_memory_fraction <= 1:
+            raise ValueError(f"free_memory_fraction={free_memory_fraction}: use a share in (0, 1].")
+        self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
+        self.use_graphs = use_graphs
+        self.max_rows, self.free_memory_fraction, self.memory_limit = max_rows, free_memory_fraction, memory_limit
+        self.stats: EngineStats | None = None
+        self._model = None
+        self._weights: EngineWeights | ShardedWeights | None = None
+        self._runners: OrderedDict = OrderedDict()
+
+    # -- weights, admission and buckets -------------------------------------------------------------------------
+
+    def _weights_for(self, lm) -> DecodeWeights:
+        if self._model is not lm:
+            self._runners.clear()
+            self._weights, self._model = engine_weights(lm, layout_of(lm.config)), lm
+        elif not self._weights.refresh():
+            self._runners.clear()
+        return self._weights.w
+
+    def _budget(self, dev) -> int | None:
+        """Bytes one wave's rows may take (None: unlimited)."""
+        if self.memory_limit is not None:
+            return int(self.memory_limit)
+        if dev.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(dev)
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        free += sum(r.nbytes for r in self._runners.values())  # evicted before a new bucket is allocated
+        return int(free * self.free_memory_fraction)
+
+    def _waves(self, rows: int, per_row: int, prompt_len: int, max_new: int, dev) -> tuple[int, int]:
+        """(rows per wave, bucket rows) for a rollout of ``rows`` rows of ``per_row`` bytes each: as many rows as the
+        budget admits, in equal waves. Raises only when a single row does not fit."""
+        budget = self._budget(dev)
+        bucketed = dev.type == "cuda"
+        fit = rows if budget is None else budget // per_row
+        fit = largest_bucket(fit) if bucketed else fit
+        if fit < 1:
+            knob = "memory_limit" if self.memory_limit is not None else "free_memory_fraction"
+            raise torch.OutOfMemoryError(
+                f"The rollout engine cannot fit one row of {prompt_len} prompt + {max_new} completion tokens: it "
+                f"takes about {per_row / 2**20:.1f} MiB (KV cache, prefill cache, sampler and record buffers) and "
+                f"EngineRollout({knob}={getattr(self, knob)}) allows {budget / 2**20:.1f} MiB. Raise {knob} (or "
+                "free device memory), or lower max_completion_length / max_prompt_length."
+            )
+        limit = min(fit, self.max_rows or rows, rows)
+        waves = -(-rows // limit)
+        wave = -(-rows // waves)
+        return wave, row_bucket(wave) if bucketed else wave
+
+    def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool,
+                per_row: int = 0):  # fmt: skip
+        key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record)
+        if key in self._runners:
+            self._runners.move_to_end(key)
+            return self._runners[key]
+        dev = w.embed.device
+        while len(self._runners) >= self.max_buckets or (self._runners and dev.type == "cuda"
+                                                          and batch * per_row > self._free(dev)):  # fmt: skip
+            self._runners.popitem(last=False)
+            if dev.type == "cuda":
+                gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
+        try:
+            runner = Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder)
+            graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
+            if graphs and s.max_new_tokens > 3:
+                runner.capture()
+        except torch.OutOfMemoryError as e:
+            self._runners.clear()
+            raise torch.OutOfMemoryError(
+                f"The rollout engine could not allocate a bucket of {batch} rows x {length} tokens (KV cache, logits "
+                "and graph buffers) although its estimate fit. Lower EngineRollout(free_memory_fraction=...) or "
+                "max_rows, or max_completion_length / max_prompt_length."
+            ) from e
+        runner.nbytes = batch * per_row
+        self._runners[key] = runner
+        return runner
+
+    @staticmethod
+    def _free(dev) -> int:
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+    # -- rollout ------------------------------------------------------------------------------------------------
+
+    def __call__(self, model, prompt_ids, generation_config, record: bool = False, storage: str = "device"):
+        check_sampling(generation_config)
+        reason = unsupported_reason(model, require_cuda=False)
+        if reason is not None:
+            raise ValueError(
+                f"The rollout engine cannot roll out this model: {reason}. Use rollout_engine='generate'."
+            )
+        s = SamplingSettings.from_generation_config(generation_config)
+        if s.seed is None:
+            s = SamplingSettings(**{**s.__dict__, "seed": int(torch.randint(0, 2**62, (1,)).item())})
+        lm = causal_lm(model)
+        if lm.training:
+            raise RuntimeError("The rollout engine runs the eval (rollout) path: call model.eval() first.")
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self._rollout(lm, prompt_ids, s, record and bool(fp4_experts(lm)), storage)
+        out.seconds = time.perf_counter() - start
+        return out
+
+    def _rollout(self, lm, prompt_ids, s: SamplingSettings, record: bool, storage: str) -> RolloutOutput:
+        w = self._weights_for(lm)
+        dev = w.embed.device
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("A rollout needs at least one prompt, each of at least one token.")
+        # One left-pad width for every wave, so each wave's rows are laid out as in one batch of all of them.
+        P = max(len(p) for p in prompt_ids)
+        length = _bucket(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
+        kv_fp4 = kv_format(lm) is not None
+        per_row = bytes_per_row(w, length, P, s, kv_fp4, record)
+        wave, batch = self._waves(len(prompt_ids), per_row, P, s.max_new_tokens, dev)
+        self.stats = EngineStats(len(prompt_ids), -(-len(prompt_ids) // wave), wave, batch)
+        ids, lps, hints = [], [], []
+        for k, a in enumerate(range(0, len(prompt_ids), wave)):
+            # Wave k draws with seed + k: its rows' draws are independent of the other waves' rows of the same slots.
+            sk = s if k == 0 else dataclasses.replace(s, seed=s.seed + k)
+            r = self._runner(w, batch, length, sk, kv_fp4, record, per_row)
+            c, lp, h = self._wave(lm, r, prompt_ids[a : a + wave], P, sk, record, dev)
+            ids += c
+            lps += lp
+            hints += [h] if h is not None else []
+        self.stats.lengths = [len(c) for c in ids]
+        out_hints = None
+        if record:
+            out_hints = cat_hints(hints)
+            if storage == "cpu":
+                out_hints = out_hints.to("cpu")
+        return RolloutOutput(ids, lps, out_hints, self.name)
+
+    def _wave(self, lm, r: Runner, prompt_ids, P: int, s: SamplingSettings, record: bool, dev):
+        """Prefill and decode one wave of rows in runner ``r``: (completion ids, log-probs, hints or None)."""
+        dec = r.dec
+        B = len(prompt_ids)
+        ids, mask = left_pad(prompt_ids, s.pad_token_id, dev, vocab_size_of(lm), width=P)
+
+        # Prefill through the transformers model: its cache, its hints, the first token's logits.
+        cache = fp4_cache(lm.config, "nvfp4") if dec.kv_fp4 else DynamicCache(config=lm.config)
+        recorder = HintRecorder(lm) if record else contextlib.nullcontext()
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with recorder, no_prefill_refresh():  # _weights_for has just refreshed the packed experts
+            kw = {_cache_kwarg(lm): cache}
+            logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **kw).logits[:, -1].float()  # fmt: skip
+        lengths = mask.sum(1)
+        self._load_cache(dec, cache, lengths, P)
+        del cache
+
+        # State of the decode loop; rows past B are padding, stopped from the start.
+        r.seed.fill_(s.seed)
+        r.step.fill_(-1)  # the first draw (from the prefill logits) uses step -1
+        r.finished.zero_()
+        r.finished[B:] = True
+        if r.seen is not None:
+            r.seen.zero_()
+            r.seen[:B].scatter_(1, torch.where(mask.bool(), ids, ids[:, -1:]), True)  # pads: the last (real) id
+        x = process_logits(logits, s, None if r.seen is None else r.seen[:B])
+        tok0 = draw(x, s, r.seed, r.step)
+        r.out_tokens.zero_()
+        r.out_tokens[:B, 0] = tok0
+        r.out_logps[:B, 0] = sampler_logprobs(logits, tok0, s)
+        r.finished[:B] |= torch.isin(tok0, r.eos)
+        if r.seen is not None:
+            r.seen[:B].scatter_(1, tok0.unsqueeze(1), True)
+        dec.tokens.zero_()
+        dec.tokens[:B] = tok0
+        dec.positions.zero_()
+        dec.positions[:B] = lengths.to(torch.int32)
+        r.step.zero_()
+
+        steps = 0
+        check = self.check_every if dev.type == "cuda" else 1
+        while steps < s.max_new_tokens - 1:
+            if steps % check == 0 and bool(r.finished.all()):
+                break
+            dec.run()
+            steps += 1
+        self.stats.steps.append(steps + 1)
+
+        completion = r.out_tokens[:B, : steps + 1]
+        keep = cut_after_eos(completion, s.eos_token_id) if s.eos_token_id else torch.ones_like(completion, dtype=bool)
+        hints = None
+        if record:
+            full_mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
+            hints = r.records.hints(recorder, dec, r.out_tokens, B, steps, full_mask, lengths)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        completion_ids, logprobs = to_lists(completion, r.out_logps[:B, : steps + 1], keep)
+        return completion_ids, logprobs, hints
+
+    @staticmethod
+    def _load_cache(dec: FastDecoder, cache, lengths: torch.Tensor, P: int) -> None:
+        """Copy the prefill's K/V into the decoder's cache, left padding removed (slot j = position j), and the
+        linear-attention layers' conv and recurrent states (per row: no padding to remove)."""
+        B = lengths.shape[0]
+        src = (torch.arange(P, device=lengths.device)[None, :] + (P - lengths)[:, None]).clamp(max=P - 1)
+
+        def put(dst: torch.Tensor, t: torch.Tensor) -> None:  # t [B, Hkv, P, ...] -> dst[:B, :, :P]
+            idx = src.view(B, 1, P, *([1] * (t.ndim - 3))).expand(B, t.shape[1], P, *t.shape[3:])
+            dst[:B, :, :P].copy_(torch.gather(t, 2, idx).view(dst[:B, :, :P].shape))
+
+        if isinstance(dec, HybridDecoder):
+            dec.load_states(cache, B)
+        for c, layer in zip(dec.caches, cache.layers, strict=True):
+            if c is None:  # linear attention: its states were loaded above
+                continue
+            if isinstance(layer, FP4KVLayer):
+                for q, (codes, scale, g) in ((layer.fp4_keys, (c.k, c.k_scale, c.k_g)),
+                                             (layer.fp4_values, (c.v, c.v_scale, c.v_g))):  # fmt: skip
+                    put(codes, q.packed)
+                    put(scale, q.block_scale)
+                    put(g, q.global_scale.squeeze(-1))
+            else:
+                put(c.k, layer.keys.to(c.k.dtype))
+                put(c.v, layer.values.to(c.v.dtype))

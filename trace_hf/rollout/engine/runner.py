@@ -1,0 +1,108 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""One bucket of the engine: a decoder of a fixed number of rows and cache length, the sampler's state and the
+step records, and (on CUDA) the decode step captured in a CUDA graph, replayed once per token.
+
+Buckets: rows round up to a power of two up to 64 and to a multiple of 64 above (`row_bucket`: at most 1.5x the
+rows at 65-128 and then less, instead of 2x for powers of two past 64); cache lengths to a multiple of the engine's
+``length_bucket``. So a rollout of the same shape replays the same graph, and one of 257-320 rows does not pay for
+512. `bytes_per_row` is what the engine admits by: the memory one row of a bucket takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
+from .decoder import FastDecoder
+from .kernels import kernels
+from .recording import StepRecords
+from .weights import DecodeWeights
+
+
+#: Row counts up to this round up to a power of two; above, to a multiple of it.
+ROW_STEP = 64
+
+
+def row_bucket(rows: int) -> int:
+    """The bucket (decoder rows, one CUDA graph each) that ``rows`` rows decode in."""
+    if rows < 1:
+        raise ValueError(f"rows={rows}: a bucket holds at least one row.")
+    if rows <= ROW_STEP:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // ROW_STEP) * ROW_STEP
+
+
+def largest_bucket(cap: int) -> int:
+    """The largest bucket of at most ``cap`` rows (0 if not even one row)."""
+    if cap < 1:
+        return 0
+    if cap < ROW_STEP:
+        return 1 << (cap.bit_length() - 1)
+    return cap // ROW_STEP * ROW_STEP
+
+
+def bytes_per_row(w: DecodeWeights, length: int, prompt_len: int, s: SamplingSettings, kv_fp4: bool,
+                  record: bool) -> int:  # fmt: skip
+    """Device bytes one row of a bucket takes: its static KV cache of ``length`` tokens (FP4: codes and scales),
+    the prefill's transformers cache of its ``prompt_len`` tokens (alive until it is copied in), linear-attention
+    states, logits and the sampler's fp32 [V] temporaries, the output buffers and, when recording, the step records
+    (`StepRecords.bytes_per_row`)."""
+    d = w.dims
+    kv = kernels().attention.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size())
+    need = (length + prompt_len) * kv * w.num_kv_layers + w.state_bytes_per_row()
+    need += 9 * d.vocab * 4 + (d.vocab if s.repetition_penalty else 0) + 12 * s.max_new_tokens
+    if record:
+        hinted = [lw for lw in w.layers if lw.hinted] if w.fp4_experts else []
+        n_in = sum("experts_input" in lw.hint_sites for lw in hinted)
+        n_hidden = sum("experts_hidden" in lw.hint_sites for lw in hinted)
+        need += StepRecords.bytes_per_row(d, n_in, n_hidden, s.max_new_tokens)
+    return need
+
+
+class Runner:
+    """Static buffers, the decoder and (on CUDA) the captured step of one (rows, length, sampling) bucket.
+
+    The sampler's state lives in device tensors the graph reads: ``seed`` and ``step`` (the counter-based draw's
+    key), ``finished`` (rows that emitted an EOS, or padding rows), ``out_tokens`` / ``out_logps`` [rows,
+    max_new_tokens] (column 0: the prefill's draw; column s + 1: decode step s's), ``seen`` (the repetition
+    penalty's tokens so far)."""
+
+    def __init__(self, w: DecodeWeights, batch: int, max_len: int, s: SamplingSettings, kv_fp4: bool, record: bool,
+                 decoder: type[FastDecoder] = FastDecoder):  # fmt: skip
+        d = w.dims
+        self.s, self.batch, self.record = s, batch, record
+        self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record, record_routing=record,
+                           sample=self._sample)  # fmt: skip
+        dev = self.dec.device
+        n = s.max_new_tokens
+        self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.eos = torch.tensor(list(s.eos_token_id) or [-1], dtype=torch.int64, device=dev)
+        self.out_tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
+        self.out_logps = torch.zeros(batch, n, dtype=torch.float32, device=dev)
+        self.seen = torch.zeros(batch, d.vocab, dtype=torch.bool, device=dev) if s.repetition_penalty else None
+        self.records = StepRecords(self.dec, n if record else 0)
+
+    def _sample(self, dec: FastDecoder) -> None:
+        """End of a decode step (graph-safe): draw the next token, record it, its log-prob and the step's hints."""
+        s = self.s
+        x = process_logits(dec.logits, s, self.seen)
+        tok = draw(x, s, self.seed, self.step)
+        lp = sampler_logprobs(dec.logits, tok, s)
+        tok = torch.where(self.finished, torch.full_like(tok, s.pad_token_id), tok)
+        col = (self.step + 1).view(1, 1).expand(self.batch, 1)
+        self.out_tokens.scatter_(1, col, tok.unsqueeze(1))
+        self.out_logps.scatter_(1, col, lp.unsqueeze(1))
+        if self.record:
+            self.records.write(dec, self.step)
+        self.finished |= torch.isin(tok, self.eos)
+        if self.seen is not None:
+            self.seen.scatter_(1, tok.unsqueeze(1), True)
+        dec.tokens.copy_(tok)
+        self.step.add_(1)
+
+    def capture(self) -> None:
+        self.step.zero_()
+        self.finished.zero_()
+        self.dec.capture()
