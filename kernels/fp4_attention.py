@@ -536,6 +536,7 @@ def decode_attention(
     s_pad = max(2, triton.next_power_of_2(S))
     # Up to 32 x 128 partial values per program, and at least 256 programs (batch 1's 32 rows keep one each).
     rows = max(1, min(8, 32 // s_pad, B * HQ // 256))
+    rows = 1 << (rows.bit_length() - 1)  # a power of two (tl.arange): batches past 64 rows come in multiples of 64
     _combine_kernel[(triton.cdiv(B * HQ, rows),)](
         o, lse, out, B * HQ, S=S, S_PAD=s_pad, D=D, ROWS=rows, num_warps=4, **launch_options(q.device)
     )

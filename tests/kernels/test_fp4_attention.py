@@ -81,6 +81,19 @@ def test_decode_attention_matches_reference(kv_fp4, HQ, HKV, splits):
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_decode_attention_at_a_batch_that_is_not_a_power_of_two():
+    """The engine's row buckets past 64 are multiples of 64 (320 rows at 300); the combine launch takes a power-of-two
+    number of rows per program whatever the batch (here B * HQ = 1,280, 5 x 256)."""
+    torch.manual_seed(2)
+    B, HQ, HKV, D, T = 40, 32, 4, 32, 16
+    cache = A.allocate_kv_cache(B, HKV, T, D, True, dtype=torch.float32, device="cpu")
+    Kd, Vd = A.fill_cache(cache, torch.randn(B, HKV, T, D), torch.randn(B, HKV, T, D))
+    q = torch.randn(B, HQ, D)
+    lengths = torch.randint(1, T + 1, (B,), dtype=torch.int32)
+    out = A.decode_attention(q, cache, lengths, splits=(2, 16))
+    assert torch.allclose(out, A.attention_reference(q, Kd, Vd, lengths), rtol=1e-4, atol=1e-5)
+
+
 def test_default_splits_cover_the_cache():
     for B, H, T in [(1, 4, 32768 + 40), (64, 4, 1064), (16, 4, 8200)]:
         S, chunk = A.num_splits(B, H, T)

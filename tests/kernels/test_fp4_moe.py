@@ -361,7 +361,7 @@ def test_fp4_experts_gpu_qwen3_shapes():
 def test_grouped_gemm_training_path_matches_the_expert_loop_gpu():
     """The QAT forward on CUDA (grouped_mm, no host sync) against the per-expert loop: same loss and gradients
     up to bf16 GEMM rounding."""
-    from trace_hf import experts as ex
+    from trace_hf.quant import experts as ex
 
     mod = _experts(16, 256, 128, device="cuda").to(torch.bfloat16).train()
     ids, w = _routing(300, 16, 4, device="cuda")

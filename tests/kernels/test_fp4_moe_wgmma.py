@@ -186,7 +186,7 @@ def test_module_uses_the_wgmma_kernels_and_matches_its_torch_path():
     row poisons exactly its own output row."""
     from torch import nn
 
-    from trace_hf.experts import TraceFP4Experts
+    from trace_hf.quant.experts import TraceFP4Experts
 
     E, H, NI, K, M = 16, 256, 128, 4, 160
     g = torch.Generator().manual_seed(5)
