@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from trace_hf.fp4 import FP4Tensor
+from trace_hf.models import default_hint_layers
 from trace_hf.rollout.engine import DecodeWeights, Dims, FastDecoder, LayerWeights, quantize_experts
 from trace_hf.rollout.engine.kernels import kernels
 
@@ -26,7 +27,7 @@ def random_weights(
     setups of a benchmark hold one copy of the weights."""
     g = torch.Generator(device=device).manual_seed(seed)
     H, D, E, NI = dims.hidden, dims.head_dim, dims.num_experts, dims.expert_dim
-    n_hint = (dims.num_layers + 1) // 2 if hint_layers is None else hint_layers
+    n_hint = default_hint_layers(dims.num_layers) if hint_layers is None else hint_layers
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)

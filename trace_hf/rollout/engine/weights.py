@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ... import fp4
+from ... import fp4, models
 from ...fp4 import FP4Tensor
 from ...quant.experts import TraceFP4Experts, fp4_experts
 
@@ -49,9 +49,8 @@ class Dims:
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"the engine implements default RoPE, not {rope.get('rope_type')!r}")
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, c.num_experts,
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, models.head_dim(config), c.num_experts,
             c.num_experts_per_tok, c.moe_intermediate_size, c.vocab_size, c.num_hidden_layers, c.rms_norm_eps,
             float(theta), bool(getattr(c, "norm_topk_prob", True)),
         )  # fmt: skip
