@@ -92,9 +92,9 @@ def engine_grpo_metrics() -> tuple[str, ...]:
 @pytest.fixture
 def engine_grpo_step(tmp_path):
     """One TraceGRPOTrainer step of a model with `rollout_engine="engine"` (CPU, eager): returns the trainer, the
-    logged metric names and the names of the parameters that changed."""
+    logged metric names and the names of the parameters that changed. Keyword arguments override the config."""
 
-    def run(model):
+    def run(model, **config):
         from datasets import Dataset
 
         from trace_hf import TraceGRPOConfig, TraceGRPOTrainer
@@ -105,6 +105,7 @@ def engine_grpo_step(tmp_path):
             output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
             max_completion_length=3, max_steps=1, learning_rate=1e-2, logging_steps=1, save_strategy="no",
             report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, rollout_engine="engine", seed=0,
+            **config,
         )  # fmt: skip
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         trainer = TraceGRPOTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=args,

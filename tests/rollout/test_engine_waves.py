@@ -158,3 +158,21 @@ def test_waves_and_large_buckets_on_the_gpu():
     same = sum(a == b for a, b in zip(waves.completion_ids, one.completion_ids, strict=True))
     assert same >= 0.95 * len(prompts), same
     assert waves.hints.lengths.shape == one.hints.lengths.shape
+
+
+def test_trainer_passes_the_admission_knobs_to_the_engine(engine_grpo_step):
+    """`TraceGRPOConfig.rollout_max_rows` / `rollout_free_memory_fraction` reach the engine: one row per wave rolls
+    the step's two rows out in two waves, and the step still trains."""
+    model = quantize_model(T.tiny_model(num_hidden_layers=2), TraceFP4Config(hint_layers=1))
+    trainer, logged, changed = engine_grpo_step(model, rollout_max_rows=1, rollout_free_memory_fraction=0.5)
+    assert trainer.rollout.max_rows == 1 and trainer.rollout.free_memory_fraction == 0.5
+    assert trainer.rollout.stats.waves == 2 and trainer.rollout.stats.rows_per_wave == 1
+    assert changed
+
+
+@pytest.mark.parametrize("field,value", [("rollout_max_rows", 0), ("rollout_free_memory_fraction", 1.5)])
+def test_bad_admission_knobs_are_refused_naming_the_field(field, value, tmp_path):
+    from trace_hf import TraceGRPOConfig
+
+    with pytest.raises(ValueError, match=field):
+        TraceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **{field: value})

@@ -22,10 +22,10 @@ logger = logging.getLogger(__name__)
 ROLLOUT_ENGINES = ("auto", "engine", "generate")
 
 
-def make_rollout(model, rollout_engine: str = "auto", generation_config=None):
+def make_rollout(model, rollout_engine: str = "auto", generation_config=None, **engine_kwargs):
     """The rollout path for ``model``: ``"engine"`` (raises if the engine cannot run this model or these sampling
     settings), ``"generate"``, or ``"auto"`` (the engine on CUDA for a supported model, else generate, saying why
-    in one log line)."""
+    in one log line). ``engine_kwargs`` go to `EngineRollout` (``max_rows``, ``free_memory_fraction``, ...)."""
     if rollout_engine not in ROLLOUT_ENGINES:
         raise ValueError(f"rollout_engine={rollout_engine!r}: use one of {list(ROLLOUT_ENGINES)}.")
     if rollout_engine == "generate":
@@ -37,7 +37,7 @@ def make_rollout(model, rollout_engine: str = "auto", generation_config=None):
         except ValueError as e:
             reason = str(e)
     if reason is None:
-        return EngineRollout()
+        return EngineRollout(**engine_kwargs)
     if rollout_engine == "engine":
         raise ValueError(
             f"rollout_engine='engine' cannot roll out this model: {reason}. Use rollout_engine='generate'."

@@ -93,6 +93,21 @@ class TraceGRPOConfig(GRPOConfig):
             "choices": list(ROLLOUT_ENGINES),
         },
     )
+    rollout_max_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rollout engine: at most this many rows decode at once; a larger generation batch runs in equal "
+            "waves. None: as many as fit in free GPU memory (the FP4 KV cache fits several times more than BF16)."
+        },
+    )
+    rollout_free_memory_fraction: float = field(
+        default=0.9,
+        metadata={
+            "help": "Rollout engine: the share of the GPU's free memory (after weights, optimizer state and "
+            "activations) its decode state may take when it admits rows. Not vLLM's gpu_memory_utilization, which "
+            "is a share of all memory."
+        },
+    )
     trace_hints: bool = field(
         default=True,
         metadata={"help": "Record FP4 rounding hints at rollout and apply them in every training-side forward."},
@@ -174,6 +189,14 @@ class TraceGRPOConfig(GRPOConfig):
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ValueError(
                 f"TraceGRPOConfig.rollout_engine={self.rollout_engine!r}: use 'auto', 'engine' or 'generate'."
+            )
+        if self.rollout_max_rows is not None and self.rollout_max_rows < 1:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_max_rows={self.rollout_max_rows}: use None (as many rows as fit) or at least 1."
+            )
+        if not 0 < self.rollout_free_memory_fraction <= 1:
+            raise ValueError(
+                f"TraceGRPOConfig.rollout_free_memory_fraction={self.rollout_free_memory_fraction}: use a share in (0, 1]."
             )
         if self.rollout_precision == "bf16" and (self.trace_hints or self.routing_replay):
             raise ValueError(

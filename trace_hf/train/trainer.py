@@ -178,7 +178,11 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _trace_rollout_for(self, model):
         """The rollout path (`trace_hf.rollout`), chosen once from `rollout_engine` and the unwrapped model."""
         if self.rollout is None:
-            self.rollout = make_rollout(model, self.args.rollout_engine, self.generation_config)
+            a = self.args
+            self.rollout = make_rollout(
+                model, a.rollout_engine, self.generation_config, max_rows=a.rollout_max_rows,
+                free_memory_fraction=a.rollout_free_memory_fraction,
+            )  # fmt: skip
         return self.rollout
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
