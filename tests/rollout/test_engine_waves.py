@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from rollout_inputs import greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
@@ -30,12 +30,11 @@ def _model(fp4: bool):
 
 
 def _prompts(model):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in ROWS]
+    return random_prompts(model, ROWS)
 
 
 def _gc(**kw):
-    return GenerationConfig(**{"max_new_tokens": 6, "do_sample": False, "eos_token_id": [1], "pad_token_id": 0, **kw})
+    return greedy_config(**{"max_new_tokens": 6, **kw})
 
 
 def _per_row(model, gc, record: bool) -> int:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from rollout_inputs import greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
@@ -40,13 +40,11 @@ def _model(fp4: bool, device="cpu", sites=SITES, **overrides):
 
 def _prompts(model, lengths=(6, 2, 9), seed=1):
     """Left padding of different widths; the 2-token prompt is shorter than the conv kernel (4)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(model, lengths, seed)
 
 
 def _gc(**kw):
-    base = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": [1], "pad_token_id": 0}
-    return GenerationConfig(**{**base, **kw})
+    return greedy_config(**{"max_new_tokens": 5, **kw})
 
 
 def test_layouts_name_each_family_once():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from rollout_inputs import greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
@@ -35,13 +35,11 @@ def _model(fp4: bool, device="cpu", sites=("experts_input",)):
 
 
 def _prompts(model, lengths=(5, 3, 7), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(model, lengths, seed)
 
 
 def _gc(**kw):
-    base = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": [1], "pad_token_id": 0}
-    return GenerationConfig(**{**base, **kw})
+    return greedy_config(**{"max_new_tokens": 5, **kw})
 
 
 @pytest.mark.parametrize("fp4", [True, False])
