@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..rollout import ROLLOUT_ENGINES
+from .delta_rule import GATED_DELTA_RULES
 from .importance import IS_MODES
 from .trl_options import check_trl_options
 
@@ -56,6 +57,13 @@ class TraceGRPOConfig(GRPOConfig):
             from the training logits, so the router keeps learning.
         trace_hint_storage (`str`, *optional*, defaults to `"device"`):
             Where recorded hints live between rollout and training: `"device"` or `"cpu"` (pinned when CUDA exists).
+
+        gated_delta_rule (`str`, *optional*, defaults to `"chunk"`):
+            How training-side forwards compute the gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next).
+            `"chunk"`: transformers' chunked form. `"recurrent"`: the recurrent form's values (what the rollout's
+            decode steps compute) with the chunked form's gradient; on a warmed Qwen3.5 MoE this removed most of the
+            BF16 rollout/training KL (docs/results.md section 7), at the cost of one step per token in every
+            training-side forward. Models without Gated DeltaNet layers must keep `"chunk"`.
 
         > Parameters that control the importance-sampling correction against the FP4 sampler
 
@@ -121,6 +129,14 @@ class TraceGRPOConfig(GRPOConfig):
         metadata={
             "help": "Where recorded hints live until training: 'device' or 'cpu'.",
             "choices": ["device", "cpu"],
+        },
+    )
+    gated_delta_rule: str = field(
+        default="chunk",
+        metadata={
+            "help": "Gated DeltaNet (Qwen3.5) in training forwards: 'chunk' (transformers' chunked form) or "
+            "'recurrent' (the rollout's recurrent values, chunked gradient: less rollout/training mismatch, slower).",
+            "choices": list(GATED_DELTA_RULES),
         },
     )
     rollout_importance_sampling: bool = field(
@@ -202,6 +218,10 @@ class TraceGRPOConfig(GRPOConfig):
             raise ValueError(
                 "rollout_precision='bf16' rolls out without FP4, so there are no hints or recorded routing to replay: "
                 "set trace_hints=False and routing_replay=False."
+            )
+        if self.gated_delta_rule not in GATED_DELTA_RULES:
+            raise ValueError(
+                f"TraceGRPOConfig.gated_delta_rule={self.gated_delta_rule!r}: use one of {list(GATED_DELTA_RULES)}."
             )
         if self.trace_hint_storage not in ("device", "cpu"):
             raise ValueError(f"TraceGRPOConfig.trace_hint_storage={self.trace_hint_storage!r}: use 'device' or 'cpu'.")

@@ -40,6 +40,7 @@ from ..hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use
 from ..quant.experts import TraceFP4Experts, fp4_experts
 from ..rollout import RolloutOutput, make_rollout
 from .config import TraceGRPOConfig
+from .delta_rule import delta_rule_modules, recurrent_values
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
 
@@ -131,6 +132,11 @@ class TraceGRPOTrainer(GRPOTrainer):
                 "rollout_precision='bf16' is the unquantized baseline, but this model was loaded with TraceFP4Config "
                 "(FP4 experts). Load the plain model (no quantization_config), or use rollout_precision='fp4'."
             )
+        if args.gated_delta_rule == "recurrent" and not delta_rule_modules(model):
+            raise ValueError(
+                f"gated_delta_rule='recurrent' applies to models with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); "
+                f"this {model.config.model_type} model has none. Leave TraceGRPOConfig.gated_delta_rule='chunk'."
+            )
         if args.trace_hints and not any(m.hinted for m in experts):
             raise ValueError(
                 "trace_hints=True but the model has no hinted MoE layers (TraceFP4Config(hint_layers=0) or "
@@ -162,14 +168,17 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _trace_forward(self, model, hints: HintBatch | None, attention_mask: torch.Tensor):
         """The context of one training-side forward: hints and routing replay for its rows, position ids always."""
         core = self._trace_core(model)
-        # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to guide).
-        if hints is None or not fp4_experts(core) or not core.training:
-            with aligned_positions(core, attention_mask):
+        with contextlib.ExitStack() as stack:
+            if self.args.gated_delta_rule == "recurrent":
+                stack.enter_context(recurrent_values(core))
+            # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to
+            # guide).
+            if hints is None or not fp4_experts(core) or not core.training:
+                stack.enter_context(aligned_positions(core, attention_mask))
                 yield None
-            return
-        replay, apply = self.args.routing_replay, self.args.trace_hints
-        with use_hints(core, hints, attention_mask, routing_replay=replay, apply_hints=apply) as report:
-            yield report
+                return
+            replay, apply = self.args.routing_replay, self.args.trace_hints
+            yield stack.enter_context(use_hints(core, hints, attention_mask, routing_replay=replay, apply_hints=apply))
 
     # ------------------------------------------------------------------------------------------------------
     # Rollout

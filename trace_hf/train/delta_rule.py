@@ -1,0 +1,92 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next) in training forwards with the rollout's numerics.
+
+The rollout steps the gated delta rule one token at a time; transformers' forward over a whole sequence runs the
+chunked form, which sums the same terms in another order. On a warmed Qwen3.5 MoE in BF16 that reassociation is
+the only block whose own output differs between rollout and training, and hints cannot reach it (it is not an FP4
+site; docs/results.md section 7). ``TraceGRPOConfig(gated_delta_rule="recurrent")`` makes every training-side
+forward take the recurrent form's values, op for op the rollout engine's step, with the chunked form's gradient
+(straight-through: the two differ by rounding, and the chunked backward needs no per-token state). No-grad
+forwards (the old log-probs) run the recurrent form alone.
+
+transformers picks the form inside the module's forward by sequence length, from module-level functions, and has
+no per-module hook for it, so `recurrent_values` rebinds the chunked function of the model's modeling modules for
+the duration of a context (the trainer's forward and its backward, so checkpointed recomputes see it too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+
+import torch
+
+from ..fp4 import straight_through
+
+
+GATED_DELTA_RULES = ("chunk", "recurrent")
+_CHUNK, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
+_WRAPPERS: set = set()  # the rebound functions, so a nested context does not wrap them twice
+
+
+def delta_rule_modules(model: torch.nn.Module) -> list:
+    """The modeling modules (Python modules) whose layers in `model` compute a gated delta rule."""
+    found = {}
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        if (
+            mod is not None
+            and hasattr(mod, _CHUNK)
+            and hasattr(mod, _RECURRENT)
+            and "GatedDeltaNet" in type(m).__name__
+        ):
+            found[mod.__name__] = mod
+    return list(found.values())
+
+
+def _recurrent_values(chunk, recurrent):
+    """A chunked gated delta rule whose values are `recurrent`'s and whose gradient is `chunk`'s."""
+
+    def delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+        common = {"initial_state": initial_state, "output_final_state": output_final_state,
+                  "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel}  # fmt: skip
+        if kwargs.get("cu_seqlens") is not None:
+            raise ValueError(
+                "gated_delta_rule='recurrent' steps each row on its own and cannot split packed sequences "
+                "(cu_seqlens); train without padding-free packing, or use gated_delta_rule='chunk'."
+            )
+        inputs = (query, key, value, g, beta)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            return recurrent(*inputs, **common)
+        out, state = chunk(*inputs, chunk_size=chunk_size, **common, **kwargs)
+        with torch.no_grad():
+            r_out, r_state = recurrent(*inputs, **common)
+        return straight_through(out, r_out), (None if state is None else straight_through(state, r_state))
+
+    _WRAPPERS.add(delta_rule)
+    return delta_rule
+
+
+@contextlib.contextmanager
+def recurrent_values(model: torch.nn.Module):
+    """Within the context, `model`'s Gated DeltaNet layers compute training forwards with the recurrent form's values
+    (transformers' torch recurrent rule, what the engine's decode step follows) and the chunked form's gradient."""
+    modules = delta_rule_modules(model)
+    if not modules:
+        raise ValueError(
+            f"gated_delta_rule='recurrent' applies to models with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); this "
+            f"{type(model).__name__} has none. Leave TraceGRPOConfig.gated_delta_rule='chunk'."
+        )
+    saved = [(mod, getattr(mod, _CHUNK)) for mod in modules if getattr(mod, _CHUNK) not in _WRAPPERS]
+    for mod, chunk in saved:
+        # The torch recurrent rule, unwrapped: transformers binds flash-linear-attention's kernel in its place when
+        # that imports, and the engine follows the torch one.
+        setattr(mod, _CHUNK, _recurrent_values(chunk, inspect.unwrap(getattr(mod, _RECURRENT))))
+    try:
+        yield
+    finally:
+        for mod, chunk in reversed(saved):
+            _WRAPPERS.discard(getattr(mod, _CHUNK))
+            setattr(mod, _CHUNK, chunk)
