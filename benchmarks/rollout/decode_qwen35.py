@@ -9,8 +9,13 @@ heads of 256), 256 experts of width 512 top-8 plus a 512-wide shared expert, voc
 built as tensors (no transformers model); every sequence holds ``context`` tokens of random K/V and random
 linear-attention states. ``bf16``: dense experts, BF16 KV cache; ``fp4``: NVFP4 W4A4 experts (the BF16 ones
 quantized in place, so one copy is alive), FP4 KV cache, hints recorded at the last half of the layers;
-``fp4_triton``: the same with the delta rule in `trace_hf.kernels.gated_delta` (``delta_rule="triton"``). Each cell
-captures the step in a CUDA graph and times ``--steps`` replays (CUDA events).
+``fp4_triton`` / ``bf16_triton``: the same with the delta rule in `trace_hf.kernels.gated_delta`
+(``delta_rule="triton"``). Each cell captures the step in a CUDA graph and times ``--steps`` replays (CUDA events).
+A cell that does not fit records its error and the others go on, so a list of batches at one context finds each
+setup's best batch that fits (``best``: per context and setup, the batch with the most tokens/s, and FP4's best over
+BF16's with the same delta rule):
+
+    python -m benchmarks.rollout.decode_qwen35 --cells 64x1024,64x32768,128x32768,256x32768,384x32768 --out ...
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import time
 import torch
 
 from benchmarks import harness
+
+
+SETUPS = ("bf16", "bf16_triton", "fp4", "fp4_triton")
 
 
 def dims(layers: int, smoke: bool):
@@ -73,7 +81,13 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--cells", default="64x1024,64x32768", help="batch x context, comma-separated")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--setups", default="bf16,fp4,fp4_triton",
+                   help=f"comma-separated, of {','.join(SETUPS)} (run in that order: fp4 quantizes in place)")  # fmt: skip
     args = p.parse_args(argv)
+    setups = [x for x in SETUPS if x in args.setups.split(",")]
+    unknown = set(args.setups.split(",")) - set(SETUPS)
+    if unknown:
+        p.error(f"unknown setups {sorted(unknown)}: use {','.join(SETUPS)}")
     env = harness.setup_device("decode_qwen35.py", args.smoke)
     if env is None:
         return 2
@@ -88,9 +102,11 @@ def main(argv=None) -> int:
     w = random_weights(d, dtype, dev)
     cells = [tuple(int(x) for x in c.split("x")) for c in args.cells.split(",")]
     res = {"args": vars(args), "device": env.name if cuda else "cpu", "cells": []}
-    for setup in ("bf16", "fp4", "fp4_triton"):
+    quantized = False
+    for setup in setups:
         fp4 = setup.startswith("fp4")
-        if setup == "fp4":
+        if fp4 and not quantized:
+            quantized = True
             for lw in w.layers:  # in place: the BF16 experts are freed as each layer is quantized
                 lw.gate_up, lw.down = quantize_experts(lw.gate_up, lw.down)
                 if cuda:
@@ -126,14 +142,37 @@ def main(argv=None) -> int:
     by = {(c["setup"], c["batch"], c["context"]): c for c in res["cells"] if "error" not in c}
     res["fp4_over_bf16"] = {f"{B}x{T}": by[("fp4", B, T)]["tokens_per_s"] / by[("bf16", B, T)]["tokens_per_s"]
                             for B, T in cells if ("fp4", B, T) in by and ("bf16", B, T) in by}  # fmt: skip
+    res["fp4_triton_over_bf16_triton"] = {
+        f"{B}x{T}": by[("fp4_triton", B, T)]["tokens_per_s"] / by[("bf16_triton", B, T)]["tokens_per_s"]
+        for B, T in cells
+        if ("fp4_triton", B, T) in by and ("bf16_triton", B, T) in by
+    }
     res["triton_rule_over_torch_rule"] = {
         f"{B}x{T}": by[("fp4_triton", B, T)]["tokens_per_s"] / by[("fp4", B, T)]["tokens_per_s"]
         for B, T in cells
         if ("fp4_triton", B, T) in by and ("fp4", B, T) in by
     }
-    print(json.dumps(res["fp4_over_bf16"]), json.dumps(res["triton_rule_over_torch_rule"]))
+    res["best"] = best_batches(res["cells"])
+    print(json.dumps(res["fp4_over_bf16"]), json.dumps(res["triton_rule_over_torch_rule"]), json.dumps(res["best"]))
     harness.write_json(args.out, res)
     return 0
+
+
+def best_batches(cells: list[dict]) -> dict:
+    """Per context: each setup's fastest cell that ran (``batch``, ``tokens_per_s``), and FP4's best over BF16's
+    with the same delta rule."""
+    out = {}
+    for c in cells:
+        if "error" in c:
+            continue
+        ctx = out.setdefault(str(c["context"]), {})
+        if c["setup"] not in ctx or c["tokens_per_s"] > ctx[c["setup"]]["tokens_per_s"]:
+            ctx[c["setup"]] = {"batch": c["batch"], "tokens_per_s": c["tokens_per_s"]}
+    for ctx in out.values():
+        for fp4, bf16 in (("fp4", "bf16"), ("fp4_triton", "bf16_triton")):
+            if fp4 in ctx and bf16 in ctx:
+                ctx[f"{fp4}_over_{bf16}"] = ctx[fp4]["tokens_per_s"] / ctx[bf16]["tokens_per_s"]
+    return out
 
 
 def _fill(cache, g):

@@ -251,7 +251,8 @@ def test_qwen35_engine_graphs_match_eager_gpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_decode_benchmark_smoke(tmp_path):
-    """`benchmarks.rollout.decode_qwen35 --smoke` steps every setup (BF16, FP4, FP4 with the Triton delta rule)."""
+    """`benchmarks.rollout.decode_qwen35 --smoke` steps every setup (BF16 and FP4, each with either delta rule) and
+    names each setup's best batch."""
     import json
     import os
     import subprocess
@@ -260,9 +261,16 @@ def test_decode_benchmark_smoke(tmp_path):
 
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.rollout.decode_qwen35", "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rollout.decode_qwen35", "--smoke", "--out", str(out),
+                           "--setups", "fp4_triton,bf16,fp4,bf16_triton"],
                           cwd=str(tmp_path), env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cells = json.loads(out.read_text())["cells"]
-    assert [c["setup"] for c in cells] == ["bf16", "fp4", "fp4_triton"] and all("step_ms" in c for c in cells), cells
+    res = json.loads(out.read_text())
+    cells = res["cells"]
+    assert [c["setup"] for c in cells] == ["bf16", "bf16_triton", "fp4", "fp4_triton"], cells  # BF16 before quantizing
+    assert all("step_ms" in c for c in cells), cells
+    best = res["best"]["16"]
+    assert (
+        best["fp4_triton_over_bf16_triton"] == best["fp4_triton"]["tokens_per_s"] / best["bf16_triton"]["tokens_per_s"]
+    )
