@@ -15,7 +15,7 @@
 # copy takes the optimizer's updates), AUX_COEF (the model's 0.001: TRL's router_aux_loss_coef), SFT_ANNEAL_STEPS (60)
 # and BRANCH_FROM (0.05: SFT_SCHEDULE=branch, where the stop rule checks the accuracy after the decay). STUDY_ARGS: more
 # study.py arguments for the warm-up and every run ("--size tiny" for a CPU check). The defaults are the first run's
-# (docs/results.md 6b); the second run's settings are docs/results.md 6c's command. Returns env.txt, table.md,
+# (docs/results.md 6b); the second run's settings are docs/results.md 6c's command, the third's 6e's. Returns env.txt, table.md,
 # summary.json, study.png, kl_vs_bytes.png, curves.png and study.tar.gz (results, logs, the report again); FEW_FILES=1:
 # table.md, summary.json, curves.png and study.tar.gz only. MPS (1): see below.
 set -u
