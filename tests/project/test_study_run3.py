@@ -131,3 +131,14 @@ def test_grpo_with_kl_anchor_fp32_masters_and_no_router_loss(study, tmp_path):
         steps = [h for h in r["history"] if "reward" in h]
         # TRL's KL to the reference (the unquantized warm start) is logged once beta > 0; no router loss is.
         assert all("kl" in h and h["kl"] >= 0 for h in steps) and not any("aux_loss" in h for h in steps)
+
+
+def test_pilot_task_and_dtype(study):
+    from trace_hf.data import exact_answer_reward
+
+    train, test = study.data("add")
+    assert len(train) == len(test) == 100 and train["prompt"] == test["prompt"]  # the pilot trains on its test set
+    assert study.reward_of("add") is exact_answer_reward
+    assert exact_answer_reward([" 2+3=<<2+3=5>>\n#### 5", " 5"], ["2+3=<<2+3=5>>\n#### 5"] * 2) == [1.0, 0.0]
+    assert study.device_and_dtype("bfloat16")[1] is torch.bfloat16  # BF16 weights on the CPU, for the pilot
+    assert study.device_and_dtype()[1] is (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
