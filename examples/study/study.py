@@ -7,7 +7,9 @@
 
 With headroom (issue 34; examples/study/run_study_h200.sh runs it): `--task chain --size mini` on both `warm` (with
 `--target-accuracy` to stop SFT in a window) and `grpo`; `report` then adds the final accuracies with seed SEs, the
-degradation step of each seed and the pre-registered comparisons (`COMPARISONS`, docs/results.md section 6).
+degradation step of each seed and the pre-registered comparisons (`COMPARISONS`, docs/results.md section 6). The
+third run (6e) adds `--sft-schedule branch` (the warm start's accuracy checked after its decay), `--master-weights
+fp32`, `--beta` with one BF16 reference for every regime, and TRL's router loss, loss type and reward scaling.
 
 Regimes (same warm start, steps, seeds and data):
 
