@@ -10,9 +10,12 @@
 # learning rate), WARMUP (0: its linear warm-up steps), TEMP (1.0: the rollout temperature), PROMPTS (8) x GENS (8)
 # completions per step, TARGET (0.3), SFT_STEPS (3000), SFT_S (60: the warm-up's seconds at most), SFT_SCHEDULE (onecycle; anneal: the
 # warm start ends at lr 0, see study.py --sft-schedule), SFT_EVAL_EVERY (100), EVAL_EVERY (50), EVAL_PROBLEMS (256),
-# RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). STUDY_ARGS: more
+# RESERVE_S (70: a run's start-up and final evaluations, kept outside its training budget). The third run's knobs
+# (docs/results.md 6e): BETA (0: GRPO's KL coefficient to the warm start), MASTER_WEIGHTS (bf16; fp32: an FP32 master
+# copy takes the optimizer's updates), AUX_COEF (the model's 0.001: TRL's router_aux_loss_coef), SFT_ANNEAL_STEPS (60)
+# and BRANCH_FROM (0.05: SFT_SCHEDULE=branch, where the stop rule checks the accuracy after the decay). STUDY_ARGS: more
 # study.py arguments for the warm-up and every run ("--size tiny" for a CPU check). The defaults are the first run's
-# (docs/results.md 6b); the second run's settings are docs/results.md 6c's command. Returns env.txt, table.md,
+# (docs/results.md 6b); the second run's settings are docs/results.md 6c's command, the third's 6e's. Returns env.txt, table.md,
 # summary.json, study.png, kl_vs_bytes.png, curves.png and study.tar.gz (results, logs, the report again); FEW_FILES=1:
 # table.md, summary.json, curves.png and study.tar.gz only. MPS (1): see below.
 set -u
@@ -48,8 +51,9 @@ echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
 
 echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
 study_warm 0 $TASK_ARGS --sft-steps "${SFT_STEPS:-3000}" --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" \
-  --sft-eval-every "${SFT_EVAL_EVERY:-100}" --max-sft-seconds "${SFT_S:-60}" --sft-schedule "${SFT_SCHEDULE:-onecycle}"
-grep "greedy test accuracy" "$W/study_warm.log"
+  --sft-eval-every "${SFT_EVAL_EVERY:-100}" --max-sft-seconds "${SFT_S:-60}" --sft-schedule "${SFT_SCHEDULE:-onecycle}" \
+  --sft-anneal-steps "${SFT_ANNEAL_STEPS:-60}" --branch-from "${BRANCH_FROM:-0.05}"
+grep -E "greedy test accuracy|annealed over" "$W/study_warm.log"
 
 TRAIN_S=$((DEADLINE - SECONDS - 40 - ${RESERVE_S:-70}))
 TRAIN_UNTIL=$(($(date +%s) + TRAIN_S))  # one deadline for all runs; they end at one common step (EqualSteps)
@@ -60,6 +64,7 @@ for seed in "${SEED_LIST[@]}"; do
     study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" \
       --prompts-per-step "${PROMPTS:-8}" --num-generations "${GENS:-8}" --learning-rate "${LR:-1e-4}" \
       --warmup-steps "${WARMUP:-0}" --temperature "${TEMP:-1.0}" --train-deadline "$TRAIN_UNTIL" \
+      --beta "${BETA:-0}" --master-weights "${MASTER_WEIGHTS:-bf16}" ${AUX_COEF:+--router-aux-loss-coef "$AUX_COEF"} \
       --sync-dir "$W/study/sync" --sync-runs "$JOBS" \
       $TASK_ARGS > "$W/queue$i.log" &
     i=$((i + 1))

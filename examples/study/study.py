@@ -7,7 +7,9 @@
 
 With headroom (issue 34; examples/study/run_study_h200.sh runs it): `--task chain --size mini` on both `warm` (with
 `--target-accuracy` to stop SFT in a window) and `grpo`; `report` then adds the final accuracies with seed SEs, the
-degradation step of each seed and the pre-registered comparisons (`COMPARISONS`, docs/results.md section 6).
+degradation step of each seed and the pre-registered comparisons (`COMPARISONS`, docs/results.md section 6). The
+third run (6e) adds `--sft-schedule branch` (the warm start's accuracy checked after its decay), `--master-weights
+fp32`, `--beta` with one BF16 reference for every regime, and TRL's router loss, loss type and reward scaling.
 
 Regimes (same warm start, steps, seeds and data):
 
@@ -37,6 +39,7 @@ import os
 import time
 from typing import NamedTuple
 
+import torch
 from transformers import TrainerCallback
 
 
@@ -86,15 +89,29 @@ def parse_args(argv=None):
     p.add_argument("--max-sft-seconds", type=float, help="stop SFT after this many seconds of it")
     p.add_argument(
         "--sft-schedule",
-        choices=["onecycle", "anneal"],
+        choices=["onecycle", "anneal", "branch"],
         default="onecycle",
         help="onecycle: torch's one-cycle over --sft-steps (a --target-accuracy stop can land at its peak lr); "
         "anneal: 10%% warm-up, then cosine to 0 over whichever ends first of --sft-steps and --max-sft-seconds "
         "(seconds of training: the accuracy checks not counted), "
         "and a --target-accuracy hit starts a linear decay to 0 over --sft-anneal-steps: the warm start is always "
-        "a snapshot at lr 0",
+        "a snapshot at lr 0; "
+        "branch: anneal's schedule, and at every check (once the quick check reaches --branch-from) a copy of the "
+        "model and optimizer decays to lr 0 over --sft-anneal-steps and is evaluated on all --eval-problems; the "
+        "first copy that reaches --target-accuracy is the warm start (the stop rule checks the accuracy after the "
+        "decay, which in the second run added 14 points after its 30%% check)",
     )
-    p.add_argument("--sft-anneal-steps", type=int, default=60, help="anneal: steps of the decay after the target")
+    p.add_argument(
+        "--sft-anneal-steps",
+        type=int,
+        default=60,
+        help="anneal: steps of the decay after the target; branch: of each annealed copy's decay",
+    )
+    p.add_argument("--branch-from", type=float, default=0.05, help="branch: anneal a copy at the checks whose quick "
+                   "(unannealed) accuracy is at least this; below it the copy could not reach the target")  # fmt: skip
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="the weights' dtype for GRPO and evaluation (auto: bfloat16 on CUDA, float32 on CPU; "
+                   "bfloat16 on CPU for a pilot of BF16 weights)")  # fmt: skip
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per regime")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
@@ -102,7 +119,20 @@ def parse_args(argv=None):
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--warmup-steps", type=int, default=0, help="GRPO's linear learning-rate warm-up (then constant)")
     p.add_argument("--temperature", type=float, default=1.0, help="GRPO's sampling temperature")
-    p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient to the reference policy")
+    p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient to the reference policy (TRL loads "
+                   "it from the warm start, unquantized BF16, for every regime)")  # fmt: skip
+    p.add_argument(
+        "--master-weights",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="bf16: AdamW updates the BF16 weights in place (runs 1 and 2); fp32: an FP32 master copy takes the "
+        "updates (`FP32MasterAdamW`), the model stays BF16",
+    )
+    p.add_argument("--loss-type", default="dapo", help="TRL's loss_type (dapo, grpo, dr_grpo, bnpo, ...)")
+    p.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
+                   help="TRL's scale_rewards: divide the advantages by the group's reward std, the batch's, or not")  # fmt: skip
+    p.add_argument("--router-aux-loss-coef", type=float, help="TRL's router_aux_loss_coef (default: the model's, "
+                   "0.001; the warm-up's SFT trains without it)")  # fmt: skip
     p.add_argument("--eval-problems", type=int, default=256, help="greedy test problems per evaluation")
     p.add_argument("--eval-every", type=int, default=0, help="test accuracy every N GRPO steps (0: none)")
     p.add_argument("--max-train-seconds", type=float, help="stop GRPO before a step would pass this wall time")
@@ -121,6 +151,8 @@ SIZES = {
 TASKS = {
     "word": "one- and two-step word problems (trace_hf.data.arithmetic_dataset; ~91%% after the warm-up)",
     "chain": "2-4 chained operations, one worked line each (trace_hf.data.chain_dataset), strict #### reward",
+    "add": "the 100 single-digit additions, trained and tested on (trace_hf.data.addition_dataset), strict #### "
+    "reward: the CPU pilot's task (docs/results.md 6e)",
 }
 
 
@@ -163,8 +195,11 @@ def model_config(size: str, tokenizer):
 
 def data(task: str = "word", size: str = "small"):
     """(train, test) of `task`; the chain task's SFT sees 32,768 problems (fewer at --size tiny, for the tests)."""
-    from trace_hf.data import arithmetic_dataset, chain_dataset, to_grpo_dataset
+    from trace_hf.data import addition_dataset, arithmetic_dataset, chain_dataset, to_grpo_dataset
 
+    if task == "add":
+        ds = to_grpo_dataset(addition_dataset(seed=DATA_SEED))
+        return ds, ds
     if task == "chain":
         n_train = 1024 if size == "tiny" else 32768
         ds = chain_dataset(n_train=n_train, n_test=512, seed=DATA_SEED, min_ops=2, max_ops=4)
@@ -177,15 +212,15 @@ def reward_of(task: str):
     """The task's TRL reward function; the greedy test accuracy is its mean over the test problems."""
     from trace_hf.data import arithmetic_reward, exact_answer_reward
 
-    return exact_answer_reward if task == "chain" else arithmetic_reward
+    return exact_answer_reward if task in ("chain", "add") else arithmetic_reward
 
 
-def device_and_dtype():
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+def device_and_dtype(name: str = "auto"):
+    """The device and the run dtype (`--dtype`; auto: BF16 on CUDA, FP32 on CPU)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, getattr(torch, name)
 
 
 def num_hint_layers(regime: Regime, num_moe_layers: int) -> int:
@@ -245,18 +280,32 @@ class SFTAnneal:
         self.hit_at, self.hit_lr = step, self.last
 
 
+def annealed_branch(model, opt, lr: float, steps: int, train_step):
+    """A copy of `model` (and of its optimizer's state) trained `steps` more steps with the lr decaying linearly
+    from `lr` to 0 (`SFTAnneal.hit`'s decay): what the warm start would be if SFT ended here. The original is
+    untouched, so SFT can go on from it if the copy is not yet good enough."""
+    branch = copy.deepcopy(model)
+    branch_opt = type(opt)(branch.parameters())
+    # The hyperparameters and moments, deep-copied: load_state_dict would share same-device tensors with `opt`.
+    branch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for i in range(steps):
+        train_step(branch, branch_opt, lr * (1 - i / steps))
+    return branch
+
+
 def warm(args) -> None:
     """SFT on the worked answers until the model solves a fraction of the problems; saves `<out>/warm`.
 
     `--target-accuracy` stops it early, at the first check (every `--sft-eval-every` steps, greedy on
-    at most 128 of the `--eval-problems` test problems, in the run dtype) that reaches it: a warm start with headroom for GRPO."""
-    import torch
+    at most 128 of the `--eval-problems` test problems, in the run dtype) that reaches it: a warm start with headroom
+    for GRPO. With `--sft-schedule branch` the check that decides is the annealed copy's (`annealed_branch`, on all
+    `--eval-problems`), so the warm start's accuracy is the one the stop rule checked."""
     from transformers import AutoModelForCausalLM, set_seed
 
     from trace_hf.testing import build_char_tokenizer
 
     set_seed(args.seed)
-    dev, dtype = device_and_dtype()
+    dev, dtype = device_and_dtype(args.dtype)
     tok = build_char_tokenizer()
     model = AutoModelForCausalLM.from_config(model_config(args.size, tok), dtype=torch.float32).to(dev)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
@@ -268,11 +317,41 @@ def warm(args) -> None:
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.sft_lr, total_steps=args.sft_steps, pct_start=0.1)
     anneal = SFTAnneal(args.sft_lr, args.sft_steps, args.max_sft_seconds, args.sft_anneal_steps)
     g = torch.Generator().manual_seed(args.seed)
+    skipped = 0
+
+    def train_step(net, optimizer, lr=None) -> float:
+        """One SFT step (lr set first unless None); a non-finite loss skips it. Returns the loss."""
+        nonlocal skipped
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        idx = torch.randint(len(texts), (args.sft_batch,), generator=g).tolist()
+        enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True).to(dev)
+        labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+        loss = net(**enc, labels=labels).loss  # fp32 weights and compute: the warm-up must not diverge
+        if not torch.isfinite(loss):
+            skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def accuracy(net, n: int) -> float:
+        tok.padding_side = "left"
+        try:
+            return evaluate(copy.deepcopy(net).to(dtype), tok, test, n, args.max_completion_length,
+                            reward=reward_of(args.task))  # fmt: skip
+        finally:
+            tok.padding_side = "right"
+
     tok.padding_side = "right"  # SFT batches: no fully masked (pad) query rows
-    t0, skipped, checks, steps_done, check_s = time.time(), 0, [], 0, 0.0
+    t0, checks, branches, steps_done, check_s = time.time(), [], [], 0, 0.0
     model.train()
     for step in range(args.sft_steps):
-        if sched is None:  # anneal: lr from progress in steps and seconds; it ends at lr 0
+        if sched is None:  # anneal / branch: lr from progress in steps and seconds; it ends at lr 0
             lr = anneal.lr(step, time.time() - t0 - check_s)  # seconds of training: the checks not counted
             if lr is None:
                 break
@@ -281,34 +360,31 @@ def warm(args) -> None:
         elif args.max_sft_seconds and time.time() - t0 > args.max_sft_seconds:
             break
         if args.target_accuracy is not None and step and step % args.sft_eval_every == 0 and anneal.hit_at is None:
-            tok.padding_side, c0 = "left", time.time()
-            n_check = min(args.eval_problems, 128)  # a quick check; the warm start's accuracy below uses them all
-            acc = evaluate(copy.deepcopy(model).to(dtype), tok, test, n_check, args.max_completion_length,
-                           reward=reward_of(args.task))  # fmt: skip
-            tok.padding_side = "right"
-            check_s += time.time() - c0
+            c0 = time.time()
+            acc = accuracy(model, min(args.eval_problems, 128))  # a quick check; the warm start's uses them all
             checks.append({"step": step, "test_accuracy": acc, "seconds": time.time() - t0})
             print(f"SFT step {step:5d}: greedy test accuracy {acc:.3f}", flush=True)
-            if acc >= args.target_accuracy:
+            if args.sft_schedule == "branch" and acc >= args.branch_from:
+                branch = annealed_branch(model, opt, opt.param_groups[0]["lr"], args.sft_anneal_steps, train_step)
+                annealed = accuracy(branch, args.eval_problems)
+                branches.append({"step": step, "lr": opt.param_groups[0]["lr"], "test_accuracy": annealed})
+                print(f"SFT step {step:5d}: annealed over {args.sft_anneal_steps} steps: {annealed:.3f}", flush=True)
+                if annealed >= args.target_accuracy:
+                    model, steps_done = branch, step + args.sft_anneal_steps
+                    anneal.hit_at = step
+                    check_s += time.time() - c0
+                    break
+                del branch
+            check_s += time.time() - c0
+            if acc >= args.target_accuracy and args.sft_schedule != "branch":
                 if sched is not None:
                     break
                 anneal.hit(step)
-        idx = torch.randint(len(texts), (args.sft_batch,), generator=g).tolist()
-        enc = tok([texts[i] for i in idx], return_tensors="pt", padding=True).to(dev)
-        labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
-        loss = model(**enc, labels=labels).loss  # fp32 weights and compute: the warm-up must not diverge
-        if not torch.isfinite(loss):
-            skipped += 1
-            opt.zero_grad(set_to_none=True)
-            continue
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = train_step(model, opt)
         if sched is not None:
             sched.step()
-        opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == args.sft_steps - 1:
-            print(f"SFT step {step:5d} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"SFT step {step:5d} loss {loss:.3f} ({time.time() - t0:.0f}s)", flush=True)
         steps_done = step + 1
     tok.padding_side = "left"
     print(f"SFT: {skipped} non-finite steps skipped")
@@ -321,10 +397,12 @@ def warm(args) -> None:
     # kernels once here, for the GRPO runs that start together next.
     acc_fp4 = evaluate(fp4_copy(model), tok, test, args.eval_problems, args.max_completion_length,
                        reward=reward_of(args.task))  # fmt: skip
+    adopted = args.sft_schedule == "branch" and anneal.hit_at is not None
+    last_lr = branches[-1]["lr"] / args.sft_anneal_steps if adopted else opt.param_groups[0]["lr"]
     result = {"task": args.task, "size": args.size, "sft_steps": steps_done, "sft_steps_max": args.sft_steps,
               "target_accuracy": args.target_accuracy, "checks": checks, "wall_s": time.time() - t0,
-              "sft_schedule": args.sft_schedule, "target_hit_at": anneal.hit_at, "last_lr": opt.param_groups[0]["lr"],
-              "check_seconds": check_s,
+              "sft_schedule": args.sft_schedule, "target_hit_at": anneal.hit_at, "last_lr": last_lr,
+              "check_seconds": check_s, "branches": branches,
               "test_accuracy_bf16": acc, "test_accuracy_fp4": acc_fp4}  # fmt: skip
     with open(os.path.join(args.out, "warm.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -514,6 +592,38 @@ class SkipNonFinite(TrainerCallback):
             print(f"step {state.global_step + 1}: non-finite gradient, optimizer step skipped", flush=True)
 
 
+class FP32MasterAdamW(torch.optim.Optimizer):
+    """AdamW that keeps an FP32 master copy of every (BF16) parameter: the step updates the masters, then writes them
+    rounded into the parameters. The model stays BF16 for the rollout and the training forward; only the update is
+    accumulated in FP32, so steps smaller than half a BF16 unit in the last place add up instead of rounding away
+    (with BF16 weights an AdamW step at lr 1e-5 moves 15% of the mini model's weight elements at all:
+    examples/study/bf16_updates.py). The hyperparameters are `torch.optim.AdamW`'s; the trainer's scheduler sets
+    this optimizer's lr, which each step hands to the inner AdamW. A parameter whose `.grad` is None (a skipped
+    step, `SkipNonFinite`) is left alone, its master and moments too."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.masters = [[p.detach().float().clone() for p in g["params"]] for g in self.param_groups]
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m}
+                  for g, m in zip(self.param_groups, self.masters, strict=True)]  # fmt: skip
+        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        with torch.no_grad():
+            for group, inner, masters in zip(self.param_groups, self.inner.param_groups, self.masters, strict=True):
+                inner.update({k: v for k, v in group.items() if k != "params"})
+                for p, m in zip(group["params"], masters, strict=True):
+                    m.grad = None if p.grad is None else p.grad.float()
+            self.inner.step()
+            for group, masters in zip(self.param_groups, self.masters, strict=True):
+                for p, m in zip(group["params"], masters, strict=True):
+                    if m.grad is not None:
+                        p.copy_(m)  # an in-place write: bumps the version counter that FP4 weight caches watch
+                        m.grad = None
+        return loss
+
+
 def plain_copy(model):
     """The same master weights in an unquantized model (BF16 inference)."""
     from transformers import AutoModelForCausalLM
@@ -554,7 +664,7 @@ def grpo(args) -> None:
 
     regime = REGIMES[args.regime]
     set_seed(args.seed)
-    dev, dtype = device_and_dtype()
+    dev, dtype = device_and_dtype(args.dtype)
     warm_path = os.path.join(args.out, "warm")
     if not os.path.isdir(warm_path):
         raise SystemExit(f"No warm start at {warm_path}: run `study.py warm --out {args.out}` first.")
@@ -586,6 +696,12 @@ def grpo(args) -> None:
         lr_scheduler_type="constant_with_warmup" if args.warmup_steps else "constant",
         warmup_steps=args.warmup_steps,
         beta=args.beta,
+        router_aux_loss_coef=args.router_aux_loss_coef,
+        loss_type=args.loss_type,
+        scale_rewards=args.scale_rewards,
+        # beta > 0: TRL loads the reference from the warm start, with the policy's attention unless told; an FP4
+        # policy's (`trace_fp4_kv:...`) would give FP4 regimes an FP4-KV reference. One BF16 reference for all.
+        model_init_kwargs={"attn_implementation": "sdpa"} if args.beta else None,
         max_steps=args.steps,
         logging_steps=1,
         save_strategy="no",
@@ -619,6 +735,9 @@ def grpo(args) -> None:
         train_dataset=train,
         processing_class=tok,
         callbacks=callbacks,
+        optimizers=(FP32MasterAdamW(model.parameters(), lr=args.learning_rate), None)
+        if args.master_weights == "fp32"
+        else (None, None),
     )
     t0 = time.time()
     trainer.train()
@@ -641,6 +760,16 @@ def grpo(args) -> None:
         "warmup_steps": args.warmup_steps,
         "temperature": args.temperature,
         "beta": args.beta,
+        "master_weights": args.master_weights,
+        "router_aux_loss_coef": args.router_aux_loss_coef,
+        "loss_type": args.loss_type,
+        "scale_rewards": args.scale_rewards,
+        "reference": None
+        if trainer.ref_model is None
+        else {
+            "attn": trainer.ref_model.config._attn_implementation,
+            "quantized": bool(fp4_experts(trainer.ref_model)),
+        },
         "num_generations": args.num_generations,
         "prompts_per_step": args.prompts_per_step,
         "train_wall_s": wall,
