@@ -158,12 +158,13 @@ def test_a_hidden_guide_runs_the_torch_path():
 @pytest.mark.gpu
 def test_kernel_training_on_cuda_gpu():
     """At prefill-sized slot counts (the wgmma kernels), bf16: the training forward is the rollout's, deterministic;
-    output and gradients agree with the torch path (bf16 rounding of the dequantized operands and GEMM outputs)."""
+    output and gradients agree with the torch path computed in fp32 from the same codes (the bf16 torch path sits
+    ~4% away in the output: its bf16 gate/up flip hidden FP4 codes that fp32 accumulation does not)."""
     kw = {"E": 16, "H": 512, "NI": 256, "device": "cuda", "dtype": torch.bfloat16}
-    mod, ref = frozen("triton", **kw), frozen("torch", **kw)
+    mod, ref = frozen("triton", **kw), frozen("torch", **kw).float()
     ids, w = routing(4096, 16, 4, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
-    a, b, c = step(mod, x, ids, w), step(mod, x, ids, w), step(ref, x, ids, w)
+    a, b, c = step(mod, x, ids, w), step(mod, x, ids, w), step(ref, x.float(), ids, w.float())
     for u, v in zip(a, b, strict=True):
         assert torch.equal(u, v)
     with torch.no_grad():
