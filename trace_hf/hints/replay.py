@@ -188,8 +188,9 @@ def use_hints(
             "an eval forward)."
         )
     pos, has, mask = _positions(hint_batch, attention_mask)
+    n_has = int(has.sum())
     report = MismatchReport(
-        hinted_tokens=int(has.sum()) if hinted else 0,
+        hinted_tokens=n_has if hinted else 0,
         real_tokens=int(mask.sum()),
         hint_bytes_per_token=hint_batch.bytes_per_token(),
     )
@@ -218,7 +219,7 @@ def use_hints(
             handles.append(_register_token_check(model, hint_batch.token_ids, pos, has))
         for m in experts:
             recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
-            hook = routing_hook(recorded, has_flat, routing_replay, report)
+            hook = routing_hook(recorded, has_flat, routing_replay, report, n_has)
             handles.append(router_of(model, m).register_forward_hook(hook))
         yield report
         _warn_if_off_policy(model, report)

@@ -15,7 +15,9 @@ token-expert pairs by expert and runs grouped GEMMs (FP4 needs a quantization be
 projection, which transformers' `ExpertsInterface` kernels have no place for), so the model's
 `experts_implementation` setting does not apply to FP4 experts. In eval on CUDA the experts run the fused Triton
 kernels of `trace_hf.kernels.fp4_moe` instead (``kernel="auto"``), which read the packed weights: the same
-function up to summation order, as a separate rollout engine would compute it. Hints and routing are recorded and
+function up to summation order, as a separate rollout engine would compute it. Frozen experts (no masters to give
+gradients to) also train through those kernels: their training forward is the eval path's bit for bit, in the
+rollout engine's kernels (whose launch configs follow the slot count, so only the summation order can differ). Hints and routing are recorded and
 replayed through the module's declared `HintSite`s (``sites``, `trace_hf.quant.sites`). When the packed weights are
 re-quantized from the masters is `trace_hf.quant.freshness`.
 """
@@ -427,13 +429,13 @@ class TraceFP4Experts(nn.Module):
         hq = fp4.fake_quantize(h.detach(), self.fmt, "row") if self.activations == "fp4" else h.detach()
         dhq = _grouped_matmul(grad[rows], w_d, offsets, spans)  # unweighted: grad @ W_down[e], [T * k, I]
         w_sorted = weights.reshape(-1)[order]
-        dw_sorted = (dhq.float() * hq.float()).sum(-1)
+        dw_sorted = (dhq * hq).sum(-1, dtype=torch.float32)
         dgate, dup = torch.autograd.grad(h, (gate, up), dhq * w_sorted[:, None].to(dhq.dtype))
         dx = _grouped_matmul(torch.cat([dgate, dup], dim=-1), w_gu, offsets, spans)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         dw = dw_sorted[inverse].view(t, k).to(weights.dtype)
-        return dx[inverse].view(t, k, -1).float().sum(1).to(x.dtype), dw
+        return dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype), dw
 
     def _routed(self, x, top_k_index, top_k_weights, w_gu, w_d, hidden_fp4: bool) -> torch.Tensor:
         """Token-expert pairs sorted by expert: one grouped gate/up GEMM, activation, FP4 hidden, one grouped down
