@@ -178,8 +178,8 @@ def test_kernel_training_on_cuda_gpu():
 )  # the interpreter, masked rows
 def test_a_model_trains_alike_on_both_paths_under_hints_and_checkpointing(tmp_path):
     """A tiny frozen-experts model under `use_hints` (hints and routing recorded once): the loss and every gradient
-    agree between the kernel and torch paths, the flips counted are the same, and checkpointing's recompute
-    reproduces the kernel path's gradients bit for bit."""
+    agree between the kernel and torch paths, the flips counted are the same, a no-grad forward scores the same
+    loss bit for bit, and checkpointing's recompute reproduces the kernel path's gradients bit for bit."""
     from transformers import AutoModelForCausalLM
 
     from trace_hf import HintRecorder, TraceFP4Config, use_hints
@@ -204,9 +204,12 @@ def test_a_model_trains_alike_on_both_paths_under_hints_and_checkpointing(tmp_pa
         model = load(kernel).train()
         if ckpt:
             model.activation_checkpointing_enable({"use_reentrant": False})
+        with torch.no_grad(), use_hints(model, hints, mask):  # TRL's old log-probs: no grad, train mode
+            scored = model(input_ids=ids, attention_mask=mask, labels=ids).loss
         with use_hints(model, hints, mask) as report:
             loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
             loss.backward()
+        assert torch.equal(scored, loss.detach())  # so the first importance ratio is exactly 1
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         got[kernel, ckpt] = (loss.detach(), grads, report.total_flips)
     (l_t, g_t, f_t), (l_k, g_k, f_k), (l_c, g_c, _) = got.values()

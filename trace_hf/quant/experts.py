@@ -416,18 +416,20 @@ class TraceFP4Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, ids_sorted, torch.ones_like(ids_sorted))
         offsets = counts.cumsum(0).to(torch.int32)
-        if self.cache_qat_weights:
-            w_gu, w_d = self.fake_quantized_weights(x.dtype)
-        else:
-            w_gu, w_d = (_dequantize(q, x.dtype) for q in self.packed_weights())
-        spans = None if _grouped_mm_ok(x, w_gu) else counts.tolist()
+        # One projection dequantized at a time (without cache_qat_weights): the down one is dropped before gate/up's.
+        cached = self.fake_quantized_weights(x.dtype) if self.cache_qat_weights else None
+        q_gu, q_d = self.packed_weights()
+        w_d = cached[1] if cached else _dequantize(q_d, x.dtype)
+        spans = None if _grouped_mm_ok(x, w_d) else counts.tolist()
         rows = order // k
+        dhq = _grouped_matmul(grad[rows], w_d, offsets, spans)  # unweighted: grad @ W_down[e], [T * k, I]
+        del w_d
+        w_gu = cached[0] if cached else _dequantize(q_gu, x.dtype)
         gate, up = _grouped_linear(x[rows], w_gu, offsets, spans).chunk(2, dim=-1)
         with torch.enable_grad():
             gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
             h = self.act_fn(gate) * up
         hq = fp4.fake_quantize(h.detach(), self.fmt, "row") if self.activations == "fp4" else h.detach()
-        dhq = _grouped_matmul(grad[rows], w_d, offsets, spans)  # unweighted: grad @ W_down[e], [T * k, I]
         w_sorted = weights.reshape(-1)[order]
         dw_sorted = (dhq * hq).sum(-1, dtype=torch.float32)
         dgate, dup = torch.autograd.grad(h, (gate, up), dhq * w_sorted[:, None].to(dhq.dtype))
