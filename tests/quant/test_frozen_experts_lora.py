@@ -263,10 +263,11 @@ def test_adapter_and_merged_export_reload(model_dir, tmp_path):
 
 @pytest.mark.gpu
 def test_frozen_experts_on_cuda_gpu(model_dir):
-    """On the GPU (Triton dequantization, grouped GEMMs in bf16): the frozen training forward equals the QAT one
-    built from the same masters bit for bit, the input gradients agree, and the engine (CUDA graphs) with an
-    adapter attached rolls out the tokens its eager steps give."""
-    frozen = load(model_dir, torch.bfloat16).cuda()
+    """On the GPU (Triton dequantization, grouped GEMMs in bf16): the frozen training forward on the torch path
+    equals the QAT one built from the same masters bit for bit, the input gradients agree, and the engine (CUDA
+    graphs) with an adapter attached rolls out the tokens its eager steps give. (With the default kernel the
+    training forward runs the rollout's kernels: tests/quant/test_frozen_kernel_training.py.)"""
+    frozen = load(model_dir, torch.bfloat16, experts_kernel="torch").cuda()
     qat = load(model_dir, torch.bfloat16, freeze_experts=False).cuda()
     a, b = fp4_experts(frozen)[0], fp4_experts(qat)[0]
     for x, y in zip(a.packed_weights(), b.packed_weights(), strict=True):

@@ -37,8 +37,9 @@ class Guide:
                 f"{self.has.shape[0]} (batch x sequence of the attention_mask); pass the mask of this forward."
             )
 
-    def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> torch.Tensor:
-        """Fake-quantize ``x`` (its rows: ``has``'s shape, then the row width), straight-through in backward."""
+    def quantized(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> fp4.FP4Tensor:
+        """The codes of ``x`` (its rows: ``has``'s shape, then the row width): guided where a row has a hint, nearest
+        elsewhere; whole rows are taken from one or the other, so it dequantizes to `quantize`'s values."""
         with torch.no_grad():
             near = fp4.quantize(x, hints.fmt, "row")
             guided = fp4.guided_quantize(x, hints)
@@ -46,17 +47,27 @@ class Guide:
             m = has.unsqueeze(-1)
             # A flip: the nearest code (training scales) is not the code the rollout's hint selects (+-0 agree).
             flips = ((cn != cg) & (((cn | cg) & 7) != 0) & m).sum()
-            y = near.dequantize(x.dtype)
+            q = near
             if self.apply:
-                y = torch.where(m, guided.dequantize(x.dtype), y)
+                fields = ("packed", "block_scale", "global_scale")
+                q = fp4.FP4Tensor(*(torch.where(m, getattr(guided, f), getattr(near, f)) for f in fields), near.fmt)
         # Counted again when checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
         self.report.count(self.site, self.layer, flips, has.sum() * x.shape[-1])
-        return fp4.straight_through(x, y)
+        return q
+
+    def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize ``x`` as `quantized`, straight-through in backward."""
+        return fp4.straight_through(x, self.quantized(x, hints, has).dequantize(x.dtype))
 
     def experts_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B * S, H], the MoE block's flattened input."""
         self._check(x.shape[0])
         return self.quantize(x, self.hints, self.has)
+
+    def experts_input_codes(self, x: torch.Tensor) -> fp4.FP4Tensor:
+        """`experts_input` as codes, for the fused kernels of frozen experts (`TraceFP4Experts`), which read them."""
+        self._check(x.shape[0])
+        return self.quantized(x, self.hints, self.has)
 
     def experts_hidden(self, h: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """``h`` [T, top_k, I] in (token, slot) order. A hint belongs to (token, expert): training's top-k slot of an
@@ -177,8 +188,9 @@ def use_hints(
             "an eval forward)."
         )
     pos, has, mask = _positions(hint_batch, attention_mask)
+    n_has = int(has.sum())
     report = MismatchReport(
-        hinted_tokens=int(has.sum()) if hinted else 0,
+        hinted_tokens=n_has if hinted else 0,
         real_tokens=int(mask.sum()),
         hint_bytes_per_token=hint_batch.bytes_per_token(),
     )
@@ -207,7 +219,7 @@ def use_hints(
             handles.append(_register_token_check(model, hint_batch.token_ids, pos, has))
         for m in experts:
             recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
-            hook = routing_hook(recorded, has_flat, routing_replay, report)
+            hook = routing_hook(recorded, has_flat, routing_replay, report, n_has)
             handles.append(router_of(model, m).register_forward_hook(hook))
         yield report
         _warn_if_off_policy(model, report)

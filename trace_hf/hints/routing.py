@@ -17,8 +17,9 @@ def check_replayable(router: torch.nn.Module) -> None:
         )
 
 
-def routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report: MismatchReport):
-    n_has = int(has.sum())
+def routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report: MismatchReport, n_has: int):
+    """The router's forward hook: counts (and with ``replay`` replaces) its top-k against ``recorded`` at the
+    ``has`` tokens (``n_has`` of them, counted once by the caller: a host sync per hook would stall every layer)."""
 
     def hook(router, args, output):
         logits, scores, indices = output

@@ -67,7 +67,9 @@ class TraceFP4Config(QuantizationConfigMixin):
             What computes the FP4 experts in `eval()` / `generate`: `"triton"` (the fused kernels of
             `trace_hf.kernels.fp4_moe`, which read the packed weights; NVFP4 only), `"torch"` (dequantized weights
             and grouped GEMMs, the same code as training, on any device), or `"auto"` (Triton on CUDA for NVFP4,
-            torch otherwise). Training always uses the torch path.
+            torch otherwise). Training uses the torch path, except for frozen experts (`freeze_experts`), whose
+            training forward runs the same kernel as `eval()` (the rollout's bits; backward: input gradients from
+            the dequantized packed weights), but the torch path under `experts_hidden` hints.
         cache_qat_weights (`bool`, *optional*):
             Keep the fake-quantized expert weights between optimizer steps, so that training dequantizes them once
             per step: fastest, at the cost of one extra copy of the expert weights in the model dtype. `False`

@@ -15,7 +15,9 @@ token-expert pairs by expert and runs grouped GEMMs (FP4 needs a quantization be
 projection, which transformers' `ExpertsInterface` kernels have no place for), so the model's
 `experts_implementation` setting does not apply to FP4 experts. In eval on CUDA the experts run the fused Triton
 kernels of `trace_hf.kernels.fp4_moe` instead (``kernel="auto"``), which read the packed weights: the same
-function up to summation order, as a separate rollout engine would compute it. Hints and routing are recorded and
+function up to summation order, as a separate rollout engine would compute it. Frozen experts (no masters to give
+gradients to) also train through those kernels: their training forward is the eval path's bit for bit, in the
+rollout engine's kernels (whose launch configs follow the slot count, so only the summation order can differ). Hints and routing are recorded and
 replayed through the module's declared `HintSite`s (``sites``, `trace_hf.quant.sites`). When the packed weights are
 re-quantized from the masters is `trace_hf.quant.freshness`.
 """
@@ -336,6 +338,12 @@ class TraceFP4Experts(nn.Module):
             return x.is_cuda and self.fmt == "nvfp4"
         return self.kernel == "triton"
 
+    def _trains_on_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a training forward runs the rollout's fused kernels (`_FrozenKernelExperts`): frozen experts where
+        the eval path would (`kernel`), except under an experts_hidden guide, which the kernels have no place for."""
+        hidden = self.sites.get("experts_hidden")
+        return self.frozen and self._uses_kernel(x) and (hidden is None or hidden.guide is None)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         routing = self.sites["routing"]
         if routing.recorder is not None and not self.training:
@@ -344,6 +352,8 @@ class TraceFP4Experts(nn.Module):
             return self._routed(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, False)
         if not self.training and self._uses_kernel(hidden_states):
             return self._kernel_forward(hidden_states, top_k_index, top_k_weights)
+        if self.training and self._trains_on_kernel(hidden_states):
+            return self._kernel_train_forward(hidden_states, top_k_index, top_k_weights)
         x = self._quantize_input(hidden_states)
         if self.frozen:
             # The packed buffers, dequantized per call inside the grouped GEMMs (again in backward, which gives the
@@ -381,6 +391,53 @@ class TraceFP4Experts(nn.Module):
         else:
             y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4)
         return y.sum(1).to(x.dtype)
+
+    def _kernel_train_forward(self, x, top_k_index, top_k_weights) -> torch.Tensor:
+        """Training forward of frozen experts through the rollout's kernels (`_kernel_forward`'s values, bit for bit,
+        where no hint applies); backward as `_frozen_backward`. Hints at experts_input reach the kernels as codes."""
+        xq = None
+        if self.activations == "fp4":
+            site = self.sites.get("experts_input")
+            with torch.no_grad():
+                xq = site.guide.experts_input_codes(x) if site is not None and site.guide is not None else None
+                xq = fp4.quantize(x, self.fmt, "row") if xq is None else xq
+            xq = (xq.packed, xq.block_scale, xq.global_scale)
+        valid = top_k_index < self.num_experts  # expert-parallel sentinels contribute nothing, as in `_routed`
+        ids = top_k_index.clamp(max=self.num_experts - 1)
+        return _FrozenKernelExperts.apply(x, top_k_weights * valid, ids, self, *(xq or ()))
+
+    def _frozen_backward(self, x, ids, weights, grad) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input and routing-weight gradients of the frozen experts at input values ``x`` (the FP4 input,
+        dequantized): straight-through both FP4 activation quantizations, as `_routed`'s autograd does, from the
+        packed weights dequantized (or the kept copy with cache_qat_weights). Gate/up is recomputed in bf16; the
+        routing weights' gradient is <grad @ W_down, hidden> (the FP4 hidden), so no down projection runs."""
+        t, k = ids.shape
+        ids_sorted, order = torch.sort(ids.reshape(-1), stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, ids_sorted, torch.ones_like(ids_sorted))
+        offsets = counts.cumsum(0).to(torch.int32)
+        # One projection dequantized at a time (without cache_qat_weights): the down one is dropped before gate/up's.
+        cached = self.fake_quantized_weights(x.dtype) if self.cache_qat_weights else None
+        q_gu, q_d = self.packed_weights()
+        w_d = cached[1] if cached else _dequantize(q_d, x.dtype)
+        spans = None if _grouped_mm_ok(x, w_d) else counts.tolist()
+        rows = order // k
+        dhq = _grouped_matmul(grad[rows], w_d, offsets, spans)  # unweighted: grad @ W_down[e], [T * k, I]
+        del w_d
+        w_gu = cached[0] if cached else _dequantize(q_gu, x.dtype)
+        gate, up = _grouped_linear(x[rows], w_gu, offsets, spans).chunk(2, dim=-1)
+        with torch.enable_grad():
+            gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+            h = self.act_fn(gate) * up
+        hq = fp4.fake_quantize(h.detach(), self.fmt, "row") if self.activations == "fp4" else h.detach()
+        w_sorted = weights.reshape(-1)[order]
+        dw_sorted = (dhq * hq).sum(-1, dtype=torch.float32)
+        dgate, dup = torch.autograd.grad(h, (gate, up), dhq * w_sorted[:, None].to(dhq.dtype))
+        dx = _grouped_matmul(torch.cat([dgate, dup], dim=-1), w_gu, offsets, spans)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        dw = dw_sorted[inverse].view(t, k).to(weights.dtype)
+        return dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype), dw
 
     def _routed(self, x, top_k_index, top_k_weights, w_gu, w_d, hidden_fp4: bool) -> torch.Tensor:
         """Token-expert pairs sorted by expert: one grouped gate/up GEMM, activation, FP4 hidden, one grouped down
@@ -464,6 +521,31 @@ class _PackedGroupedLinear(torch.autograd.Function):
         packed, block_scale, global_scale, offsets = ctx.saved_tensors
         w = _dequantize(fp4.FP4Tensor(packed, block_scale, global_scale, ctx.fmt), grad.dtype)
         return _grouped_matmul(grad.contiguous(), w, offsets, ctx.spans), None, None, None, None, None, None
+
+
+class _FrozenKernelExperts(torch.autograd.Function):
+    """Frozen experts' training forward through the fused FP4 kernels (`trace_hf.kernels.fp4_moe`, the rollout's),
+    on the input's codes (``xq``: packed, block and row scales; none with dense activations); backward
+    `TraceFP4Experts._frozen_backward`: input and routing-weight gradients, no weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weights, ids, module, *xq):
+        from trace_hf.kernels import fp4_moe
+
+        gu, d = module.packed_weights()
+        a = fp4.FP4Tensor(*xq, module.fmt) if xq else x
+        y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, module.activations == "fp4")
+        ctx.module, ctx.dtype, ctx.codes = module, x.dtype, len(xq)
+        ctx.save_for_backward(weights, ids, *(xq or (x,)))  # the codes (a quarter of x's bytes), else x itself
+        return y.sum(1).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, ids, *xq = ctx.saved_tensors
+        m = ctx.module
+        x = _dequantize(fp4.FP4Tensor(*xq, m.fmt), ctx.dtype) if ctx.codes else xq[0]
+        dx, dw = m._frozen_backward(x, ids, weights, grad.contiguous())
+        return (dx, dw, None, None) + (None,) * ctx.codes
 
 
 def _grouped_matmul(x: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, spans: list[int] | None) -> torch.Tensor:
