@@ -8,6 +8,8 @@ row otherwise when the batch is smaller."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,7 +170,11 @@ def test_compaction_graphs_match_eager_gpu():
     gc = greedy_config(do_sample=True, temperature=1.0, max_new_tokens=48, eos_token_id=None)
     torch.manual_seed(1)
     ref = EngineRollout()(model, prompts, gc).completion_ids
-    eos = sorted(set(ref[0][:3]))  # about 1% a step each (260 ids): rows stop all along the 48 steps
+    eos = []  # the most drawn ids, until three rows in four would stop within 24 tokens
+    for t, _ in collections.Counter(t for c in ref for t in c).most_common():
+        eos.append(t)
+        if sum(any(x in eos for x in c[:24]) for c in ref) >= 0.75 * len(ref):
+            break
     gc = greedy_config(do_sample=True, temperature=1.0, max_new_tokens=48, eos_token_id=eos)
     outs = {}
     for graphs, compaction in ((True, True), (False, True), (True, False)):
@@ -176,7 +182,8 @@ def test_compaction_graphs_match_eager_gpu():
         torch.manual_seed(1)
         outs[graphs, compaction] = (eng(model, prompts, gc, record=True), eng.stats)
     (a, st), (b, _), (c, st_off) = outs[True, True], outs[False, True], outs[True, False]
-    assert st.compactions >= 2 and st.buckets[0][0] == (0, 64) and st_off.compactions == 0
+    rows = [b for _, b in st.buckets[0]]
+    assert rows[0] == 64 and len(rows) >= 2 and rows == sorted(rows, reverse=True) and st_off.compactions == 0
     _assert_same(a, b, record=True)
     same = sum(x == y for x, y in zip(a.completion_ids, c.completion_ids, strict=True))
     assert same >= 0.9 * len(prompts), same

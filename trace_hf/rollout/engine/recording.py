@@ -86,12 +86,12 @@ def _kv_hints(dec, layers: list[int], lengths: torch.Tensor, steps: int, slots: 
     """The "kv" hints of the decode steps at decoder layers `layers`, [B, steps, n_layers, 2, kv_heads, ...] (bits,
     block scales, row scales), from the FP4 cache: step s of row b wrote position ``lengths[b] + s`` of cache row
     ``slots[b]`` (default ``b``)."""
-    B = lengths.shape[0]
-    where = lengths[:, None].long() + torch.arange(steps, device=lengths.device)  # [B, steps]
+    B, dev = lengths.shape[0], lengths.device
+    where = lengths[:, None].long() + torch.arange(steps, device=dev)  # [B, steps]
+    rows = (torch.arange(B, device=dev) if slots is None else slots).view(B, 1, 1)
 
     def take(t):  # [batch, kv_heads, T, ...] -> [B, kv_heads, steps, ...]
-        idx = where.view(B, 1, steps, *([1] * (t.ndim - 3))).expand(B, t.shape[1], steps, *t.shape[3:])
-        return torch.gather(t[:B] if slots is None else t[slots], 2, idx)
+        return t[rows, torch.arange(t.shape[1], device=dev).view(1, -1, 1), where.view(B, 1, steps)]
 
     per_layer = []
     for j in layers:

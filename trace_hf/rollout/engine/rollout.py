@@ -365,7 +365,7 @@ class EngineRollout:
         runner of those rows."""
         done = r.retired[: cur.batch]
         a = torch.nonzero(~done[rows:]).view(-1) + rows  # live rows past the new bucket
-        b = torch.nonzero(done[:rows]).view(-1)[: a.numel()]  # stopped rows inside it
+        b = torch.nonzero(done[:rows]).view(-1)[: a.numel()]  # retired rows inside it (at least as many)
         r.swap_rows(a, b)
         return r.smaller[rows]
 
