@@ -243,10 +243,6 @@ class FastDecoder:
         """The tensors of the `carried` buffers (batch on dimension 0)."""
         return [t for name in self.carried for t in _tensors(getattr(self, name))]
 
-    def swap_rows(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Exchange what rows ``a`` and rows ``b`` (int64 [n] each, disjoint) carry: sequences move, none is lost."""
-        swap_rows(self.carried_tensors(), a, b)
-
 
 def _first(x, rows: int, dim: int):
     """The first ``rows`` rows (along ``dim``) of a tensor, a dataclass of tensors (`KVCache`) or a list of them."""

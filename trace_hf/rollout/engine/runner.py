@@ -71,9 +71,9 @@ class Runner:
 
     The sampler's state lives in device tensors the graph reads: ``seed`` and ``step`` (the counter-based draw's
     key), ``finished`` (rows that emitted an EOS, or padding rows), ``retired`` (finished rows whose last token, the
-    EOS, a step has fed: the rows compaction may drop, so that every kept token's records exist), ``out_tokens`` / ``out_logps`` [rows,
-    max_new_tokens] (column 0: the prefill's draw; column s + 1: decode step s's), ``seen`` (the repetition
-    penalty's tokens so far), ``row_ids`` (the row of the outputs, records and sampling noise that each decoder row
+    EOS, a step has fed: the rows compaction may drop, so that every kept token's records exist), ``out_tokens`` /
+    ``out_logps`` [rows, max_new_tokens] (column 0: the prefill's draw; column s + 1: decode step s's), ``seen``
+    (the repetition penalty's tokens so far), ``row_ids`` (the row of the outputs, records and sampling noise that each decoder row
     holds: compaction permutes the decoder's rows, not the outputs).
 
     With ``compaction``, ``smaller`` holds a runner for every bucket below this one (`buckets_below`) that steps
@@ -127,7 +127,7 @@ class Runner:
         self.out_logps.view(-1).index_copy_(0, at, lp)
         if self.record:
             self.records.write(dec, self.step, self.row_ids)
-        self.retired.copy_(self.finished)  # this step fed their EOS
+        self.retired.copy_(self.finished)  # rows finished before this step: it fed their EOS
         self.finished |= torch.isin(tok, self.eos)
         if self.seen is not None:
             self.seen.scatter_(1, tok.unsqueeze(1), True)
