@@ -52,11 +52,11 @@ def _qwen3(fp4: bool):
     return model.eval()
 
 
-def _on_and_off(model, prompts, gc, record: bool, seed: int = 0):
+def _on_and_off(model, prompts, gc, record: bool, seed: int = 0, **engine):
     """(output, stats) with compaction on, then off; the same torch seed before each (the sampler's seed)."""
     outs = []
     for compaction in (True, False):
-        eng = EngineRollout(compaction=compaction)
+        eng = EngineRollout(compaction=compaction, **engine)
         torch.manual_seed(seed)
         outs.append((eng(model, prompts, gc, record=record), eng.stats))
     return outs
@@ -75,9 +75,9 @@ def _assert_same(a, b, record: bool) -> None:
                 assert torch.equal(x, y), site
 
 
-def _stops_at_first_token(model, prompts, rows, gc):
+def _stops_at_first_token(model, prompts, rows, gc, **engine):
     """EOS ids that stop ``rows`` at their first token (from a prefill-only rollout), and the rows' first tokens."""
-    first = [c[0] for c in EngineRollout()(model, prompts, gc).completion_ids]
+    first = [c[0] for c in EngineRollout(**engine)(model, prompts, gc).completion_ids]
     return sorted({first[i] for i in rows}), first
 
 
@@ -141,6 +141,23 @@ def test_sampled_rows_draw_the_same_after_compaction(batch_invariant):
     (on, st_on), (off, _) = _on_and_off(model, prompts, gc, False)
     assert [len(c) for c in on.completion_ids[:2]] == [1, 1] and st_on.compactions >= 1
     assert st_on.buckets[0][:2] == [(0, 4), (1, 2)]  # rows 2 and 3 decode in slots 0 and 1 from step 1 on
+    _assert_same(on, off, record=False)
+
+
+def test_each_wave_compacts_in_its_own_rows(batch_invariant):
+    """Two waves of two rows in one runner (sampling: wave k draws with seed + k): the first row of each wave stops
+    at its first token and the second moves into slot 0; the next wave starts from the runner's rows in order
+    again, and every row is what it is without compaction."""
+    model = _qwen3(False)
+    prompts = random_prompts(model, LENGTHS, seed=3)
+    sampled = {"do_sample": True, "temperature": 1.0}
+    torch.manual_seed(0)
+    eos, first = _stops_at_first_token(model, prompts, (0, 2), greedy_config(max_new_tokens=1, **sampled), max_rows=2)
+    assert first[1] not in eos and first[3] not in eos
+    gc = greedy_config(max_new_tokens=4, eos_token_id=eos, **sampled)
+    (on, st_on), (off, st_off) = _on_and_off(model, prompts, gc, False, max_rows=2)
+    assert st_on.waves == 2 and st_on.buckets == [[(0, 2), (1, 1)], [(0, 2), (1, 1)]] and st_on.compactions == 2
+    assert st_off.buckets == [[(0, 2)], [(0, 2)]]
     _assert_same(on, off, record=False)
 
 
