@@ -176,11 +176,17 @@ def test_qwen35_compaction_moves_the_recurrent_states(batch_invariant):
 
 
 @pytest.mark.gpu
-def test_compaction_graphs_match_eager_gpu():
-    """On the GPU (bf16, CUDA graphs, FP4, every site, sampling): rows stopping at different steps, compaction
-    through the smaller buckets' captured graphs gives exactly what the eager steps give; against no compaction the
-    rows agree but for bf16 near-ties that products over fewer rows may part."""
-    model = _qwen3(True).to(device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text"])
+def test_compaction_graphs_match_eager_gpu(family):
+    """On the GPU (bf16, CUDA graphs, FP4, every site, sampling; Qwen3 MoE and Qwen3.5): rows stopping at different
+    steps, compaction through the smaller buckets' captured graphs gives exactly what the eager steps give; against
+    no compaction the rows agree but for bf16 near-ties that products over fewer rows may part."""
+    if family == "qwen3_moe":
+        model = _qwen3(True)
+    else:
+        model = T.tiny_model(family, num_hidden_layers=2)
+        quantize_model(model, TraceFP4Config(hint_layers=2, hint_sites=SITES))
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 30, (40,), generator=g)]  # fmt: skip
