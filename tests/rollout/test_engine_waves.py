@@ -160,11 +160,13 @@ def test_waves_and_large_buckets_on_the_gpu():
 
 
 def test_trainer_passes_the_admission_knobs_to_the_engine(engine_grpo_step):
-    """`TraceGRPOConfig.rollout_max_rows` / `rollout_free_memory_fraction` reach the engine: one row per wave rolls
-    the step's two rows out in two waves, and the step still trains."""
+    """`TraceGRPOConfig.rollout_max_rows` / `rollout_free_memory_fraction` / `rollout_compaction` reach the engine:
+    one row per wave rolls the step's two rows out in two waves, and the step still trains."""
     model = quantize_model(T.tiny_model(num_hidden_layers=2), TraceFP4Config(hint_layers=1))
-    trainer, logged, changed = engine_grpo_step(model, rollout_max_rows=1, rollout_free_memory_fraction=0.5)
+    trainer, logged, changed = engine_grpo_step(model, rollout_max_rows=1, rollout_free_memory_fraction=0.5,
+                                                rollout_compaction=False)  # fmt: skip
     assert trainer.rollout.max_rows == 1 and trainer.rollout.free_memory_fraction == 0.5
+    assert trainer.rollout.compaction is False and trainer.rollout.stats.compactions == 0
     assert trainer.rollout.stats.waves == 2 and trainer.rollout.stats.rows_per_wave == 1
     assert changed
 

@@ -5,8 +5,8 @@ The settings are TRL's (`GRPOConfig.temperature`, `top_k`, `top_p`, `min_p`, `re
 `max_completion_length`, the EOS ids), read off the `GenerationConfig` TRL builds. The engine's sampler applies them
 in the order `transformers` does (repetition penalty, temperature, top-k, top-p, min-p) with the same rules, then
 draws with the Gumbel-max trick from counter-based random numbers (`tl.rand`, Philox): the draw depends only on
-(seed, step, row, token), so it needs no generator state, replays inside a CUDA graph and is reproducible for a
-given seed. The log-prob it reports is the one TRL's training forward computes for the same token:
+(seed, step, row, token) (the row a sequence started in, wherever the engine's compaction moved it), so it needs no
+generator state, replays inside a CUDA graph and is reproducible for a given seed. The log-prob it reports is the one TRL's training forward computes for the same token:
 ``log_softmax(raw_logits / temperature)``, not the truncated distribution.
 """
 
@@ -149,12 +149,14 @@ def sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: SamplingSett
     return x.gather(-1, tokens.view(-1, 1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
-def draw(x: torch.Tensor, s: SamplingSettings, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def draw(x: torch.Tensor, s: SamplingSettings, seed: torch.Tensor, step: torch.Tensor,
+         rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Token ids [B] (int64) from processed logits ``x`` [B, V]: argmax when greedy, else Gumbel-max with the
     counter-based noise of (``seed``, ``step``) (int64 device scalars, read at run time, so a graph replays with
-    new draws)."""
+    new draws) and each row's noise row ``rows`` (int64 [B]; default its own: a sequence the engine moved to another
+    row draws what it would have drawn where it started)."""
     if s.greedy:
         return torch.argmax(x, dim=-1)
     from trace_hf.kernels.sampling import gumbel_argmax
 
-    return gumbel_argmax(x, seed, step)
+    return gumbel_argmax(x, seed, step, rows=rows)

@@ -116,6 +116,14 @@ class TraceGRPOConfig(GRPOConfig):
             "is a share of all memory."
         },
     )
+    rollout_compaction: bool = field(
+        default=True,
+        metadata={
+            "help": "Rollout engine: when the rows of a wave still decoding fit a smaller row bucket, move them to "
+            "the front and decode on in that bucket (the long tail of completion lengths then stops costing full "
+            "batches). The same tokens, log-probs and records; False decodes every wave in its bucket to the end."
+        },
+    )
     trace_hints: bool = field(
         default=True,
         metadata={"help": "Record FP4 rounding hints at rollout and apply them in every training-side forward."},

@@ -190,7 +190,7 @@ class TraceGRPOTrainer(GRPOTrainer):
             a = self.args
             self.rollout = make_rollout(
                 model, a.rollout_engine, self.generation_config, max_rows=a.rollout_max_rows,
-                free_memory_fraction=a.rollout_free_memory_fraction,
+                free_memory_fraction=a.rollout_free_memory_fraction, compaction=a.rollout_compaction,
             )  # fmt: skip
         return self.rollout
 

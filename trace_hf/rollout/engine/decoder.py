@@ -19,6 +19,9 @@ on one row).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +67,11 @@ class FastDecoder:
 
     #: The norms round the normalized value to the model dtype before the weight (Qwen3's RMSNorm; `add_rmsnorm`).
     round_normalized = True
+    #: Per-row buffers (attribute: its batch dimension); tensors, or per-layer lists of tensors or `KVCache`s.
+    row_buffers = {"tokens": 0, "positions": 0, "logits": 0, "caches": 0, "hint_bits": 1, "hint_scale": 1,
+                   "hint_g": 1, "hidden_bits": 1, "hidden_scale": 1, "hidden_g": 1, "routing": 1}  # fmt: skip
+    #: The row buffers a sequence carries from one step to the next (the rest is rewritten every step).
+    carried = ("tokens", "positions", "caches")
 
     def __init__(
         self,
@@ -89,8 +97,7 @@ class FastDecoder:
             for i in range(d.num_layers)
         ]  # fmt: skip
         self.cos, self.sin = rope_tables(d, max_len, self.dtype, self.device)
-        hopper = A.uses_hopper_kernel(kv_fp4, d.head_dim, self.device)
-        self.splits = A.num_splits(batch, d.num_kv_heads, max_len, hopper)
+        self.splits = self._splits(batch)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self.logits = torch.zeros(batch, d.vocab, dtype=torch.float32, device=self.device)
@@ -111,6 +118,11 @@ class FastDecoder:
         self.graph = None
 
     # -- pieces ---------------------------------------------------------------------------------------------
+
+    def _splits(self, batch: int) -> tuple[int, int]:
+        A, d = kernels().attention, self.dims
+        hopper = A.uses_hopper_kernel(self.kv_fp4, d.head_dim, self.device)
+        return A.num_splits(batch, d.num_kv_heads, self.max_len, hopper)
 
     def _has_kv(self, layer: int) -> bool:
         """Whether decoder layer `layer` keeps a K/V cache (every Qwen3 layer does; see `HybridDecoder`)."""
@@ -189,9 +201,10 @@ class FastDecoder:
 
     # -- graph ----------------------------------------------------------------------------------------------
 
-    def capture(self, warmup: int = 2) -> None:
+    def capture(self, warmup: int = 2, pool=None) -> None:
         """Capture `step` in a CUDA graph (after ``warmup`` eager steps, which compile the kernels; the token
-        and position buffers are restored afterwards)."""
+        and position buffers are restored afterwards). ``pool``: another graph's memory pool to share (graphs that
+        never run at once, whose steps keep nothing in it between replays)."""
         tokens, positions = self.tokens.clone(), self.positions.clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -200,7 +213,7 @@ class FastDecoder:
                 self.step()
         torch.cuda.current_stream().wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.step()
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
@@ -213,7 +226,50 @@ class FastDecoder:
         else:
             self.step()
 
-    # -- content --------------------------------------------------------------------------------------------
+    # -- rows -----------------------------------------------------------------------------------------------
+
+    def first_rows(self, rows: int, sample=None) -> FastDecoder:
+        """A decoder of this one's first ``rows`` rows: views of the same caches, states and buffers, with its own
+        batch, split-K plan and graph (the engine moves a wave's live rows to the front and steps on in it)."""
+        if not 1 <= rows <= self.batch:
+            raise ValueError(f"rows={rows}: a decoder of {self.batch} rows has 1 to {self.batch} first rows.")
+        v = copy.copy(self)
+        v.batch, v.sample, v.graph, v.splits = rows, sample, None, self._splits(rows)
+        for name, dim in self.row_buffers.items():
+            setattr(v, name, _first(getattr(self, name), rows, dim))
+        return v
+
+    def carried_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the `carried` buffers (batch on dimension 0)."""
+        return [t for name in self.carried for t in _tensors(getattr(self, name))]
 
 
-__all__ = ["FastDecoder", "rope_tables"]
+def _first(x, rows: int, dim: int):
+    """The first ``rows`` rows (along ``dim``) of a tensor, a dataclass of tensors (`KVCache`) or a list of them."""
+    if x is None:
+        return None
+    if isinstance(x, list):
+        return [_first(t, rows, dim) for t in x]
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: _first(getattr(x, f.name), rows, dim) for f in dataclasses.fields(x)})
+    return x.narrow(dim, 0, rows)
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if x is None:
+        return []
+    if isinstance(x, list):
+        return [t for y in x for t in _tensors(y)]
+    if dataclasses.is_dataclass(x):
+        return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
+    return [x]
+
+
+def swap_rows(tensors: list[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange rows ``a`` and ``b`` (dimension 0) of each tensor, one tensor at a time (a gather of 2n rows)."""
+    dst, src = torch.cat([a, b]), torch.cat([b, a])
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
+
+
+__all__ = ["FastDecoder", "rope_tables", "swap_rows"]

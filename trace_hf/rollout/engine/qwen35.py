@@ -140,6 +140,8 @@ class HybridDecoder(FastDecoder):
     to fp32 summation order)."""
 
     round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
+    row_buffers = {**FastDecoder.row_buffers, "conv_states": 0, "recurrent_states": 0}
+    carried = (*FastDecoder.carried, "conv_states", "recurrent_states")
 
     def __init__(self, weights: HybridDecodeWeights, batch: int, max_len: int, kv_fp4: bool = True,
                  record_hints: bool = True, record_routing: bool = False, sample=None,

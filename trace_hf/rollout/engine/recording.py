@@ -37,21 +37,28 @@ class StepRecords:
         per_step += n_hidden * d.top_k * (d.expert_dim // 8 + d.expert_dim // 16 + 4)
         return steps * per_step
 
-    def write(self, dec, step: torch.Tensor) -> None:
-        """Record the decoder's step at column ``step`` (a device scalar: graph-safe)."""
+    def write(self, dec, step: torch.Tensor, rows: torch.Tensor) -> None:
+        """Record the decoder's step at column ``step`` (a device scalar: graph-safe) of rows ``rows`` (int64
+        [dec.batch]: the record row of each decoder row, which compaction permutes; records stay in row order)."""
+        at = rows * self.route.shape[2] + step
+
+        def put(rec, t):  # rec [n, rows, steps, ...] <- t [n, dec.batch, ...]
+            rec.flatten(1, 2).index_copy_(1, at, t)
+
         if dec.hinted:
-            self.bits.index_copy_(2, step, dec.hint_bits.unsqueeze(2))
-            self.scale.index_copy_(2, step, dec.hint_scale.unsqueeze(2))
-            self.g.index_copy_(2, step, dec.hint_g.unsqueeze(2))
+            put(self.bits, dec.hint_bits)
+            put(self.scale, dec.hint_scale)
+            put(self.g, dec.hint_g)
         if dec.hidden_hinted:
             for rec, t in zip(self.hidden, (dec.hidden_bits, dec.hidden_scale, dec.hidden_g), strict=True):
-                rec.index_copy_(2, step, t.unsqueeze(2))
-        self.route.index_copy_(2, step, dec.routing.unsqueeze(2))
+                put(rec, t)
+        put(self.route, dec.routing)
 
     def hints(self, recorder: HintRecorder, dec, out_tokens: torch.Tensor, B: int, steps: int,
-              full_mask: torch.Tensor, lengths: torch.Tensor) -> HintBatch:  # fmt: skip
+              full_mask: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor | None = None) -> HintBatch:  # fmt: skip
         """Prompt columns from the prefill's recorder, then one column per decode step (its input token); the decode
-        steps' K/V hints are read from the decoder's FP4 cache afterwards."""
+        steps' K/V hints are read from the decoder's FP4 cache afterwards, row ``b``'s from cache row ``slots[b]``
+        (default ``b``; compaction moves a sequence's cache, not its records)."""
         bits, scales, gscale, routing, ids = recorder.columns()
 
         def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
@@ -60,7 +67,7 @@ class StepRecords:
         def decoded(site):
             if site == "experts_hidden":
                 return tuple(cols(t) for t in self.hidden)
-            return _kv_hints(dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps)
+            return _kv_hints(dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps, slots)
 
         sites = {
             site: tuple(torch.cat([a, b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
@@ -75,15 +82,16 @@ class StepRecords:
                                        ids, site_columns=sites)  # fmt: skip
 
 
-def _kv_hints(dec, layers: list[int], lengths: torch.Tensor, steps: int):
+def _kv_hints(dec, layers: list[int], lengths: torch.Tensor, steps: int, slots: torch.Tensor | None = None):
     """The "kv" hints of the decode steps at decoder layers `layers`, [B, steps, n_layers, 2, kv_heads, ...] (bits,
-    block scales, row scales), from the FP4 cache: step s of row b wrote position ``lengths[b] + s`` there."""
-    B = lengths.shape[0]
-    where = lengths[:, None].long() + torch.arange(steps, device=lengths.device)  # [B, steps]
+    block scales, row scales), from the FP4 cache: step s of row b wrote position ``lengths[b] + s`` of cache row
+    ``slots[b]`` (default ``b``)."""
+    B, dev = lengths.shape[0], lengths.device
+    where = lengths[:, None].long() + torch.arange(steps, device=dev)  # [B, steps]
+    rows = (torch.arange(B, device=dev) if slots is None else slots).view(B, 1, 1)
 
     def take(t):  # [batch, kv_heads, T, ...] -> [B, kv_heads, steps, ...]
-        idx = where.view(B, 1, steps, *([1] * (t.ndim - 3))).expand(B, t.shape[1], steps, *t.shape[3:])
-        return torch.gather(t[:B], 2, idx)
+        return t[rows, torch.arange(t.shape[1], device=dev).view(1, -1, 1), where.view(B, 1, steps)]
 
     per_layer = []
     for j in layers:

@@ -15,10 +15,22 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
   every row has stopped (checked every few steps, the only host synchronization);
 * admission: as many rows decode at once as fit in the memory the engine may take (`runner.bytes_per_row`: the
   FP4 KV cache makes that several times more rows than BF16's); a rollout of more rows runs in equal waves, one
-  after the other, in one bucket. Waves, not continuous batching: the prefill, its hint recorder and the step
-  records stay one batch per wave, laid out as `HintRecorder.collect` lays them out, and in GRPO the rows of a
-  rollout usually fit at once, where refilling gains nothing. The price is the long tail: a wave decodes until its
-  longest row stops (`EngineStats.slot_occupancy` says how much of that was kept).
+  after the other, in one bucket;
+* compaction (the long tail): a wave decodes until its longest row stops. Whenever the rows still needed fit a
+  smaller bucket (checked every ``check_every`` steps, at the stop check's one synchronization), the engine swaps
+  them into the first rows (K/V caches, linear-attention states, positions, input tokens, stop and sampler state:
+  one gather of the moved rows per buffer) and steps on in that bucket's graph, captured up front on views of the
+  same buffers (no memory of its own). A stopped row is still needed for one step, the one that feeds its EOS (so
+  that its last token's records exist, as without compaction). Outputs and records stay at the row's own index
+  (`Runner.row_ids`), and the sampler keys its noise by that row, not by where the row decodes, so compaction
+  changes no record and no draw (up to the summation order of products over fewer rows: cuBLAS, or the CPU's BLAS,
+  may sum a row otherwise in a smaller batch). `EngineStats` counts the row-steps decoded, the compactions and each
+  wave's buckets.
+* waves, not continuous batching: refilling freed rows with waiting ones would need a prefill per refill (small
+  batches, each with its own hint recorder), per-row step counters in the sampler's noise key and the record columns,
+  and each finished row's records (its FP4 K/V hints included, read from the cache it frees) collected before its
+  row is reused. In GRPO the rows of a rollout usually fit at once, where refilling gains nothing; with compaction a
+  wave's tail runs in small buckets.
 
 Before every rollout the engine refreshes what it reads from the model (`trace_hf.rollout.engine.weights`): packed
 FP4 experts are re-quantized from the masters in place (`TraceFP4Experts.refresh_packed`), every tensor it derives
@@ -73,8 +85,11 @@ class EngineStats:
     """What the last rollout ran: its waves (all of ``rows_per_wave`` rows but the last, in buckets of
     ``bucket_rows``), the decode steps of each (with the prefill's token) and each row's kept tokens.
 
-    ``slot_occupancy`` is the long tail's cost: the kept tokens over the row-steps the buckets decoded (each wave
-    runs until its longest row stops, and a stopped row's slot decodes padding until then)."""
+    The long tail's cost: each wave runs until its longest row stops, and a stopped row's slot decodes padding until
+    then or until a compaction moves the live rows into a smaller bucket. ``row_steps`` counts the row-steps the
+    buckets decoded (the prefill's token one step of the wave's bucket), ``compactions`` the moves, ``buckets`` each
+    wave's (decode step, bucket rows) from its start and each compaction on; ``slot_occupancy`` is the kept tokens
+    over the row-steps."""
 
     rows: int
     waves: int
@@ -82,6 +97,9 @@ class EngineStats:
     bucket_rows: int
     steps: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    row_steps: int = 0
+    compactions: int = 0
+    buckets: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -89,7 +107,12 @@ class EngineStats:
 
     @property
     def slot_occupancy(self) -> float:
-        return self.tokens / max(1, self.bucket_rows * sum(self.steps))
+        return self.tokens / max(1, self.row_steps)
+
+    @property
+    def padding_row_steps(self) -> int:
+        """Row-steps that decoded padding for a row that had stopped."""
+        return self.row_steps - self.tokens
 
 
 class EngineRollout:
@@ -113,13 +136,16 @@ class EngineRollout:
             weights are already resident here, and training needs what the rollout leaves.
         memory_limit: bytes one wave's rows may take, instead of that share (also on CPU, where nothing is
             measured and rows are otherwise unlimited).
+        compaction: when a wave's rows still decoding fit a smaller bucket, move them to the front and step on in
+            that bucket (see the module docstring; costs a graph capture per smaller bucket once, and a gather of
+            the moved rows' caches per compaction). Off: every wave decodes in its bucket to the end.
     """
 
     name = "engine"
 
     def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None,
                  max_rows: int | None = None, free_memory_fraction: float = 0.9,
-                 memory_limit: int | None = None):  # fmt: skip
+                 memory_limit: int | None = None, compaction: bool = True):  # fmt: skip
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows={max_rows}: use None (as many as fit) or at least 1.")
         if not 0 < free_memory_fraction <= 1:
@@ -127,6 +153,7 @@ class EngineRollout:
         self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
         self.use_graphs = use_graphs
         self.max_rows, self.free_memory_fraction, self.memory_limit = max_rows, free_memory_fraction, memory_limit
+        self.compaction = compaction
         self.stats: EngineStats | None = None
         self._model = None
         self._weights: EngineWeights | ShardedWeights | None = None
@@ -175,7 +202,7 @@ class EngineRollout:
 
     def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool,
                 per_row: int = 0):  # fmt: skip
-        key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record)
+        key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record, self.compaction)
         if key in self._runners:
             self._runners.move_to_end(key)
             return self._runners[key]
@@ -186,7 +213,8 @@ class EngineRollout:
             if dev.type == "cuda":
                 gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
         try:
-            runner = Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder)
+            runner = Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder,
+                            self.compaction)  # fmt: skip
             graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
             if graphs and s.max_new_tokens > 3:
                 runner.capture()
@@ -279,6 +307,8 @@ class EngineRollout:
         r.step.fill_(-1)  # the first draw (from the prefill logits) uses step -1
         r.finished.zero_()
         r.finished[B:] = True
+        r.retired.copy_(r.finished)
+        torch.arange(r.batch, out=r.row_ids)
         if r.seen is not None:
             r.seen.zero_()
             r.seen[:B].scatter_(1, torch.where(mask.bool(), ids, ids[:, -1:]), True)  # pads: the last (real) id
@@ -296,25 +326,48 @@ class EngineRollout:
         dec.positions[:B] = lengths.to(torch.int32)
         r.step.zero_()
 
-        steps = 0
+        steps, cur = 0, r
+        trajectory = [(0, r.batch)]
+        self.stats.row_steps += r.batch  # the prefill's token
         check = self.check_every if dev.type == "cuda" else 1
         while steps < s.max_new_tokens - 1:
-            if steps % check == 0 and bool(r.finished.all()):
-                break
-            dec.run()
+            if steps % check == 0:
+                done, gone = torch.stack([r.finished.sum(), r.retired.sum()]).tolist()  # the one synchronization
+                if done == r.batch:
+                    break
+                fits = row_bucket(r.batch - gone)
+                if fits < cur.batch and fits in r.smaller:
+                    cur = self._compact(r, cur, fits)
+                    trajectory.append((steps, cur.batch))
+            cur.dec.run()
             steps += 1
+            self.stats.row_steps += cur.batch
         self.stats.steps.append(steps + 1)
+        self.stats.buckets.append(trajectory)
+        self.stats.compactions += len(trajectory) - 1
 
         completion = r.out_tokens[:B, : steps + 1]
         keep = cut_after_eos(completion, s.eos_token_id) if s.eos_token_id else torch.ones_like(completion, dtype=bool)
         hints = None
         if record:
             full_mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
-            hints = r.records.hints(recorder, dec, r.out_tokens, B, steps, full_mask, lengths)
+            slots = torch.argsort(r.row_ids)[:B] if cur is not r else None  # the decoder row each row ended in
+            hints = r.records.hints(recorder, dec, r.out_tokens, B, steps, full_mask, lengths, slots)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         completion_ids, logprobs = to_lists(completion, r.out_logps[:B, : steps + 1], keep)
         return completion_ids, logprobs, hints
+
+    @staticmethod
+    def _compact(r: Runner, cur: Runner, rows: int) -> Runner:
+        """Move the rows of ``cur`` (a bucket of ``r``'s first rows) that are not retired into its first ``rows``
+        rows, swapping them with retired ones (whose caches keep the K/V hints still to be read), and return the
+        runner of those rows."""
+        done = r.retired[: cur.batch]
+        a = torch.nonzero(~done[rows:]).view(-1) + rows  # live rows past the new bucket
+        b = torch.nonzero(done[:rows]).view(-1)[: a.numel()]  # retired rows inside it (at least as many)
+        r.swap_rows(a, b)
+        return r.smaller[rows]
 
     @staticmethod
     def _load_cache(dec: FastDecoder, cache, lengths: torch.Tensor, P: int) -> None:

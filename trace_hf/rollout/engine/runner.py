@@ -10,10 +10,12 @@ rows at 65-128 and then less, instead of 2x for powers of two past 64); cache le
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
-from .decoder import FastDecoder
+from .decoder import FastDecoder, swap_rows
 from .kernels import kernels
 from .recording import StepRecords
 from .weights import DecodeWeights
@@ -30,6 +32,11 @@ def row_bucket(rows: int) -> int:
     if rows <= ROW_STEP:
         return 1 << (rows - 1).bit_length()
     return -(-rows // ROW_STEP) * ROW_STEP
+
+
+def buckets_below(rows: int) -> list[int]:
+    """The buckets smaller than ``rows`` rows, largest first: where compaction can move a wave's live rows."""
+    return sorted({b for b in map(row_bucket, range(1, rows)) if b < rows}, reverse=True)
 
 
 def largest_bucket(cap: int) -> int:
@@ -63,12 +70,17 @@ class Runner:
     """Static buffers, the decoder and (on CUDA) the captured step of one (rows, length, sampling) bucket.
 
     The sampler's state lives in device tensors the graph reads: ``seed`` and ``step`` (the counter-based draw's
-    key), ``finished`` (rows that emitted an EOS, or padding rows), ``out_tokens`` / ``out_logps`` [rows,
-    max_new_tokens] (column 0: the prefill's draw; column s + 1: decode step s's), ``seen`` (the repetition
-    penalty's tokens so far)."""
+    key), ``finished`` (rows that emitted an EOS, or padding rows), ``retired`` (finished rows whose last token, the
+    EOS, a step has fed: the rows compaction may drop, so that every kept token's records exist), ``out_tokens`` /
+    ``out_logps`` [rows, max_new_tokens] (column 0: the prefill's draw; column s + 1: decode step s's), ``seen``
+    (the repetition penalty's tokens so far), ``row_ids`` (the row of the outputs, records and sampling noise that each decoder row
+    holds: compaction permutes the decoder's rows, not the outputs).
+
+    With ``compaction``, ``smaller`` holds a runner for every bucket below this one (`buckets_below`) that steps
+    this one's first rows in place (`first_rows`: views, no memory of their own but their graphs' shared pool)."""
 
     def __init__(self, w: DecodeWeights, batch: int, max_len: int, s: SamplingSettings, kv_fp4: bool, record: bool,
-                 decoder: type[FastDecoder] = FastDecoder):  # fmt: skip
+                 decoder: type[FastDecoder] = FastDecoder, compaction: bool = False):  # fmt: skip
         d = w.dims
         self.s, self.batch, self.record = s, batch, record
         self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record, record_routing=record,
@@ -78,24 +90,44 @@ class Runner:
         self.seed = torch.zeros(1, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.retired = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.row_ids = torch.arange(batch, dtype=torch.int64, device=dev)
         self.eos = torch.tensor(list(s.eos_token_id) or [-1], dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
         self.out_logps = torch.zeros(batch, n, dtype=torch.float32, device=dev)
         self.seen = torch.zeros(batch, d.vocab, dtype=torch.bool, device=dev) if s.repetition_penalty else None
         self.records = StepRecords(self.dec, n if record else 0)
+        self.smaller: dict[int, Runner] = {b: self.first_rows(b) for b in buckets_below(batch)} if compaction else {}
+
+    def first_rows(self, rows: int) -> Runner:
+        """A runner that steps this one's first ``rows`` decoder rows (views of its state; the same outputs,
+        records, seed and step)."""
+        v = copy.copy(self)
+        v.batch, v.smaller = rows, {}
+        v.finished, v.retired, v.row_ids = self.finished[:rows], self.retired[:rows], self.row_ids[:rows]
+        v.seen = None if self.seen is None else self.seen[:rows]
+        v.dec = self.dec.first_rows(rows, sample=v._sample)
+        return v
+
+    def swap_rows(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Exchange decoder rows ``a`` and ``b`` (int64 [n] each, disjoint): the sequences' caches, states, sampler
+        state and row ids move; outputs and records, kept by row id, stay."""
+        carried = [self.finished, self.retired, self.row_ids] + ([self.seen] if self.seen is not None else [])
+        swap_rows(carried + self.dec.carried_tensors(), a, b)
 
     def _sample(self, dec: FastDecoder) -> None:
         """End of a decode step (graph-safe): draw the next token, record it, its log-prob and the step's hints."""
         s = self.s
         x = process_logits(dec.logits, s, self.seen)
-        tok = draw(x, s, self.seed, self.step)
+        tok = draw(x, s, self.seed, self.step, self.row_ids)
         lp = sampler_logprobs(dec.logits, tok, s)
         tok = torch.where(self.finished, torch.full_like(tok, s.pad_token_id), tok)
-        col = (self.step + 1).view(1, 1).expand(self.batch, 1)
-        self.out_tokens.scatter_(1, col, tok.unsqueeze(1))
-        self.out_logps.scatter_(1, col, lp.unsqueeze(1))
+        at = self.row_ids * self.out_tokens.shape[1] + (self.step + 1)
+        self.out_tokens.view(-1).index_copy_(0, at, tok)
+        self.out_logps.view(-1).index_copy_(0, at, lp)
         if self.record:
-            self.records.write(dec, self.step)
+            self.records.write(dec, self.step, self.row_ids)
+        self.retired.copy_(self.finished)  # rows finished before this step: it fed their EOS
         self.finished |= torch.isin(tok, self.eos)
         if self.seen is not None:
             self.seen.scatter_(1, tok.unsqueeze(1), True)
@@ -103,6 +135,11 @@ class Runner:
         self.step.add_(1)
 
     def capture(self) -> None:
-        self.step.zero_()
-        self.finished.zero_()
-        self.dec.capture()
+        """Capture the step of this bucket and of each smaller one (sharing one graph memory pool: they run one at a
+        time and keep nothing in it between steps)."""
+        pool = None
+        for r in (self, *self.smaller.values()):
+            self.step.zero_()
+            self.finished.zero_()
+            r.dec.capture(pool=pool)
+            pool = self.dec.graph.pool()
