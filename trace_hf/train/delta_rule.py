@@ -5,7 +5,8 @@ The rollout steps the gated delta rule one token at a time; transformers' forwar
 chunked form, which sums the same terms in another order. On a warmed Qwen3.5 MoE in BF16 that reassociation is
 the only block whose own output differs between rollout and training, and hints cannot reach it (it is not an FP4
 site; docs/results.md section 7). ``TraceGRPOConfig(gated_delta_rule="recurrent")`` makes every training-side
-forward take the recurrent form's values, op for op the rollout engine's step, with the chunked form's gradient
+forward take the recurrent form's values (transformers' torch rule: the engine's torch step op for op, its Triton
+step on CUDA up to fp32 summation order), with the chunked form's gradient
 (straight-through: the two differ by rounding, and the chunked backward needs no per-token state). No-grad
 forwards (the old log-probs) run the recurrent form alone.
 
