@@ -2,7 +2,6 @@
 """examples/study/study.py end to end at --size tiny: warm, GRPO with the evaluation and time-budget callbacks
 (one all-sites regime), seeds kept apart and averaged, and the report's table, summary and plots."""
 
-import importlib.util
 import json
 import math
 import os
@@ -15,18 +14,8 @@ from trace_hf import hint_bytes_per_token
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--size", "tiny", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "12",
          "--eval-problems", "4"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def study():
-    path = os.path.join(PROJECT_ROOT, "examples", "study", "study.py")
-    spec = importlib.util.spec_from_file_location("study_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_regimes_and_hint_bytes_from_configs(study):

@@ -2,7 +2,6 @@
 """The third study run's additions to examples/study/study.py (docs/results.md 6e): the FP32 master copy for BF16
 weights, the warm-up stop rule that checks the accuracy after the decay, and GRPO's KL anchor and router loss knobs."""
 
-import importlib.util
 import json
 import os
 
@@ -11,18 +10,8 @@ import torch
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--size", "tiny", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "12",
          "--eval-problems", "4"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def study():
-    path = os.path.join(PROJECT_ROOT, "examples", "study", "study.py")
-    spec = importlib.util.spec_from_file_location("study_example_run3", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_fp32_masters_accumulate_what_bf16_weights_round_away(study):
