@@ -5,6 +5,7 @@
     python examples/grpo.py --regimes fp4,trace              # a comma list of regimes
     python examples/grpo.py --regimes trace --report_to tensorboard --learning_rate 1e-4 --num_generations 4
     python examples/grpo.py --config examples/recipes/qwen3_30b_a3b_grpo.yaml   # a real run (see the recipe)
+    python examples/grpo.py --config examples/recipes/qwen3_30b_a3b_lora_1gpu.yaml   # the full model on one GPU
 
 The command line is TRL's: `TrlParser` over (`GRPOExampleArguments` below, `TraceGRPOConfig`, TRL's `ModelConfig`),
 so every GRPOConfig and TRACE field is a flag (`--per_device_train_batch_size`, `--max_completion_length`,
@@ -99,6 +100,15 @@ class GRPOExampleArguments:
         default=None, metadata={"help": "TraceFP4Config.hint_layers (default: half of the MoE layers)."}
     )
     kv_cache: str = field(default="nvfp4", metadata={"help": "TraceFP4Config.kv_cache: nvfp4, mxfp4 or none."})
+    freeze_experts: bool = field(
+        default=False,
+        metadata={
+            "help": "Freeze the routed experts: FP4 regimes load them straight into packed FP4 "
+            "(TraceFP4Config.freeze_experts: no BF16 masters, no gradients), bf16 keeps them BF16 without gradients; "
+            "'all' regimes then leaves out naive, which trains those masters. "
+            "With --use_peft this is the full-size model on one GPU (examples/recipes/qwen3_30b_a3b_lora_1gpu.yaml)."
+        },
+    )
     sft_steps: int = field(default=100, metadata={"help": "Warm-up steps of the default tiny model."})
     threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest for the tiny model)."})
 
@@ -138,10 +148,18 @@ def parse_args(argv=None):
     parser.set_defaults_with_config(**EXAMPLE_DEFAULTS, use_cpu=not cuda, dataloader_pin_memory=cuda)
     script, config, model_args = parser.parse_args_and_config(args=argv)
     names = list(REGIMES) if script.regimes == "all" else [r.strip() for r in script.regimes.split(",") if r.strip()]
+    if script.regimes == "all" and script.freeze_experts:
+        names.remove("naive")  # it trains the BF16 expert masters that frozen experts do not keep
+        print("--freeze_experts: 'all' runs bf16, fp4 and trace (naive trains the experts' BF16 masters)", flush=True)
     bad = [r for r in names if r not in REGIMES]
     if bad or not names:
         parser.error(f"--regimes {script.regimes!r}: use 'all' or a comma list of {', '.join(REGIMES)}")
     script.regimes = list(dict.fromkeys(names))
+    if script.freeze_experts and "naive" in script.regimes:
+        parser.error(
+            "--freeze_experts keeps no BF16 expert masters, and the naive regime trains exactly those: leave naive "
+            "out (--regimes bf16,fp4,trace) or train the experts (no --freeze_experts)."
+        )
     # transformers takes one integration per list entry; also accept TRL's comma form "tensorboard,wandb".
     config.report_to = [r.strip() for entry in config.report_to for r in entry.split(",") if r.strip()]
     return script, config, model_args
@@ -328,17 +346,23 @@ def build_trainer(script, args, model_args, regime: str, model_path: str, datase
 
     from trace_hf import TraceFP4Config, TraceGRPOTrainer
     from trace_hf.data import arithmetic_reward
+    from trace_hf.quant.experts import is_fused_experts
 
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     quant = None
     if regime != "bf16":
         kv = None if script.kv_cache.lower() == "none" else script.kv_cache
-        quant = TraceFP4Config(kv_cache=kv, hint_layers=script.hint_layers, qat=regime != "naive")
+        quant = TraceFP4Config(kv_cache=kv, hint_layers=script.hint_layers, qat=regime != "naive",
+                               freeze_experts=script.freeze_experts)  # fmt: skip
     attn = attn or model_args.attn_implementation
     extra = {"attn_implementation": attn} if attn else {}
     if model_args.model_name_or_path:
         extra.update(revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant, **extra)
+    if script.freeze_experts and quant is None:  # the BF16 comparison: the same experts, BF16, without gradients
+        for module in model.modules():
+            if is_fused_experts(module):
+                module.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

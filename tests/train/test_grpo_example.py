@@ -58,6 +58,43 @@ def test_the_qwen3_30b_recipe_parses_into_the_config(grpo):
     assert config.max_steps == 3 and config.learning_rate == 1e-6 and config.report_to == ["tensorboard"]
 
 
+def test_the_one_gpu_lora_recipe_freezes_the_experts_and_refuses_naive(grpo):
+    """The full-size one-GPU recipe: frozen FP4 experts, LoRA r=32 on q/k/v/o, 256 rows a step; the naive regime,
+    which trains the BF16 expert masters that frozen experts do not keep, is refused naming the fix."""
+    recipe = os.path.join(PROJECT_ROOT, "examples", "recipes", "qwen3_30b_a3b_lora_1gpu.yaml")
+    script, config, model_args = grpo.parse_args(["--config", recipe])
+    assert script.freeze_experts and script.regimes == ["trace"] and config.rollout_compaction
+    assert model_args.use_peft and (model_args.lora_r, model_args.lora_alpha) == (32, 64)
+    assert model_args.lora_target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert config.per_device_train_batch_size * config.gradient_accumulation_steps == 256
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--config", recipe, "--regimes", "naive,trace"])
+    assert grpo.parse_args(["--config", recipe, "--regimes", "all"])[0].regimes == ["bf16", "fp4", "trace"]
+
+
+def test_frozen_experts_with_lora_train_only_the_adapter(grpo, tmp_path):
+    """--freeze_experts --use_peft on the tiny offline model: the FP4 regime's experts are packed FP4 with no
+    parameters, the BF16 regime's have no gradients, and what trains is the adapter."""
+    from trace_hf.quant.experts import fp4_experts, is_fused_experts
+
+    path = T.save_tiny_model(tmp_path / "tiny")
+    argv = ["--freeze_experts", "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--output_dir",
+            str(tmp_path / "out"), "--per_device_train_batch_size", "8", "--num_generations", "4"]  # fmt: skip
+    script, _, model_args = grpo.parse_args(argv)
+    data = grpo.load_dataset(script.dataset_name, 0)
+    for regime in ("trace", "bf16"):
+        args = grpo.regime_config(argv, regime, str(tmp_path / "out" / regime))
+        trainer = grpo.build_trainer(script, args, model_args, regime, path, data, None)
+        trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable), trainable
+        experts = fp4_experts(trainer.model)
+        if regime == "trace":
+            assert experts and all(m.frozen and not list(m.parameters()) for m in experts)
+        else:
+            fused = [m for m in trainer.model.modules() if is_fused_experts(m)]
+            assert not experts and fused and not any(p.requires_grad for m in fused for p in m.parameters())
+
+
 def test_an_existing_run_is_refused_without_overwrite(grpo, tmp_path):
     run = grpo.prepare_run_dir(str(tmp_path), "r", False, PartialState())
     open(os.path.join(run, "table.md"), "w").close()
