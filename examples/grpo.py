@@ -149,8 +149,7 @@ def parse_args(argv=None):
     script, config, model_args = parser.parse_args_and_config(args=argv)
     names = list(REGIMES) if script.regimes == "all" else [r.strip() for r in script.regimes.split(",") if r.strip()]
     if script.regimes == "all" and script.freeze_experts:
-        names.remove("naive")  # it trains the BF16 expert masters that frozen experts do not keep
-        print("--freeze_experts: 'all' runs bf16, fp4 and trace (naive trains the experts' BF16 masters)", flush=True)
+        names.remove("naive")  # it trains the BF16 expert masters that frozen experts do not keep (main says so)
     bad = [r for r in names if r not in REGIMES]
     if bad or not names:
         parser.error(f"--regimes {script.regimes!r}: use 'all' or a comma list of {', '.join(REGIMES)}")
@@ -501,6 +500,9 @@ def main(argv=None) -> dict:
     import torch
     from accelerate import PartialState
     from transformers import set_seed
+
+    if script.freeze_experts and "naive" not in script.regimes:
+        print(f"--freeze_experts: regimes {', '.join(script.regimes)} (naive trains the experts' BF16 masters)")
 
     torch.set_num_threads(script.threads)
     state = PartialState(cpu=config.use_cpu)  # the state the trainers' config will use
