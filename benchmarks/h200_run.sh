@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200, in parts (PARTS, default all, in this order): `tests` (the GPU-marked tests of
-# TEST_FILES, default all),
+# TEST_FILES, default all, with -v and a per-test timeout),
 # `tune` (the FP4 MoE launch-config sweep, extra arguments in TUNE_ARGS), `attn` (the FP4 decode attention
 # sweep, ATTN_ARGS), `train` (the QAT train-step benchmark), `decode` (the rollout-decode benchmark, extra
 # arguments in ROLLOUT_ARGS), `grpo` (whole GRPO steps with generate / the engine, benchmarks/training/grpo_step.py, extra
@@ -41,6 +41,8 @@ if has tests; then
   # trace_hf with kernels/ linked in. pytest's `pythonpath` (pyproject.toml) then puts the root first, for the
   # tests that import `benchmarks`: its trace_hf binds the kernels/ beside it, the same code.
   # TEST_FILES: test file names (found in tests/'s subject folders; default: the whole tests/ tree, -m gpu).
+  # -v names every test's outcome as it ends, so a run that TESTS_BUDGET_S cuts short still says what passed and
+  # what failed; pytest-timeout ends a single test after TEST_TIMEOUT_S and the run goes on.
   FILES="$ROOT/tests"
   if [ -n "${TEST_FILES:-}" ]; then
     FILES=""
@@ -48,10 +50,10 @@ if has tests; then
       FILES="$FILES $(ls "$ROOT"/tests/*/"$f")"
     done
   fi
-  (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -q -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
-    $FILES) > "$OUT/gpu_tests.log" 2>&1
+  (cd "$PKG" && timeout ${TESTS_BUDGET_S:-150} $PY -m pytest -v -s -m gpu -p no:cacheprovider --rootdir="$ROOT" \
+    --timeout ${TEST_TIMEOUT_S:-90} $FILES) > "$OUT/gpu_tests.log" 2>&1
   echo "rc=$?" >> "$OUT/gpu_tests.log"
-  grep -E "cuda:|passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 20
+  grep -E "PASSED|FAILED|ERROR|Timeout|^rc=" "$OUT/gpu_tests.log" | sed "s|$ROOT/||" | cut -c1-200 | tail -n 80
 fi
 
 if has tune; then
