@@ -17,7 +17,11 @@ def site_on(m: TraceFP4Experts, site: str) -> bool:
 def hint_plan(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The MoE layers hinted at each site, sites in `HINT_SITES` order; a site with no layer is left out (e.g. "kv"
     where every hinted decoder layer has linear attention, which caches no K/V)."""
-    experts = fp4_experts(model)
+    return plan_of(fp4_experts(model))
+
+
+def plan_of(experts: list[TraceFP4Experts]) -> dict[str, tuple[int, ...]]:
+    """`hint_plan` from the model's FP4 experts in MoE-layer order (for callers that hold them already)."""
     plan = {site: tuple(m.moe_index for m in experts if site_on(m, site)) for site in HINT_SITES}
     return {site: layers for site, layers in plan.items() if layers}
 

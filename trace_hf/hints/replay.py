@@ -8,10 +8,10 @@ import contextlib
 import torch
 
 from .. import fp4
-from ..models import router_of
+from ..models import routers_of
 from ..quant.experts import fp4_experts
 from .batch import HintBatch
-from .plan import hint_plan, site_on
+from .plan import plan_of, site_on
 from .report import MismatchReport, _warn_if_off_policy
 from .routing import check_replayable, routing_hook
 
@@ -152,7 +152,7 @@ def use_hints(
         )
     experts = fp4_experts(model)
     hinted = [m for m in experts if m.hinted]
-    plan = hint_plan(model)
+    plan = plan_of(experts)
     inputs_hinted = [m for m in hinted if site_on(m, "experts_input")]
     b, s = attention_mask.shape
     if len(hint_batch) != b:
@@ -172,9 +172,10 @@ def use_hints(
             f"use_hints: the hints are {hint_batch.fmt} but this model's experts are {hinted[0].fmt}; record and train "
             "with the same TraceFP4Config.fmt."
         )
+    routers = routers_of(model, experts)
     if routing_replay:
-        for m in experts:
-            check_replayable(router_of(model, m))
+        for router in routers:
+            check_replayable(router)
     if inputs_hinted and hint_batch.width != hinted[0].hidden_dim:
         raise ValueError(f"use_hints: hints of width {hint_batch.width} for experts of width {hinted[0].hidden_dim}.")
     if hint_batch.routing.shape[2] != len(experts):
@@ -217,10 +218,10 @@ def use_hints(
             handles.append(_register_position_hook(model, attention_mask))
         if hint_batch.token_ids is not None:
             handles.append(_register_token_check(model, hint_batch.token_ids, pos, has))
-        for m in experts:
+        for m, router in zip(experts, routers, strict=True):
             recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
             hook = routing_hook(recorded, has_flat, routing_replay, report, n_has)
-            handles.append(router_of(model, m).register_forward_hook(hook))
+            handles.append(router.register_forward_hook(hook))
         yield report
         _warn_if_off_policy(model, report)
     finally:

@@ -110,6 +110,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         experts = self._trace_validate_model()
         self._fp4 = bool(experts)  # an FP4 model (TraceFP4Config), not the BF16 baseline
         self._fmt = experts[0].fmt if experts else None
+        self._hint_layers = tuple(m.moe_index for m in experts if m.hinted)  # what HintBatch.from_inputs rebuilds
 
     # ------------------------------------------------------------------------------------------------------
     # Model checks
@@ -173,7 +174,7 @@ class TraceGRPOTrainer(GRPOTrainer):
                 stack.enter_context(recurrent_values(core))
             # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to
             # guide).
-            if hints is None or not fp4_experts(core) or not core.training:
+            if hints is None or not core.training or not any(isinstance(m, TraceFP4Experts) for m in core.modules()):
                 stack.enter_context(aligned_positions(core, attention_mask))
                 yield None
                 return
@@ -430,7 +431,7 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         keys = HintBatch.input_keys(HINT_PREFIX)
         if self._trace_replays and all(k in inputs for k in keys):
-            self._trace_state.rows = HintBatch.from_inputs(inputs, self._fmt, self._trace_hint_layers(), HINT_PREFIX)
+            self._trace_state.rows = HintBatch.from_inputs(inputs, self._fmt, self._hint_layers, HINT_PREFIX)
         ratio = inputs.get("importance_sampling_ratio")
         if ratio is not None and self.loss_type != "vespo":
             # per_token_loss * r == loss computed with advantages * r for every TRL loss here (r >= 0 keeps the sign
@@ -442,9 +443,6 @@ class TraceGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         finally:
             self._trace_state.rows = None
-
-    def _trace_hint_layers(self) -> tuple[int, ...]:
-        return tuple(m.moe_index for m in fp4_experts(self._trace_core(self.model)) if m.hinted)
 
 
 def _check_peft_targets(model, peft_config) -> None:
