@@ -34,6 +34,15 @@ PY=${PY:-python3}
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+# bench NAME TIMEOUT_S LINES MODULE [ARGS]: `python -m MODULE --out $OUT/NAME.json ARGS` under a timeout, its output
+# and then its exit code (rc=) in $OUT/NAME.log; shows the log's last LINES lines.
+bench() {
+  local name=$1 limit=$2 lines=$3 module=$4
+  shift 4
+  timeout "$limit" $PY -m "$module" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$?" >> "$OUT/$name.log"
+  tail -n "$lines" "$OUT/$name.log"
+}
 
 if has tests; then
   echo "== GPU tests"
@@ -58,33 +67,25 @@ fi
 
 if has tune; then
   echo "== FP4 MoE launch-config sweep"
-  timeout $((${TUNE_BUDGET_S:-150} + 60)) $PY -m benchmarks.kernels.fp4_moe_tune --out "$OUT/fp4_moe_tune.json" \
-    --budget-s ${TUNE_BUDGET_S:-150} ${TUNE_ARGS:-} > "$OUT/fp4_moe_tune.log" 2>&1
-  echo "rc=$?" >> "$OUT/fp4_moe_tune.log"
-  tail -n 8 "$OUT/fp4_moe_tune.log"
+  bench fp4_moe_tune $((${TUNE_BUDGET_S:-150} + 60)) 8 benchmarks.kernels.fp4_moe_tune --budget-s ${TUNE_BUDGET_S:-150} \
+    ${TUNE_ARGS:-}
 fi
 
 if has attn; then
   echo "== FP4 decode attention launch-config sweep"
-  timeout $((${ATTN_BUDGET_S:-150} + 90)) $PY -m benchmarks.kernels.fp4_attention_tune --out "$OUT/fp4_attention_tune.json" \
-    --budget-s ${ATTN_BUDGET_S:-150} ${ATTN_ARGS:-} > "$OUT/fp4_attention_tune.log" 2>&1
-  echo "rc=$?" >> "$OUT/fp4_attention_tune.log"
-  tail -n 6 "$OUT/fp4_attention_tune.log"
+  bench fp4_attention_tune $((${ATTN_BUDGET_S:-150} + 90)) 6 benchmarks.kernels.fp4_attention_tune \
+    --budget-s ${ATTN_BUDGET_S:-150} ${ATTN_ARGS:-}
 fi
 
 if has train; then
   echo "== train step benchmark"
-  timeout 150 $PY -m benchmarks.training.train_step --out "$OUT/train_step.json" > "$OUT/train_step.log" 2>&1
-  echo "rc=$?" >> "$OUT/train_step.log"
-  tail -n 3 "$OUT/train_step.log"
+  bench train_step 150 3 benchmarks.training.train_step
 fi
 
 if has decode; then
   echo "== rollout decode benchmark"
-  timeout $((${ROLLOUT_BUDGET_S:-250} + 60)) $PY -m benchmarks.rollout.rollout_decode --out "$OUT/rollout_decode.json" \
-    --budget-s ${ROLLOUT_BUDGET_S:-250} ${ROLLOUT_ARGS:-} > "$OUT/rollout_decode.log" 2>&1
-  echo "rc=$?" >> "$OUT/rollout_decode.log"
-  tail -n 25 "$OUT/rollout_decode.log"
+  bench rollout_decode $((${ROLLOUT_BUDGET_S:-250} + 60)) 25 benchmarks.rollout.rollout_decode \
+    --budget-s ${ROLLOUT_BUDGET_S:-250} ${ROLLOUT_ARGS:-}
 fi
 if has grpo; then
   echo "== GRPO step benchmark"

@@ -50,20 +50,28 @@ def setup_device(script: str, smoke: bool = False, gpu_only: bool = False) -> De
     return Device(False, torch.device("cpu"), torch.float32, "cpu (interpreter)")
 
 
-def time_per_call(fn: Callable[[], Any], n: int, warmup: int = 3) -> float:
-    """Seconds per call of ``fn``: CUDA events around ``n`` calls in a row after ``warmup`` calls; on the CPU, the
-    wall clock. Events time the GPU's stream, so a graph replay is timed without the host's launch latency."""
+def time_per_call(
+    fn: Callable[[], Any], n: int, warmup: int = 3, cuda: bool | None = None, wall: bool = False
+) -> float:
+    """Seconds per call of ``fn``: CUDA events around ``n`` calls in a row after ``warmup`` calls; on the CPU
+    (``cuda``: default, whether there is a GPU), the wall clock. Events time the GPU's stream, so a graph replay is
+    timed without the host's launch latency; ``wall`` times the wall clock up to the GPU's finishing instead, host
+    time included."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    if not cuda:
+    if cuda:
+        torch.cuda.synchronize()
+    if wall or not cuda:
         t = time.perf_counter()
         for _ in range(n):
             fn()
+        if cuda:
+            torch.cuda.synchronize()
         return (time.perf_counter() - t) / n
-    torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(n):
@@ -71,6 +79,14 @@ def time_per_call(fn: Callable[[], Any], n: int, warmup: int = 3) -> float:
     e1.record()
     torch.cuda.synchronize()
     return e0.elapsed_time(e1) * 1e-3 / n
+
+
+def call_times(fn: Callable[[], Any], n: int, warmup: int = 1, cuda: bool | None = None, wall: bool = False) -> list:
+    """Seconds of each of ``n`` calls of ``fn``, each timed on its own by `time_per_call`, after ``warmup`` calls:
+    for a median over repeats of a long call (a training step), where one slow repeat must not weigh in."""
+    for _ in range(warmup):
+        fn()
+    return [time_per_call(fn, 1, warmup=0, cuda=cuda, wall=wall) for _ in range(n)]
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:

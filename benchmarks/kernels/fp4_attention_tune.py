@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         out = torch.empty_like(q)
 
         def bench(caches) -> float:
-            """us per call, the calls going through ``caches`` in turn."""
+            """ms per call (triton's unit), the calls going through ``caches`` in turn."""
             return triton.testing.do_bench_cudagraph(
                 lambda: [A.decode_attention(q, c, lengths, out=out) for c in caches], rep=50
             ) / len(caches)

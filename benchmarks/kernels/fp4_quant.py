@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from benchmarks import harness
 
@@ -47,13 +46,10 @@ def main(argv=None) -> int:
     n_exact = 1 << 12 if args.smoke else args.exact_values
 
     def bench(fn) -> float:
-        """Median seconds per call."""
+        """Median seconds per call (on the CPU, one call after a warm-up call)."""
         if cuda:
             return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
-        fn()
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
+        return harness.time_per_call(fn, 1, warmup=1)
 
     results: dict = {"device": env.name, "smoke": args.smoke}
     results["versions"] = {"torch": torch.__version__, "triton": triton.__version__}

@@ -19,7 +19,8 @@ import argparse
 import json
 import statistics
 import sys
-import time
+
+from benchmarks import harness
 
 
 def parse_args(argv=None):
@@ -84,22 +85,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
 
     def timed(fn) -> float:
-        fn()
-        sync()
-        times = []
-        for _ in range(args.iters):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
+        return 1e3 * statistics.median(harness.call_times(fn, args.iters, cuda=cuda))
 
     results, outs = {}, {}
     for setup in args.setups.split(","):

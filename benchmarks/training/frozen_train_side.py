@@ -24,6 +24,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+from benchmarks import harness
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,15 +61,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
 
     def timed(fn) -> float:
-        fn()
-        sync()
-        ts = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return statistics.median(harness.call_times(fn, args.iters, cuda=cuda, wall=True))
 
     results, built = {}, {}
     for setup in args.setups.split(","):

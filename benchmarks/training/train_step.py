@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 
@@ -97,9 +98,7 @@ def main(argv=None) -> int:
 
     def timed(fn) -> float:
         """Median seconds of ``args.steps`` steps, each timed on its own, after a warm-up step."""
-        fn()
-        ts = sorted(harness.time_per_call(fn, 1, warmup=0) for _ in range(args.steps))
-        return ts[len(ts) // 2]
+        return statistics.median_high(harness.call_times(fn, args.steps))
 
     t0 = time.perf_counter()
     res = {"device": env.name if cuda else "cpu", "smoke": args.smoke, "config": vars(args)}

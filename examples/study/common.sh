@@ -1,6 +1,6 @@
-# Shared by the study's device scripts (sourced from the repository root): the setup, the warm-up, one GRPO run
-# and the report. The device keeps nothing between calls, so every call warms up again and returns only what
-# study_report leaves in $OUT (the device returns at most 8 files).
+# Shared by the study's device scripts (sourced from the repository root): the setup, the warm-up, one GRPO run,
+# a grid of (regime, seed) runs at once, and the report. The device keeps nothing between calls, so every call warms
+# up again and returns only what study_report leaves in $OUT (the device returns at most 8 files).
 
 # study_setup DEFAULT_OUT: absolute $OUT, scratch $W, $PY, $DEADLINE (from BUDGET_S, the whole call's seconds),
 # $NGPU, env.txt; trace_hf from this tree first on PYTHONPATH with kernels/ linked in as trace_hf/kernels (what the
@@ -49,6 +49,27 @@ study_grpo() {
     --seed "$seed" "$@" > "$log" 2>&1
   echo "$regime seed $seed rc=$?"
   tail -n 1 "$log"
+}
+
+# study_grid: SEED_LIST and REGIME_LIST from $SEEDS and $REGIMES (space-separated), and JOBS, the runs they make.
+study_grid() {
+  read -ra SEED_LIST <<< "$SEEDS"
+  read -ra REGIME_LIST <<< "$REGIMES"
+  JOBS=$((${#SEED_LIST[@]} * ${#REGIME_LIST[@]}))
+}
+
+# study_grid_runs [study.py grpo args]: every (regime, seed) of study_grid as its own study_grpo, all started at once
+# and spread round-robin over the $NGPU GPUs, run i's output in $W/queue$i.log; waits for them, then prints the logs.
+study_grid_runs() {
+  local i=0 seed regime
+  for seed in "${SEED_LIST[@]}"; do
+    for regime in "${REGIME_LIST[@]}"; do
+      study_grpo "$regime" "$seed" $((i % NGPU)) "$@" > "$W/queue$i.log" &
+      i=$((i + 1))
+    done
+  done
+  wait
+  cat "$W"/queue*.log
 }
 
 # study_report: the report's table, summary and plots into $OUT; results, logs (no weights), env.txt and the report

@@ -15,9 +15,7 @@ study_setup outputs/study_long
 STEPS=${STEPS:-200}
 SEEDS=${SEEDS:-0}
 REGIMES=${REGIMES:-bf16 fp4_naive fp4_qat trace_replay all_sites_h100}
-read -ra SEED_LIST <<< "$SEEDS"
-read -ra REGIME_LIST <<< "$REGIMES"
-JOBS=$((${#SEED_LIST[@]} * ${#REGIME_LIST[@]}))
+study_grid
 export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 
 echo "== 1. warm-up (GPU 0)"
@@ -25,16 +23,8 @@ study_warm 0 ${STUDY_ARGS:-}
 
 TRAIN_S=$((DEADLINE - SECONDS - 40 - ${RESERVE_S:-60}))
 echo "== 2. $JOBS runs on $NGPU GPU(s), $STEPS GRPO steps or $TRAIN_S s of training each"
-i=0
-for seed in "${SEED_LIST[@]}"; do
-  for regime in "${REGIME_LIST[@]}"; do
-    study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-25}" \
-      --eval-problems "${EVAL_PROBLEMS:-256}" --max-train-seconds "$TRAIN_S" ${STUDY_ARGS:-} > "$W/queue$i.log" &
-    i=$((i + 1))
-  done
-done
-wait
-cat "$W"/queue*.log
+study_grid_runs --steps "$STEPS" --eval-every "${EVAL_EVERY:-25}" --eval-problems "${EVAL_PROBLEMS:-256}" \
+  --max-train-seconds "$TRAIN_S" ${STUDY_ARGS:-}
 
 echo "== 3. report"
 study_report

@@ -25,9 +25,7 @@ STEPS=${STEPS:-500}
 SEEDS=${SEEDS:-0 1 2}
 REGIMES=${REGIMES:-bf16 fp4_naive fp4_qat trace_replay all_sites_replay}
 TASK_ARGS="--task chain --size mini --max-completion-length 152 --eval-problems ${EVAL_PROBLEMS:-256} ${STUDY_ARGS:-}"
-read -ra SEED_LIST <<< "$SEEDS"
-read -ra REGIME_LIST <<< "$REGIMES"
-JOBS=$((${#SEED_LIST[@]} * ${#REGIME_LIST[@]}))
+study_grid
 export OMP_NUM_THREADS=1
 
 # MPS (MPS=1, the default): the 15 small runs' kernels then share the GPU's multiprocessors instead of taking turns
@@ -58,20 +56,11 @@ grep -E "greedy test accuracy|annealed over" "$W/study_warm.log"
 TRAIN_S=$((DEADLINE - SECONDS - 40 - ${RESERVE_S:-70}))
 TRAIN_UNTIL=$(($(date +%s) + TRAIN_S))  # one deadline for all runs; they end at one common step (EqualSteps)
 echo "== 2. $JOBS runs on $NGPU GPU(s), $STEPS GRPO steps or until $TRAIN_S s from now, all at one common step"
-i=0
-for seed in "${SEED_LIST[@]}"; do
-  for regime in "${REGIME_LIST[@]}"; do
-    study_grpo "$regime" "$seed" $((i % NGPU)) --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" \
-      --prompts-per-step "${PROMPTS:-8}" --num-generations "${GENS:-8}" --learning-rate "${LR:-1e-4}" \
-      --warmup-steps "${WARMUP:-0}" --temperature "${TEMP:-1.0}" --train-deadline "$TRAIN_UNTIL" \
-      --beta "${BETA:-0}" --master-weights "${MASTER_WEIGHTS:-bf16}" ${AUX_COEF:+--router-aux-loss-coef "$AUX_COEF"} \
-      --sync-dir "$W/study/sync" --sync-runs "$JOBS" \
-      $TASK_ARGS > "$W/queue$i.log" &
-    i=$((i + 1))
-  done
-done
-wait
-cat "$W"/queue*.log
+study_grid_runs --steps "$STEPS" --eval-every "${EVAL_EVERY:-50}" --prompts-per-step "${PROMPTS:-8}" \
+  --num-generations "${GENS:-8}" --learning-rate "${LR:-1e-4}" --warmup-steps "${WARMUP:-0}" \
+  --temperature "${TEMP:-1.0}" --train-deadline "$TRAIN_UNTIL" --beta "${BETA:-0}" \
+  --master-weights "${MASTER_WEIGHTS:-bf16}" ${AUX_COEF:+--router-aux-loss-coef "$AUX_COEF"} \
+  --sync-dir "$W/study/sync" --sync-runs "$JOBS" $TASK_ARGS
 
 echo "== 3. report"
 study_report

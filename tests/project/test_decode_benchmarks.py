@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,24 @@ def test_time_per_call_and_write_json(tmp_path):
     assert len(calls) == 7 and 0 <= t < 1
     harness.write_json(str(tmp_path / "a" / "b.json"), {"x": 1, "path": tmp_path})
     assert json.loads((tmp_path / "a" / "b.json").read_text()) == {"x": 1, "path": str(tmp_path)}
+
+
+def test_call_times_times_each_call_on_its_own():
+    """`call_times` makes the warm-up calls, then times each of ``n`` calls alone: a slow call shows in its own
+    entry only (what the medians of the training benchmarks rely on), on the wall clock with ``wall`` or
+    ``cuda=False`` too."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 4:
+            time.sleep(0.05)
+
+    for kw in ({}, {"cuda": False}, {"wall": True}):
+        calls.clear()
+        ts = harness.call_times(fn, 4, warmup=2, **kw)
+        assert len(calls) == 6 and len(ts) == 4
+        assert ts[1] >= 0.05 and max(ts[0], ts[2], ts[3]) < 0.05
 
 
 def test_grpo_step_builds_each_setup_with_the_given_model_builder(tmp_path):
