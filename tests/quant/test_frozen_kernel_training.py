@@ -86,6 +86,57 @@ def test_dense_activations_w4a16():
         assert rel(a, b) < 1e-5
 
 
+def identity_down(mod):
+    """Packed W_down = [I; 0] per expert, exact in any dtype, so grad @ W_down[e] is grad's first I columns exactly."""
+    e, h, ni = mod.num_experts, mod.hidden_dim, mod.intermediate_dim
+    codes = torch.zeros(e, h, ni, dtype=torch.uint8)
+    codes[:, :ni] = torch.eye(ni, dtype=torch.uint8) * 2  # E2M1 code 2 is 1.0
+    scale = fp4.e4m3_encode(torch.ones(e, h, ni // 16))
+    return fp4.FP4Tensor(fp4.pack_codes(codes), scale, torch.ones(e, 1, 1), "nvfp4")
+
+
+def test_routing_weight_gradient_reads_the_forward_kernels_hidden():
+    """dL/dw_k is <grad @ W_down[e], the FP4 hidden the forward kernel's down projection read>, to fp32 rounding. In
+    bf16 a gate/up recomputed in backward rounds 1-2% of the hidden's codes the other way (the kernels accumulate in
+    fp32): this case has such flips, and a gradient taken from a recomputed hidden misses by about 1e-2."""
+    from trace_hf.kernels import fp4_moe
+
+    mod = frozen("triton", dtype=torch.bfloat16)
+    gu = mod.packed_weights()[0]
+    mod.load_packed_weights(gu, identity_down(mod))
+    ids, w = routing(21, 4, 2)  # fp32 routing weights: their gradient comes back in fp32
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y, dx, dw = step(mod, x, ids, w)
+    r = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)  # grad of y, as in `step`
+    xq = fp4.quantize(x, "nvfp4", "row")
+    _, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, mod.packed_weights()[1], True, return_hidden=True)
+    pos = hidden.positions().view(21, 2)
+    h = hidden.q.dequantize()[pos]  # [T, k, I] fp32, slot order
+    want = (r[:, None, :32].float() * h).sum(-1)
+    assert dw.dtype == torch.float32 and want.abs().min() > 0
+    torch.testing.assert_close(dw, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    # The case is one where a bf16 recompute of gate/up flips hidden codes.
+    gate, up = torch.einsum("th,tkih->tki", xq.dequantize(torch.bfloat16), gu.dequantize(torch.bfloat16)[ids]).chunk(
+        2, dim=-1
+    )
+    recomputed = fp4.quantize(nn.functional.silu(gate) * up, "nvfp4", "row").codes()
+    assert (recomputed != hidden.q.codes()[pos]).any()
+
+
+def test_only_the_gradients_asked_for():
+    """Input and routing-weight gradients alone are those of the full backward (which skips what is not asked for:
+    the kept hidden without a routing-weight gradient, the gate/up recompute without an input gradient)."""
+    mod = frozen("triton")
+    ids, w = routing(13, 4, 2)
+    x = torch.randn(13, 64)
+    _, dx, dw = step(mod, x, ids, w)
+    r = torch.randn(13, 64, generator=torch.Generator().manual_seed(3))
+    xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    (mod(xi, ids, w) * r).sum().backward()
+    (mod(x, ids, wi) * r).sum().backward()
+    assert torch.equal(xi.grad, dx) and torch.equal(wi.grad, dw)
+
+
 def test_no_grad_forward_equals_the_training_forward():
     """TRL's old log-prob forward (no grad, train mode) and the training forward compute the same bits."""
     mod = frozen("triton")
