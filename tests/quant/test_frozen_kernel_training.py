@@ -2,7 +2,8 @@
 """Frozen FP4 experts train through the rollout's fused kernels (`experts_kernel="triton"`, "auto" on CUDA): the
 training forward is the eval (rollout) path bit for bit, and its backward gives the torch path's input and
 routing-weight gradients up to summation order (fp32 under the interpreter: 1e-5 relative; bf16 on the GPU:
-2e-2). Hints at experts_input reach the kernels as codes; an experts_hidden guide falls back to the torch path."""
+2e-2 and 1e-2), the latter from the very FP4 hidden the forward kernel used. Hints at experts_input reach the
+kernels as codes; an experts_hidden guide falls back to the torch path."""
 
 from __future__ import annotations
 
@@ -220,12 +221,16 @@ def test_kernel_training_on_cuda_gpu():
         assert torch.equal(u, v)
     with torch.no_grad():
         assert torch.equal(a[0], mod.eval()(x, ids, w))
-    # Output and input gradient within 2e-2 on the H200 (h200_55). The routing-weight gradient measured 3.8e-2
-    # there: backward recomputes gate/up in bf16, so 1-2% of its FP4 hidden codes differ from the ones the forward
-    # kernel took from its fp32 hidden; an fp32 recompute would close that gap.
-    for u, v, bound in zip(a, c, (2e-2, 2e-2, 5e-2), strict=True):
-        print(f"kernel path against fp32 torch: relative error {rel(u, v):.2e} (bound {bound:.0e})")
-        assert rel(u, v) < bound
+    # Output and input gradient within 2e-2 on the H200 (h200_55). The routing-weight gradient measured 3.8e-2 there
+    # while backward took it from a bf16 recompute of gate/up (1-2% of the hidden's FP4 codes rounded the other way);
+    # it now reads the codes the forward kernel used, so what is left is bf16 rounding of W_down and grad @ W_down
+    # (2^-9 each). This test on CPU (interpreter, T=1024 of the 4096 here): 3.2e-3 now, 3.9e-2 before (the GPU's
+    # 3.8e-2); output 1.7e-3, input gradient 6.0e-3. Hence 1e-2 (not yet run on the GPU).
+    bounds = {"output": 2e-2, "input gradient": 2e-2, "routing-weight gradient": 1e-2}
+    errors = {name: rel(u, v) for name, u, v in zip(bounds, a, c, strict=True)}
+    for name, e in errors.items():  # all three printed before any assertion
+        print(f"kernel path against fp32 torch, {name}: relative error {e:.2e} (bound {bounds[name]:.0e})")
+    assert all(errors[name] < bound for name, bound in bounds.items()), errors
 
 
 @pytest.mark.filterwarnings(
