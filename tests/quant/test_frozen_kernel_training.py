@@ -224,8 +224,8 @@ def test_kernel_training_on_cuda_gpu():
     # Output and input gradient within 2e-2 on the H200 (h200_55). The routing-weight gradient measured 3.8e-2 there
     # while backward took it from a bf16 recompute of gate/up (1-2% of the hidden's FP4 codes rounded the other way);
     # it now reads the codes the forward kernel used, so what is left is bf16 rounding of W_down and grad @ W_down
-    # (2^-9 each). This test on CPU (interpreter, T=1024 of the 4096 here): 3.2e-3 now, 3.9e-2 before (the GPU's
-    # 3.8e-2); output 1.7e-3, input gradient 6.0e-3. Hence 1e-2 (not yet run on the GPU).
+    # (2^-9 each). This comparison on CPU (interpreter, 1024 of the 4096 tokens; command in docs/lab-notes.md 6a):
+    # 3.4e-3 now, 3.8e-2 before (as on the GPU); output 1.7e-3, input gradient 6.0e-3. Hence 1e-2 (not yet GPU-run).
     bounds = {"output": 2e-2, "input gradient": 2e-2, "routing-weight gradient": 1e-2}
     errors = {name: rel(u, v) for name, u, v in zip(bounds, a, c, strict=True)}
     for name, e in errors.items():  # all three printed before any assertion
