@@ -394,7 +394,8 @@ class TraceFP4Experts(nn.Module):
 
     def _kernel_train_forward(self, x, top_k_index, top_k_weights) -> torch.Tensor:
         """Training forward of frozen experts through the rollout's kernels (`_kernel_forward`'s values, bit for bit,
-        where no hint applies); backward as `_frozen_backward`. Hints at experts_input reach the kernels as codes."""
+        where no hint applies); backward as `_frozen_backward`. Hints at experts_input reach the kernels as codes.
+        Where the routing weights need a gradient, the FP4 hidden the down projection read is kept for it."""
         xq = None
         if self.activations == "fp4":
             site = self.sites.get("experts_input")
@@ -404,18 +405,27 @@ class TraceFP4Experts(nn.Module):
             xq = (xq.packed, xq.block_scale, xq.global_scale)
         valid = top_k_index < self.num_experts  # expert-parallel sentinels contribute nothing, as in `_routed`
         ids = top_k_index.clamp(max=self.num_experts - 1)
-        return _FrozenKernelExperts.apply(x, top_k_weights * valid, ids, self, *(xq or ()))
+        keep_hidden = self.activations == "fp4" and torch.is_grad_enabled() and top_k_weights.requires_grad
+        return _FrozenKernelExperts.apply(x, top_k_weights * valid, ids, self, keep_hidden, *(xq or ()))
 
-    def _frozen_backward(self, x, ids, weights, grad) -> tuple[torch.Tensor, torch.Tensor]:
+    def _frozen_backward(self, x, ids, weights, grad, hidden, need_dx, need_dw):
         """Input and routing-weight gradients of the frozen experts at input values ``x`` (the FP4 input,
         dequantized): straight-through both FP4 activation quantizations, as `_routed`'s autograd does, from the
-        packed weights dequantized (or the kept copy with cache_qat_weights). Gate/up is recomputed in bf16; the
-        routing weights' gradient is <grad @ W_down, hidden> (the FP4 hidden), so no down projection runs."""
+        packed weights dequantized (or the kept copy with cache_qat_weights).
+
+        The routing weights' gradient is <grad @ W_down[e], hidden>, so no down projection runs. ``hidden`` is the
+        FP4 hidden the forward kernel's down projection read (`FP4Tensor` [T * k, I], rows in slot order), so that
+        gradient is that of the function the forward computed; a gate/up recomputed here in bf16 would round 1-2% of
+        the hidden's codes the other way. With dense activations (``hidden`` None) the recomputed hidden serves.
+        Gate/up are still recomputed (in ``x``'s dtype) for the SiLU * up derivative of the input gradient: the
+        kernels keep only the quantized hidden, and keeping gate/up would hold a [T * k, 2I] copy to the backward."""
         t, k = ids.shape
         ids_sorted, order = torch.sort(ids.reshape(-1), stable=True)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, ids_sorted, torch.ones_like(ids_sorted))
         offsets = counts.cumsum(0).to(torch.int32)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         # One projection dequantized at a time (without cache_qat_weights): the down one is dropped before gate/up's.
         cached = self.fake_quantized_weights(x.dtype) if self.cache_qat_weights else None
         q_gu, q_d = self.packed_weights()
@@ -424,20 +434,27 @@ class TraceFP4Experts(nn.Module):
         rows = order // k
         dhq = _grouped_matmul(grad[rows], w_d, offsets, spans)  # unweighted: grad @ W_down[e], [T * k, I]
         del w_d
-        w_gu = cached[0] if cached else _dequantize(q_gu, x.dtype)
-        gate, up = _grouped_linear(x[rows], w_gu, offsets, spans).chunk(2, dim=-1)
-        with torch.enable_grad():
-            gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
-            h = self.act_fn(gate) * up
-        hq = fp4.fake_quantize(h.detach(), self.fmt, "row") if self.activations == "fp4" else h.detach()
-        w_sorted = weights.reshape(-1)[order]
-        dw_sorted = (dhq * hq).sum(-1, dtype=torch.float32)
-        dgate, dup = torch.autograd.grad(h, (gate, up), dhq * w_sorted[:, None].to(dhq.dtype))
-        dx = _grouped_matmul(torch.cat([dgate, dup], dim=-1), w_gu, offsets, spans)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        dw = dw_sorted[inverse].view(t, k).to(weights.dtype)
-        return dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype), dw
+        dx = dw = None
+        if need_dw and hidden is not None:  # the kernel's codes in sorted order, dequantized in fp32 for this product
+            h = _dequantize(fp4.FP4Tensor(*(f[order] for f in _fields(hidden)), self.fmt), torch.float32)
+            dw = (dhq * h).sum(-1)
+            del h
+        if need_dx or (need_dw and dw is None):  # dense activations: dw reads the recomputed hidden
+            w_gu = cached[0] if cached else _dequantize(q_gu, x.dtype)
+            gate, up = _grouped_linear(x[rows], w_gu, offsets, spans).chunk(2, dim=-1)
+            with torch.enable_grad():
+                gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+                h = self.act_fn(gate) * up
+            if need_dw and dw is None:
+                dw = (dhq * h.detach()).sum(-1, dtype=torch.float32)
+            if need_dx:
+                w_sorted = weights.reshape(-1)[order]
+                dgate, dup = torch.autograd.grad(h, (gate, up), dhq * w_sorted[:, None].to(dhq.dtype))
+                dx = _grouped_matmul(torch.cat([dgate, dup], dim=-1), w_gu, offsets, spans)
+                dx = dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+        if dw is not None:
+            dw = dw[inverse].view(t, k).to(weights.dtype)
+        return dx, dw
 
     def _routed(self, x, top_k_index, top_k_weights, w_gu, w_d, hidden_fp4: bool) -> torch.Tensor:
         """Token-expert pairs sorted by expert: one grouped gate/up GEMM, activation, FP4 hidden, one grouped down
@@ -526,26 +543,46 @@ class _PackedGroupedLinear(torch.autograd.Function):
 class _FrozenKernelExperts(torch.autograd.Function):
     """Frozen experts' training forward through the fused FP4 kernels (`trace_hf.kernels.fp4_moe`, the rollout's),
     on the input's codes (``xq``: packed, block and row scales; none with dense activations); backward
-    `TraceFP4Experts._frozen_backward`: input and routing-weight gradients, no weight gradient."""
+    `TraceFP4Experts._frozen_backward`: input and routing-weight gradients, no weight gradient.
+
+    Saved for backward: the input's codes (a quarter of a bf16 input's bytes; with dense activations the input
+    itself) and, with ``keep_hidden``, the FP4 hidden the down projection read, compacted to slot order: codes,
+    block and row scales, ``I / 2 + I / 16 + 4`` bytes a slot, about 0.28 of a bf16 hidden's ``2 I``. Under
+    non-reentrant checkpointing the forward reruns in backward and saves them again, the same bits (the kernels
+    are deterministic)."""
 
     @staticmethod
-    def forward(ctx, x, weights, ids, module, *xq):
+    def forward(ctx, x, weights, ids, module, keep_hidden, *xq):
         from trace_hf.kernels import fp4_moe
 
         gu, d = module.packed_weights()
         a = fp4.FP4Tensor(*xq, module.fmt) if xq else x
-        y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, module.activations == "fp4")
-        ctx.module, ctx.dtype, ctx.codes = module, x.dtype, len(xq)
-        ctx.save_for_backward(weights, ids, *(xq or (x,)))  # the codes (a quarter of x's bytes), else x itself
+        hidden_fp4 = module.activations == "fp4"
+        kept = ()
+        if keep_hidden:
+            y, hidden = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, return_hidden=True)
+            pos = hidden.positions()  # padded sorted rows -> slot order, padding dropped
+            kept = tuple(f[pos] for f in _fields(hidden.q))
+        else:
+            y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4)
+        ctx.module, ctx.dtype, ctx.codes, ctx.kept = module, x.dtype, len(xq), len(kept)
+        ctx.save_for_backward(weights, ids, *kept, *(xq or (x,)))
         return y.sum(1).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        weights, ids, *xq = ctx.saved_tensors
+        weights, ids, *rest = ctx.saved_tensors
+        kept, xq = rest[: ctx.kept], rest[ctx.kept :]
         m = ctx.module
         x = _dequantize(fp4.FP4Tensor(*xq, m.fmt), ctx.dtype) if ctx.codes else xq[0]
-        dx, dw = m._frozen_backward(x, ids, weights, grad.contiguous())
-        return (dx, dw, None, None) + (None,) * ctx.codes
+        hidden = fp4.FP4Tensor(*kept, m.fmt) if kept else None
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dx, dw = m._frozen_backward(x, ids, weights, grad.contiguous(), hidden, need_dx, need_dw)
+        return (dx, dw, None, None, None) + (None,) * ctx.codes
+
+
+def _fields(q: fp4.FP4Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.packed, q.block_scale, q.global_scale
 
 
 def _grouped_matmul(x: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, spans: list[int] | None) -> torch.Tensor:
