@@ -279,3 +279,33 @@ def test_peft_on_experts_is_refused(tmp_path, model_dir, dataset):
     cfg = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     with pytest.raises(ValueError, match="FP4 routed experts"):
         make(load(model_dir), tmp_path, dataset, peft_config=cfg)
+
+
+def test_log_prob_forwards_skip_each_chunks_padding(tmp_path, model_dir, dataset):
+    """TRL pads every completion to the generation batch's longest; each row chunk's forward sees only the columns
+    where one of its rows has a real token, and gives the same log-probs there (zeros on the cut padding)."""
+    trainer = make(load(model_dir), tmp_path, dataset)
+    model = trainer.model
+    g = torch.Generator().manual_seed(0)
+    prompt, completion = (3, 5, 2, 2), (6, 4, 1, 2)  # rows 2-3 (the second chunk): 3 pad columns left, 4 right
+    P, C = max(prompt), max(completion)
+    ids = torch.randint(4, 60, (4, P + C), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, (p, c) in enumerate(zip(prompt, completion, strict=True)):
+        mask[r, P - p : P + c] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    model.train()
+    with torch.no_grad():
+        whole, ent_whole, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, 4, compute_entropy=True)
+        chunked, ent_chunked, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, C, 2, compute_entropy=True
+        )
+    hook.remove()
+    assert widths == [P + C, P + C, P + C - 7], widths  # rows 0-1 span the whole width; rows 2-3 are cut 3 + 4
+    real = mask[:, P:].bool()
+    torch.testing.assert_close(chunked[real], whole[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_chunked[real], ent_whole[real], rtol=1e-5, atol=1e-5)
+    assert chunked.shape == whole.shape == (4, C)
+    assert torch.all(chunked[2:, 2:] == 0) and torch.all(ent_chunked[2:, 2:] == 0)

@@ -373,24 +373,27 @@ class TraceGRPOTrainer(GRPOTrainer):
         logps, entropies, aux = [], [], []
         for start in range(0, n, batch_size):
             end = min(start + batch_size, n)
-            ctx = self._trace_forward(model, None if rows is None else rows[start:end], attention_mask[start:end])
+            lo, hi = _real_columns(attention_mask[start:end], logits_to_keep)
+            ids, mask, keep = (
+                input_ids[start:end, lo:hi],
+                attention_mask[start:end, lo:hi],
+                logits_to_keep - (input_ids.size(1) - hi),
+            )
+            ctx = self._trace_forward(model, None if rows is None else rows[start:end], mask)
             # The training forward's context goes on the step's stack (closed after backward); a scoring one closes here.
             with contextlib.ExitStack() as local:
                 report = (step.stack if keep_open else local).enter_context(ctx)
                 out = super()._get_per_token_logps_and_entropies(
-                    model,
-                    input_ids[start:end],
-                    attention_mask[start:end],
-                    logits_to_keep,
-                    compute_entropy=compute_entropy,
-                    compute_aux_loss=compute_aux_loss,
+                    model, ids, mask, keep, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss
                 )
             if report is not None and keep_open:
                 step.train_reports.append(report)
             if report is not None and step.reports is not None:
                 step.reports.append(report)
-            logps.append(out[0])
-            entropies.append(out[1])
+            # The columns cut off on the right are completion padding (masked everywhere TRL reads them): zeros.
+            pad = logits_to_keep - keep
+            logps.append(torch.nn.functional.pad(out[0], (0, pad)))
+            entropies.append(None if out[1] is None else torch.nn.functional.pad(out[1], (0, pad)))
             aux.append(out[2])
         return (
             torch.cat(logps, dim=0),
@@ -443,6 +446,21 @@ class TraceGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         finally:
             self._trace_state.rows = None
+
+
+def _real_columns(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int]:
+    """The columns [lo, hi) of a row chunk that hold any real token. TRL pads every completion to the longest of the
+    generation batch, so with long-tailed lengths most of a chunk can be padding (at 64 x 8K, 7 columns in 8); the
+    forwards skip it. Left padding is cut only inside the prompt, right padding only inside the completion. The
+    kept positions' values do not depend on the cut (causal attention; position ids come from the mask), except
+    for the last bits of kernels that tile by sequence length. One host sync per chunk."""
+    any_real = attention_mask.bool().any(0)
+    width = attention_mask.size(1)
+    idx = torch.nonzero(any_real).flatten()
+    if idx.numel() == 0:
+        return 0, width
+    lo, hi = idx[[0, -1]].tolist()
+    return max(0, min(lo, width - logits_to_keep - 1)), max(hi + 1, width - logits_to_keep + 1)
 
 
 def _check_peft_targets(model, peft_config) -> None:
