@@ -371,9 +371,9 @@ class TraceGRPOTrainer(GRPOTrainer):
         # A training forward keeps its context until backward: one chunk, so one set of hooks is installed.
         batch_size = n if keep_open else (batch_size or n)
         logps, entropies, aux = [], [], []
-        for start in range(0, n, batch_size):
+        spans = _real_column_spans(attention_mask, logits_to_keep, batch_size)
+        for start, (lo, hi) in zip(range(0, n, batch_size), spans, strict=True):
             end = min(start + batch_size, n)
-            lo, hi = _real_columns(attention_mask[start:end], logits_to_keep)
             ids, mask, keep = (
                 input_ids[start:end, lo:hi],
                 attention_mask[start:end, lo:hi],
@@ -448,19 +448,23 @@ class TraceGRPOTrainer(GRPOTrainer):
             self._trace_state.rows = None
 
 
-def _real_columns(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int]:
-    """The columns [lo, hi) of a row chunk that hold any real token. TRL pads every completion to the longest of the
-    generation batch, so with long-tailed lengths most of a chunk can be padding (at 64 x 8K, 7 columns in 8); the
-    forwards skip it. Left padding is cut only inside the prompt, right padding only inside the completion. The
-    kept positions' values do not depend on the cut (causal attention; position ids come from the mask), except
-    for the last bits of kernels that tile by sequence length. One host sync per chunk."""
-    any_real = attention_mask.bool().any(0)
-    width = attention_mask.size(1)
-    idx = torch.nonzero(any_real).flatten()
-    if idx.numel() == 0:
-        return 0, width
-    lo, hi = idx[[0, -1]].tolist()
-    return max(0, min(lo, width - logits_to_keep - 1)), max(hi + 1, width - logits_to_keep + 1)
+def _real_column_spans(attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int) -> list[tuple[int, int]]:
+    """For each chunk of ``batch_size`` rows, the columns [lo, hi) that hold a real token of one of its rows.
+
+    TRL pads every completion to the longest of the generation batch, so with long-tailed lengths most of a chunk can
+    be padding (at 64 x 8K, 7 columns in 8), and the forwards skip it. Left padding is cut only inside the prompt and
+    right padding only inside the completion. The kept positions' values do not depend on the cut (attention is
+    causal and position ids come from the mask), except for the last bits of kernels that tile by sequence length.
+    One host sync for all chunks."""
+    n, width = attention_mask.shape
+    real = torch.stack([attention_mask[s : s + batch_size].bool().any(0) for s in range(0, n, batch_size)])
+    cols = torch.arange(width, device=attention_mask.device)
+    first, last = torch.where(real, cols, width).amin(1), torch.where(real, cols, -1).amax(1)
+    spans = []
+    for lo, hi in torch.stack([first, last], 1).tolist():
+        lo, hi = (0, width - 1) if hi < 0 else (lo, hi)  # a chunk of padding only: nothing to cut by
+        spans.append((max(0, min(lo, width - logits_to_keep - 1)), max(hi + 1, width - logits_to_keep + 1)))
+    return spans
 
 
 def _check_peft_targets(model, peft_config) -> None:
