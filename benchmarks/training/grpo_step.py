@@ -26,7 +26,8 @@ slot occupancy: kept tokens over the row-steps decoded) are in ``engine_last_rol
 the engine's live-row compaction off (`EngineRollout(compaction=False)`: each wave decodes in its bucket to the end).
 ``--wave-rows`` caps the engine's rows per wave (`EngineRollout(max_rows=...)`); without it the engine admits as
 many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
-model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``).
+model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``), and every finished step prints a
+``STEP {...}`` line (seconds, phases, peak memory so far), for runs that their time limit cuts short.
 
     python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
         --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
@@ -300,6 +301,27 @@ class StepTimer:
         self.callback = _CB()
 
 
+class StepLog:
+    """A TrainerCallback (after `StepTimer` and `PhaseTimer`) that prints one JSON line per optimizer step: its
+    seconds, phases and the peak memory so far, so that a run cut short by its time limit still shows the steps it
+    finished (the result JSON is written only at the end)."""
+
+    def __init__(self, name: str, steps: StepTimer, phases: PhaseTimer):
+        from transformers import TrainerCallback
+
+        class _CB(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                import torch
+
+                peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+                line = {"setup": name, "step": state.global_step, "step_s": round(steps.steps[-1], 3),
+                        "peak_gib": peak, "phases": phases.steps[-1]}  # fmt: skip
+                if state.is_world_process_zero:
+                    print("STEP " + json.dumps(line), flush=True)
+
+        self.callback = _CB()
+
+
 class LastStepProfile:
     """A TrainerCallback that runs torch.profiler over the last optimizer step (rollout and training): which
     kernels the step's device time goes to (on CPU, the CPU time of each op)."""
@@ -395,7 +417,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
     profiler = LastStepProfile(dev.type == "cuda") if args.profile else None
-    callbacks = [timer.callback, phases.callback] + ([profiler.callback] if profiler else [])
+    log = StepLog(name, timer, phases)
+    callbacks = [timer.callback, phases.callback, log.callback] + ([profiler.callback] if profiler else [])
     trainer = TraceGRPOTrainer(model, reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=callbacks,
                                peft_config=peft_config)  # fmt: skip
     if not name.startswith("generate"):

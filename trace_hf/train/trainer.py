@@ -11,7 +11,8 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   carry them with their rows), computes ``old_per_token_logps`` under the hint-guided forward, the importance-sampling
   ratio against the sampler's log-probs, and the ``trace/*`` metrics.
 * `_get_per_token_logps_and_entropies`: every row chunk runs inside `use_hints` for exactly its rows, and in every
-  regime with position ids from the attention mask, as `generate` makes them for left-padded prompts.
+  regime with position ids from the attention mask, as `generate` makes them for left-padded prompts; each chunk
+  runs only the columns its rows use (TRL pads every completion to the batch's longest).
 * `training_step`: keeps the hint context open until backward is done, because gradient checkpointing recomputes
   the forward there.
 * `_compute_loss`: applies the IS ratio (`trace_hf.train.importance`) through TRL's per-token advantages.
