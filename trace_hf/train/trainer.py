@@ -375,26 +375,23 @@ class TraceGRPOTrainer(GRPOTrainer):
         spans = _real_column_spans(attention_mask, logits_to_keep, batch_size)
         for start, (lo, hi) in zip(range(0, n, batch_size), spans, strict=True):
             end = min(start + batch_size, n)
-            ids, mask, keep = (
-                input_ids[start:end, lo:hi],
-                attention_mask[start:end, lo:hi],
-                logits_to_keep - (input_ids.size(1) - hi),
-            )
+            mask = attention_mask[start:end, lo:hi]
+            cut = input_ids.size(1) - hi  # completion columns cut on the right: their log-probs are 0
             ctx = self._trace_forward(model, None if rows is None else rows[start:end], mask)
             # The training forward's context goes on the step's stack (closed after backward); a scoring one closes here.
             with contextlib.ExitStack() as local:
                 report = (step.stack if keep_open else local).enter_context(ctx)
                 out = super()._get_per_token_logps_and_entropies(
-                    model, ids, mask, keep, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss
-                )
+                    model, input_ids[start:end, lo:hi], mask, logits_to_keep - cut,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                )  # fmt: skip
             if report is not None and keep_open:
                 step.train_reports.append(report)
             if report is not None and step.reports is not None:
                 step.reports.append(report)
-            # The columns cut off on the right are completion padding (masked everywhere TRL reads them): zeros.
-            pad = logits_to_keep - keep
-            logps.append(torch.nn.functional.pad(out[0], (0, pad)))
-            entropies.append(None if out[1] is None else torch.nn.functional.pad(out[1], (0, pad)))
+            # The cut columns are completion padding, which TRL masks wherever it reads it.
+            logps.append(torch.nn.functional.pad(out[0], (0, cut)))
+            entropies.append(None if out[1] is None else torch.nn.functional.pad(out[1], (0, cut)))
             aux.append(out[2])
         return (
             torch.cat(logps, dim=0),
