@@ -27,7 +27,8 @@ the engine's live-row compaction off (`EngineRollout(compaction=False)`: each wa
 ``--wave-rows`` caps the engine's rows per wave (`EngineRollout(max_rows=...)`); without it the engine admits as
 many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
 model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``), and every finished step prints a
-``STEP {...}`` line (seconds, phases, peak memory so far), for runs that their time limit cuts short.
+``STEP {...}`` line (seconds, phases, peak memory so far, the engine's last rollout), for runs that their time
+limit cuts short.
 
     python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
         --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
@@ -303,11 +304,14 @@ class StepTimer:
 
 class StepLog:
     """A TrainerCallback (after `StepTimer` and `PhaseTimer`) that prints one JSON line per optimizer step: its
-    seconds, phases and the peak memory so far, so that a run cut short by its time limit still shows the steps it
-    finished (the result JSON is written only at the end)."""
+    seconds, phases, the peak memory so far and the engine's last rollout (`engine_stats`), so that a run cut short
+    by its time limit still shows the steps it finished (the result JSON is written only at the end)."""
 
     def __init__(self, name: str, steps: StepTimer, phases: PhaseTimer):
         from transformers import TrainerCallback
+
+        self.rollout = None  # the engine, once the setup has made it (None: generate)
+        log = self
 
         class _CB(TrainerCallback):
             def on_step_end(self, args, state, control, **kw):
@@ -315,7 +319,7 @@ class StepLog:
 
                 peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
                 line = {"setup": name, "step": state.global_step, "step_s": round(steps.steps[-1], 3),
-                        "peak_gib": peak, "phases": phases.steps[-1]}  # fmt: skip
+                        "peak_gib": peak, "phases": phases.steps[-1], "engine": engine_stats(log.rollout)}  # fmt: skip
                 if state.is_world_process_zero:
                     print("STEP " + json.dumps(line), flush=True)
 
@@ -427,7 +431,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         engine = make_rollout(trainer.accelerator.unwrap_model(trainer.model), "engine", trainer.generation_config,
                               max_rows=args.wave_rows or None, compaction=not args.no_compaction)  # fmt: skip
         phases.watch_engine(engine)
-        trainer.rollout = engine
+        trainer.rollout = log.rollout = engine
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
                 lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
     phases.wrap(trainer.accelerator, "backward", "backward")
