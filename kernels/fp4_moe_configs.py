@@ -99,8 +99,9 @@ HOPPER = [
 #: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
 #: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
 #: ``slice_buffers`` (default False): one shared-memory allocation per activation K-slice, which takes 7 of the 9
-#: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits; not
-#: measured on the GPU yet, so not in the entries. Empty: never.
+#: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits. In the
+#: decode step it gained 0.2% at 256 rows and 0.4% at 512 (two rounds each, run h200_62), so the decode entry has it;
+#: the prefill entry, not measured with it, does not. Empty: never.
 #: The entries are the best of `benchmarks/kernels/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
 #: k31_2, docs/lab-notes.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
 #: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
@@ -108,9 +109,10 @@ HOPPER = [
 #: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile
 #: were slower at every size (k31_2) and are not built.
 WGMMA = [
-    (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4}),
+    (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
+          "slice_buffers": True}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
-]
+]  # fmt: skip
 
 
 def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict | None:

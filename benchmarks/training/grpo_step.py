@@ -202,10 +202,15 @@ def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int, m
         p = torch.sigmoid(a * proj - lse).mean(1).double().clamp(min=1e-12)  # exp(z) / (exp(z) + the others)
         return ((1 - (1 - p) ** max_len) / p).mean().item()
 
-    lo, hi = 0.0, 1e3
+    bound = 1e3
+    lo, hi = 0.0, bound
     for _ in range(60):
         a = (lo + hi) / 2
         lo, hi = (a, hi) if expected_length(a) > mean_len else (lo, a)
+    got = expected_length(a)
+    if abs(got - mean_len) > 0.05 * mean_len:  # e.g. too many rows whose hidden state points away from u never stop
+        print(f"calibrate_eos: the expected mean length is {got:.0f}, not --eos-mean {mean_len} (scale {a:.1f}, "
+              f"bound {bound:.0f}); this setup's completions will be longer than asked", flush=True)  # fmt: skip
     with torch.no_grad():
         head[eos].copy_((a * u).to(head.dtype))
     return a

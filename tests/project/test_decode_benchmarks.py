@@ -205,3 +205,21 @@ def test_grpo_step_builds_each_setup_with_the_given_model_builder(tmp_path):
     results = json.loads((tmp_path / "g.json").read_text())["results"]
     assert rc == 1 and seen == [False, True]
     assert [r["error"] for r in results] == ["RuntimeError: builder called"] * 2
+
+
+def test_calibrate_eos_reaches_the_mean_or_says_it_cannot(capsys):
+    """`grpo_step.calibrate_eos` sets lm_head's EOS row to ``a * u`` with the scale it returns; a mean it can reach
+    stays quiet, one it cannot (rows whose hidden state points away from u never stop) prints what it got instead."""
+    from benchmarks.training import grpo_step
+    from trace_hf.testing import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    eos = model.config.eos_token_id
+    prompts = [[int(t) for t in torch.randint(3, model.config.vocab_size, (12,))] for _ in range(8)]
+    a = grpo_step.calibrate_eos(model, prompts, eos, mean_len=32, max_len=64)
+    assert 0 < a < 1e3
+    assert torch.allclose(model.lm_head.weight[eos].float().norm(), torch.tensor(a), rtol=1e-3)
+    assert "calibrate_eos" not in capsys.readouterr().out
+    grpo_step.calibrate_eos(model, prompts, eos, mean_len=2, max_len=64)
+    assert "not --eos-mean 2" in capsys.readouterr().out
