@@ -257,10 +257,13 @@ class PhaseTimer:
         orig = getattr(obj, name)
 
         def timed(*a, **k):
+            from torch.profiler import record_function
+
             key = phase() if callable(phase) else phase
             t0 = self._clock()
             try:
-                return orig(*a, **k)
+                with record_function(PHASE_RANGE + key):  # what `LastStepProfile` attributes device time by
+                    return orig(*a, **k)
             finally:
                 self._add(key, self._clock() - t0)
 
@@ -331,9 +334,18 @@ class StepLog:
         self.callback = _CB()
 
 
+#: The runtime calls that make the host wait for the device (`.item()`, `.tolist()`, `int(t)` go through
+#: `aten::_local_scalar_dense`) and those that launch work, counted by `LastStepProfile`.
+SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+PHASE_RANGE = "phase/"  # the profiler range `PhaseTimer.wrap` opens around a phase
+LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
 class LastStepProfile:
     """A TrainerCallback that runs torch.profiler over the last optimizer step (rollout and training): which
-    kernels the step's device time goes to (on CPU, the CPU time of each op)."""
+    kernels the step's device time goes to (on CPU, the CPU time of each op), and on CUDA what the host did
+    meanwhile (`host`: the kernels' total device time, the host's syncs and launches, its costliest ops), which
+    says whether a phase is bound by the GPU or by the Python and launches that feed it."""
 
     def __init__(self, cuda: bool):
         from torch.profiler import ProfilerActivity, profile
@@ -341,11 +353,13 @@ class LastStepProfile:
 
         prof = self
         self.kernels: list = []
+        self.host: dict = {}
 
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
                 if state.global_step == state.max_steps - 1:
-                    prof._p = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                    prof._p = profile(activities=acts)
                     prof._p.__enter__()
 
             def on_step_end(self, args, state, control, **kw):
@@ -356,15 +370,32 @@ class LastStepProfile:
                 if cuda:
                     torch.cuda.synchronize()
                 prof._p.__exit__(None, None, None)
-                events = prof._p.key_averages()
-                rows = [(e.key, e.device_time_total if cuda else e.self_cpu_time_total) for e in events]
-                rows = [(k, t) for k, t in rows if t > 0]
-                total = sum(t for _, t in rows) or 1.0
-                prof.kernels = [(k[:60], round(t / 1e3, 2), round(t / total, 3))
-                                for k, t in sorted(rows, key=lambda r: -r[1])[:20]]  # fmt: skip
+                prof._summarize(prof._p.key_averages(), cuda)
                 prof._p = None
 
         self.callback = _CB()
+
+    def _summarize(self, events, cuda: bool) -> None:
+        rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events]
+        rows = [(k, t) for k, t in rows if t > 0 and not k.startswith(PHASE_RANGE)]
+        total = sum(t for _, t in rows) or 1.0
+        self.kernels = [(k[:60], round(t / 1e3, 2), round(t / total, 3))
+                        for k, t in sorted(rows, key=lambda r: -r[1])[:20]]  # fmt: skip
+        if not cuda:
+            return
+        count = {e.key: e.count for e in events}
+        cpu = sorted(((e.key, e.self_cpu_time_total, e.count) for e in events), key=lambda r: -r[1])
+        # Kernels count toward the phase range they were launched from; the autograd engine's thread (backward,
+        # with the checkpointed recompute) and the decode's graph replays fall outside every range.
+        phase = {e.key[len(PHASE_RANGE) :]: e for e in events if e.key.startswith(PHASE_RANGE)}
+        self.host = {
+            "device_ms": round(total / 1e3, 1),
+            "phase_device_ms": {k: round(e.device_time_total / 1e3, 1) for k, e in phase.items()},
+            "phase_host_ms": {k: round(e.cpu_time_total / 1e3, 1) for k, e in phase.items()},
+            "syncs": {k: count[k] for k in SYNC_OPS if k in count},
+            "launches": sum(count.get(k, 0) for k in LAUNCH_OPS),
+            "top_cpu_ops": [(k[:60], round(t / 1e3, 1), n) for k, t, n in cpu[:15]],  # (op, self ms, calls)
+        }
 
 
 def engine_stats(rollout) -> dict | None:
@@ -479,6 +510,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     }
     if profiler:
         res["kernels_last_step"] = profiler.kernels  # [(kernel, ms, share of the step's device time)]
+        res["host_last_step"] = profiler.host
     del trainer, model
     gc.collect()
     if dev.type == "cuda":
