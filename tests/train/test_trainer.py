@@ -303,9 +303,37 @@ def test_log_prob_forwards_skip_each_chunks_padding(tmp_path, model_dir, dataset
             model, ids, mask, C, 2, compute_entropy=True
         )
     hook.remove()
-    assert widths == [P + C, P + C, P + C - 7], widths  # rows 0-1 span the whole width; rows 2-3 are cut 3 + 4
+    # rows 2-3 (the shortest) go first, cut 3 + 4; rows 0-1 span the whole width
+    assert widths == [P + C, P + C - 7, P + C], widths
     real = mask[:, P:].bool()
     torch.testing.assert_close(chunked[real], whole[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent_chunked[real], ent_whole[real], rtol=1e-5, atol=1e-5)
     assert chunked.shape == whole.shape == (4, C)
     assert torch.all(chunked[2:, 2:] == 0) and torch.all(ent_chunked[2:, 2:] == 0)
+
+
+def test_log_prob_forwards_pack_short_rows_and_put_rows_back(tmp_path, model_dir, dataset):
+    """With one row per forward, rows that stop early share a forward (as many as fit the tokens of one full-width
+    row) and a long row keeps its own; every row's log-probs come back in its own place, equal to its own forward's."""
+    trainer = make(load(model_dir), tmp_path, dataset)
+    model = trainer.model
+    g = torch.Generator().manual_seed(1)
+    completion = (2, 30, 1, 3, 30, 2)  # rows 1 and 4 run to the cap, the others stop early
+    P, C = 4, max(completion)
+    ids = torch.randint(4, 60, (len(completion), P + C), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, c in enumerate(completion):
+        mask[r, : P + c] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    model.train()
+    with torch.no_grad():
+        packed, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, 1)
+        alone = [trainer._get_per_token_logps_and_entropies(model, ids[r : r + 1], mask[r : r + 1], C, 1)[0]
+                 for r in range(len(completion))]  # fmt: skip
+    hook.remove()
+    assert rows[:3] == [4, 1, 1], rows  # the four short rows (7 columns at most, 4 x 7 <= 34) in one forward
+    real = mask[:, P:].bool()
+    torch.testing.assert_close(packed[real], torch.cat(alone)[real], rtol=1e-5, atol=1e-5)
+    assert torch.all(packed[~real] == 0)
