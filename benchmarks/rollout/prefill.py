@@ -16,8 +16,9 @@ of the transformers model in eval mode over the prompts, ``logits_to_keep=1``, u
 `fp4_cache(config, "nvfp4")` under a `HintRecorder` (``fp4``) or into a `DynamicCache` (``bf16``). Then, timed on
 its own, `EngineRollout._load_cache`: that cache copied into the static cache of the model's decoder (`FastDecoder`,
 the prompt's length rounded up to 256 tokens). Not timed: the weight refresh before a rollout (frozen experts have
-nothing to re-quantize), building the decoder, the first token's draw. Prompts are random ids, every row full length
-(no left padding: the kernels are the same; padding only changes which positions the mask hides).
+nothing to re-quantize), building the decoder, the first token's draw. Prompts are random ids, every row full length:
+no left padding, which the timing does not need (the same GEMMs, the same tokens), except that with a padded row
+the attention gets an explicit mask, where all-full rows let transformers pass none (SDPA's causal path).
 
 Per cell: the median of ``--repeats`` prefills after one warm-up (the first FP4 cell's warm-up also compiles the
 Triton kernels), in ms, prompt tokens/s, the load-cache ms and the peak memory; per rows x tokens, ``fp4_over_bf16``
@@ -27,7 +28,8 @@ past (k + 1) / n of the budget (its build counted), so both setups get their sha
 
 ``--profile``: torch.profiler over one more prefill per cell. Its device time (in ``--smoke`` the CPU time of the
 ops) is split into the parts of `part_of` (the `SCOPES` the kernels were launched in, then the name patterns of
-`PARTS`), with the top 15 kernels and the part each went to.
+`PARTS`), with the top 15 kernels and the part each went to, and (GPU) ``gpu_idle_ms``: the timed forward's
+median less the profiled kernels' time, what the GPU spends waiting on the host (launches, synchronizations).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def profile_parts(run, cuda: bool, top: int = 15) -> dict:
     if cuda:
         total: Counter = Counter()
         for e in events:
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation and not ours(e.name):
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) and not ours(e.name):
                 total[e.name] += e.time_range.elapsed_us()
         linked: Counter = Counter()
         for e in events:
@@ -304,7 +306,9 @@ def main(argv=None) -> int:
                         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     if args.profile:
                         with scoped(lm):
-                            out["profile"] = profile_parts(prefill, cuda)
+                            out["profile"] = prof = profile_parts(prefill, cuda)
+                        if cuda:  # the timed forward's stream time that no kernel of the profiled one fills
+                            prof["gpu_idle_ms"] = max(0.0, fwd * 1e3 - prof["total_ms"])
                 cell(**base, **out)
             except Exception as e:  # an OOM (or any failure) of one cell must not lose the others
                 cell(**base, status=f"error: {type(e).__name__}: {e}"[:500])
@@ -315,6 +319,10 @@ def main(argv=None) -> int:
                 free()
         lm = w = None
         free()
+        if cuda:
+            note(
+                f"setup {setup}: done, {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated after freeing it"
+            )
 
     # ---- ratios and tables ----------------------------------------------------------------------------------
     ok = {(c["setup"], c["rows"], c["prompt_tokens"]): c for c in res["cells"] if c["status"] == "ok"}
@@ -349,11 +357,13 @@ def main(argv=None) -> int:
         print(f"\nprofile, {unit} per part of one prefill:")
         short = {"routed_experts": "experts", "fp4_quant_kv_write": "quant+kv", "hint_recording": "hints",
                  "norms_elementwise": "norms/elt"}  # fmt: skip
-        print(f"{'setup':>5} {'cell':>11} {'total':>9} " + " ".join(f"{short.get(p, p):>9}" for p in PART_NAMES))
+        print(f"{'setup':>5} {'cell':>11} {'total':>9} " + " ".join(f"{short.get(p, p):>9}" for p in PART_NAMES)
+              + (f" {'gpu idle':>9}" if cuda else ""))  # fmt: skip
         for c in profiled:
             prof = c["profile"]
             print(f"{c['setup']:>5} {c['rows']:>5}x{c['prompt_tokens']:<5} {prof['total_ms']:>9.2f} "
-                  + " ".join(f"{prof['parts_ms'][p]:>9.2f}" for p in PART_NAMES))  # fmt: skip
+                  + " ".join(f"{prof['parts_ms'][p]:>9.2f}" for p in PART_NAMES)
+                  + (f" {prof['gpu_idle_ms']:>9.2f}" if cuda else ""))  # fmt: skip
         for c in profiled:
             print(f"\ntop kernels, {c['setup']} {c['rows']}x{c['prompt_tokens']}:")
             for name, ms, part in c["profile"]["top_kernels"]:
