@@ -150,23 +150,13 @@ def scoped(lm):
                 setattr(cls, attr, own)
 
 
-def profile_parts(run, cuda: bool, top: int = 15) -> dict:
-    """One call of ``run`` under torch.profiler, inside `scoped` ranges: its device time (CPU: ops' own CPU time) per
-    part (`part_of`) in ms and as a share, and the ``top`` kernels (name, ms, part). A kernel the profiler did not
-    link to the op that launched it counts by its name alone."""
+def event_times(events, cuda: bool):
+    """Microseconds per (kernel name, part) of a profile's events (`FunctionEvent`s). GPU: every kernel's duration,
+    in the part of the innermost scope of the CPU op it is linked to, else by its name alone; CPU: every op's own
+    time, in its scope's part."""
     from collections import Counter
 
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        run()
-        if cuda:
-            import torch
-
-            torch.cuda.synchronize()
-    events = prof.events()
 
     def scope_of(e):
         while e is not None:
@@ -176,27 +166,44 @@ def profile_parts(run, cuda: bool, top: int = 15) -> dict:
         return None
 
     ours = lambda name: name.startswith(SCOPE_PREFIX) or name.startswith("ProfilerStep")  # noqa: E731
-    us: Counter = Counter()  # (name, part) -> us
-    if cuda:
-        total: Counter = Counter()
-        for e in events:
-            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) and not ours(e.name):
-                total[e.name] += e.time_range.elapsed_us()
-        linked: Counter = Counter()
-        for e in events:
-            if e.device_type != DeviceType.CPU:
-                continue
-            for k in e.kernels:
-                if k.name != e.name and not ours(k.name):
-                    us[(k.name, part_of(k.name, scope_of(e)))] += k.duration
-                    linked[k.name] += k.duration
-        for name, t in total.items():
-            if t - linked[name] > 0:
-                us[(name, part_of(name, None))] += t - linked[name]
-    else:
+    us: Counter = Counter()
+    if not cuda:
         for e in events:
             if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0:
                 us[(e.name, part_of(e.name, scope_of(e)))] += e.self_cpu_time_total
+        return us
+    total: Counter = Counter()
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) and not ours(e.name):
+            total[e.name] += e.time_range.elapsed_us()
+    linked: Counter = Counter()
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        for k in e.kernels:
+            if k.name != e.name and not ours(k.name):
+                us[(k.name, part_of(k.name, scope_of(e)))] += k.duration
+                linked[k.name] += k.duration
+    for name, t in total.items():
+        if t - linked[name] > 0:
+            us[(name, part_of(name, None))] += t - linked[name]
+    return us
+
+
+def profile_parts(run, cuda: bool, top: int = 15) -> dict:
+    """One call of ``run`` under torch.profiler, inside `scoped` ranges: its device time (CPU: ops' own CPU time) per
+    part (`part_of`) in ms and as a share, and the ``top`` kernels (name, ms, part). A kernel the profiler did not
+    link to the op that launched it counts by its name alone (`event_times`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        run()
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()
+    us = event_times(prof.events(), cuda)
     parts = dict.fromkeys(PART_NAMES, 0.0)
     for (_, part), t in us.items():
         parts[part] += t

@@ -84,3 +84,63 @@ def test_scoped_patches_and_restores_the_classes():
         assert Sub()(torch.ones(1)).item() == 1.0
     assert [DynamicLayer.update, FP4KVLayer.update, HintRecorder.record_input, Experts.forward] == before
     assert "forward" not in Sub.__dict__
+
+
+def test_event_times_attribute_gpu_kernels_to_the_scope_that_launched_them():
+    """The GPU branch on stand-in profiler events: a kernel linked to an op counts in the innermost scope above
+    that op; the part of a kernel's time not linked to any op counts by its name; scope annotations (CPU and GPU
+    side) count nothing themselves."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def cpu(name, parent=None, kernels=()):
+        return NS(name=name, cpu_parent=parent, device_type=DeviceType.CPU,
+                  kernels=[NS(name=k, duration=d) for k, d in kernels])  # fmt: skip
+
+    def gpu(name, us, annotation=False):
+        return NS(name=name, device_type=DeviceType.CUDA, is_user_annotation=annotation,
+                  time_range=NS(elapsed_us=lambda: us))  # fmt: skip
+
+    experts = cpu("prefill/routed_experts", kernels=[("prefill/routed_experts", 99.0)])
+    hints = cpu("prefill/hints", parent=experts)
+    events = [
+        experts, hints,
+        cpu("aten::mm", parent=experts, kernels=[("nvjet_sm90_tst", 10.0)]),
+        cpu("aten::bitwise_and", parent=hints, kernels=[("vectorized_elementwise_kernel", 2.0)]),
+        cpu("aten::mm", kernels=[("nvjet_sm90_tst", 5.0)]),
+        gpu("nvjet_sm90_tst", 15.0), gpu("vectorized_elementwise_kernel", 2.0),
+        gpu("gate_up_kernel", 7.0),  # a Triton launch no op is linked to
+        gpu("prefill/routed_experts", 40.0, annotation=True),
+    ]  # fmt: skip
+    got = prefill.event_times(events, cuda=True)
+    assert dict(got) == {
+        ("nvjet_sm90_tst", "routed_experts"): 10.0, ("nvjet_sm90_tst", "bf16_gemm"): 5.0,
+        ("vectorized_elementwise_kernel", "hint_recording"): 2.0, ("gate_up_kernel", "routed_experts"): 7.0,
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
+def test_a_failing_cell_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
+    """An OOM in one cell is that cell's status; the other cells and setups still run; past the budget every cell
+    is skipped and says so (and with nothing timed the exit code is 1)."""
+    from trace_hf.rollout.engine import EngineRollout
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = EngineRollout._prefill
+
+    def prefill_or_oom(lm, ids, mask, kv_fp4, record):
+        if ids.shape[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return real(lm, ids, mask, kv_fp4, record)
+
+    monkeypatch.setattr(EngineRollout, "_prefill", staticmethod(prefill_or_oom))
+    assert prefill.main(["--smoke", "--out", str(tmp_path / "p.json")]) == 0
+    res = json.loads((tmp_path / "p.json").read_text())
+    status = {(c["setup"], c["rows"]): c["status"] for c in res["cells"]}
+    assert status[("fp4", 1)] == status[("bf16", 1)] == "ok"
+    assert status[("fp4", 2)].startswith("error: OutOfMemoryError") and status[("bf16", 2)] == status[("fp4", 2)]
+    assert res["table"][1]["fp4_over_bf16"] is None and res["table"][0]["fp4_over_bf16"] > 0
+    assert prefill.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path / "q.json")]) == 1
+    cells = json.loads((tmp_path / "q.json").read_text())["cells"]
+    assert len(cells) == 4 and all(c["status"].startswith("skipped: time budget") for c in cells)
