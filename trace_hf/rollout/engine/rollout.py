@@ -291,13 +291,7 @@ class EngineRollout:
         ids, mask = left_pad(prompt_ids, s.pad_token_id, dev, vocab_size_of(lm), width=P)
 
         # Prefill through the transformers model: its cache, its hints, the first token's logits.
-        cache = fp4_cache(lm.config, "nvfp4") if dec.kv_fp4 else DynamicCache(config=lm.config)
-        recorder = HintRecorder(lm) if record else contextlib.nullcontext()
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        with recorder, no_prefill_refresh():  # _weights_for has just refreshed the packed experts
-            kw = {_cache_kwarg(lm): cache}
-            logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                        **kw).logits[:, -1].float()  # fmt: skip
+        logits, cache, recorder = self._prefill(lm, ids, mask, dec.kv_fp4, record)
         lengths = mask.sum(1)
         self._load_cache(dec, cache, lengths, P)
         del cache
@@ -357,6 +351,21 @@ class EngineRollout:
             torch.cuda.synchronize(dev)
         completion_ids, logprobs = to_lists(completion, r.out_logps[:B, : steps + 1], keep)
         return completion_ids, logprobs, hints
+
+    @staticmethod
+    def _prefill(lm, ids: torch.Tensor, mask: torch.Tensor, kv_fp4: bool, record: bool):
+        """The prefill through the transformers model (eval mode): one forward over the left-padded ``ids`` /
+        ``mask`` into an FP4 or a model-dtype KV cache, under a `HintRecorder` when ``record``, keeping the last
+        position's logits. Returns (those logits in fp32, the cache, the recorder or a null context). Its own
+        method so that `benchmarks.rollout.prefill` times exactly this."""
+        cache = fp4_cache(lm.config, "nvfp4") if kv_fp4 else DynamicCache(config=lm.config)
+        recorder = HintRecorder(lm) if record else contextlib.nullcontext()
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with recorder, no_prefill_refresh():  # _weights_for has just refreshed the packed experts
+            kw = {_cache_kwarg(lm): cache}
+            logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **kw).logits[:, -1].float()  # fmt: skip
+        return logits, cache, recorder
 
     @staticmethod
     def _compact(r: Runner, cur: Runner, rows: int) -> Runner:
