@@ -16,7 +16,7 @@ from trace_hf.quant.experts import fp4_experts
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     out = {}
-    for layers in (2, 8):
+    for layers in (2, 4, 8):
         path = T.save_tiny_model(tmp_path_factory.mktemp(f"l{layers}") / "m", num_hidden_layers=layers)
         out[layers] = AutoModelForCausalLM.from_pretrained(path, quantization_config=TraceFP4Config(hint_layers=1))
     return out
@@ -62,3 +62,34 @@ def test_routers_of_gives_each_experts_module_its_own_router(models):
     assert routers_of(model, experts[3:1:-1]) == [want[3], want[2]]  # the order asked for
     with pytest.raises(ValueError, match="not part of this model"):
         routers_of(model, [nn.Linear(2, 2)])
+
+
+def syncs_in_hinted_forward(model) -> int:
+    """Host syncs (`.item()`, `int(t)`, `.tolist()`: `aten._local_scalar_dense`) of one hinted training forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ids = torch.randint(4, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    model.eval()
+    with torch.no_grad(), HintRecorder(model.model) as rec:
+        model.model(input_ids=ids, attention_mask=mask)
+    hints = rec.collect(mask)
+    model.train()
+    seen = []
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._local_scalar_dense:
+                seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Syncs(), use_hints(model.model, hints, mask):
+        model.model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    return len(seen)
+
+
+def test_a_hinted_forward_syncs_the_host_a_fixed_number_of_times(models):
+    """A sync per layer would make the GPU wait for the host's launches at every layer of every micro-batch (at 48
+    layers each training forward already costs 0.3-0.4 s of host work at any length: docs/lab-notes.md 6c)."""
+    shallow, deep = (syncs_in_hinted_forward(models[n]) for n in (4, 8))  # (2 layers: no MoE layer is unhinted)
+    assert shallow == deep, f"{shallow} host syncs at 4 layers, {deep} at 8"

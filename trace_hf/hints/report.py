@@ -123,9 +123,10 @@ _STALE_WARNED: weakref.WeakSet = weakref.WeakSet()  # models warned already: onc
 def _warn_if_off_policy(model: torch.nn.Module, report: MismatchReport) -> None:
     if model in _STALE_WARNED:
         return
-    elements = int(sum(report.elements.values()))
-    flips = report.hint_flip_rate if elements >= _STALE_MIN_ELEMENTS else 0.0
-    routing = report.routing_mismatch if report.routing_total >= _STALE_MIN_ROUTES else 0.0
+    flips, elements, diff = _host_values(sum(report.flips.values(), 0), sum(report.elements.values(), 0),
+                                         report.routing_diff)  # fmt: skip
+    flips = flips / elements if elements >= _STALE_MIN_ELEMENTS else 0.0
+    routing = diff / report.routing_total if report.routing_total >= _STALE_MIN_ROUTES else 0.0
     if not (flips >= STALE_FLIP_RATE or routing >= STALE_ROUTING_MISMATCH):
         return
     _STALE_WARNED.add(model)
@@ -140,3 +141,12 @@ def _warn_if_off_policy(model: torch.nn.Module, report: MismatchReport) -> None:
         StaleHintsWarning,
         stacklevel=4,  # the caller's `with use_hints(...)` (past this function, the generator and contextlib)
     )
+
+
+def _host_values(*values) -> list[float]:
+    """Counts that may be device tensors (summed lazily, `MismatchReport.count`) as floats, in one host sync: the
+    trainer checks every forward's report, and a sync per count would make that cost grow with the hinted layers."""
+    dev = next((v.device for v in values if torch.is_tensor(v)), None)
+    if dev is None:
+        return [float(v) for v in values]
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in values]).tolist()
