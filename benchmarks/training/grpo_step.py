@@ -40,7 +40,8 @@ Batch: ``--prompts`` x ``--num-generations`` rows of ``--prompt-len`` random tok
 length). Reported
 per setup: rollout seconds and tokens/s, whole-step seconds (steps after the first, which compiles and captures),
 peak memory (per GPU), and the ratios to ``generate_bf16``; with ``--profile`` also the last step's device time
-by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what). Under several processes every GPU rolls out its own
+by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what); with
+``--profile-host`` instead, one call of each training phase with the host's side (``host_profile_last_step``). Under several processes every GPU rolls out its own
 64 rows; tokens/s are per GPU and in all (``*_total``), and the main process writes the JSON.
 """
 
@@ -68,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--setups", default="generate_bf16,engine_bf16,engine_fp4")
     p.add_argument("--profile", action="store_true", help="break the last step's device time down by kernel")
+    p.add_argument("--profile-host", action="store_true",
+                   help="profile one call of each training phase in the last step, host side included")  # fmt: skip
     p.add_argument(
         "--freeze-experts",
         action="store_true",
@@ -86,7 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--no-compaction", action="store_true",
                    help="engine rollouts without live-row compaction (EngineRollout(compaction=False))")  # fmt: skip
     p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.profile and args.profile_host:
+        p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
+    return args
 
 
 def word_tokenizer(vocab: int):
@@ -225,6 +231,7 @@ class PhaseTimer:
         from transformers import TrainerCallback
 
         self.cuda, self.now, self.steps = cuda, {}, []
+        self.host: HostProfile | None = None  # --profile-host: profiles one call of each phase
         timer = self
 
         class _CB(TrainerCallback):
@@ -257,13 +264,12 @@ class PhaseTimer:
         orig = getattr(obj, name)
 
         def timed(*a, **k):
-            from torch.profiler import record_function
-
             key = phase() if callable(phase) else phase
             t0 = self._clock()
             try:
-                with record_function(PHASE_RANGE + key):  # what `LastStepProfile` attributes device time by
-                    return orig(*a, **k)
+                if self.host is not None and self.host.wants(key):
+                    return self.host.run(key, orig, a, k)
+                return orig(*a, **k)
             finally:
                 self._add(key, self._clock() - t0)
 
@@ -334,18 +340,9 @@ class StepLog:
         self.callback = _CB()
 
 
-#: The runtime calls that make the host wait for the device (`.item()`, `.tolist()`, `int(t)` go through
-#: `aten::_local_scalar_dense`) and those that launch work, counted by `LastStepProfile`.
-SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-PHASE_RANGE = "phase/"  # the profiler range `PhaseTimer.wrap` opens around a phase
-LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-
-
 class LastStepProfile:
     """A TrainerCallback that runs torch.profiler over the last optimizer step (rollout and training): which
-    kernels the step's device time goes to (on CPU, the CPU time of each op), and on CUDA what the host did
-    meanwhile (`host`: the kernels' total device time, the host's syncs and launches, its costliest ops), which
-    says whether a phase is bound by the GPU or by the Python and launches that feed it."""
+    kernels the step's device time goes to (on CPU, the CPU time of each op)."""
 
     def __init__(self, cuda: bool):
         from torch.profiler import ProfilerActivity, profile
@@ -353,13 +350,11 @@ class LastStepProfile:
 
         prof = self
         self.kernels: list = []
-        self.host: dict = {}
 
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
                 if state.global_step == state.max_steps - 1:
-                    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-                    prof._p = profile(activities=acts)
+                    prof._p = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
                     prof._p.__enter__()
 
             def on_step_end(self, args, state, control, **kw):
@@ -370,31 +365,73 @@ class LastStepProfile:
                 if cuda:
                     torch.cuda.synchronize()
                 prof._p.__exit__(None, None, None)
-                prof._summarize(prof._p.key_averages(), cuda)
+                prof.kernels = top_times(prof._p.key_averages(), cuda, 20)
                 prof._p = None
 
         self.callback = _CB()
 
-    def _summarize(self, events, cuda: bool) -> None:
-        rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events]
-        rows = [(k, t) for k, t in rows if t > 0 and not k.startswith(PHASE_RANGE)]
-        total = sum(t for _, t in rows) or 1.0
-        self.kernels = [(k[:60], round(t / 1e3, 2), round(t / total, 3))
-                        for k, t in sorted(rows, key=lambda r: -r[1])[:20]]  # fmt: skip
-        if not cuda:
-            return
+
+def top_times(events, cuda: bool, n: int) -> list:
+    """The ``n`` costliest kernels (on CPU: ops by self CPU time) of a profile: (name, ms, share of the total)."""
+    rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events]
+    rows = [(k, t) for k, t in rows if t > 0]
+    total = sum(t for _, t in rows) or 1.0
+    return [(k[:60], round(t / 1e3, 2), round(t / total, 3)) for k, t in sorted(rows, key=lambda r: -r[1])[:n]]
+
+
+#: The runtime calls that make the host wait for the device (`.item()`, `.tolist()`, `int(t)` go through
+#: `aten::_local_scalar_dense`) and those that launch work, counted by `HostProfile`.
+SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+class HostProfile:
+    """``--profile-host``: in the last step, the first call of each training phase (one micro-batch's scoring
+    forward, training forward and backward) under torch.profiler with CPU activity: its wall and device time, the
+    host's syncs, launches and aten ops, and where the host's time goes. A forward whose device time is far below its
+    wall is bound by the Python and launches that feed it. One call each, because tracing every op of a 48-layer
+    step gives millions of events that take minutes to summarize."""
+
+    def __init__(self, cuda: bool):
+        from transformers import TrainerCallback
+
+        self.cuda, self.armed, self.phases = cuda, False, {}
+        host = self
+
+        class _CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                host.armed = state.global_step == state.max_steps - 1
+
+        self.callback = _CB()
+
+    def wants(self, phase: str) -> bool:
+        return self.armed and phase not in self.phases
+
+    def run(self, phase: str, fn, args, kwargs):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=acts) as p:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        self.phases[phase] = self.summarize(p.key_averages(), wall)
+        return out
+
+    def summarize(self, events, wall_s: float) -> dict:
         count = {e.key: e.count for e in events}
         cpu = sorted(((e.key, e.self_cpu_time_total, e.count) for e in events), key=lambda r: -r[1])
-        # Kernels count toward the phase range they were launched from; the autograd engine's thread (backward,
-        # with the checkpointed recompute) and the decode's graph replays fall outside every range.
-        phase = {e.key[len(PHASE_RANGE) :]: e for e in events if e.key.startswith(PHASE_RANGE)}
-        self.host = {
-            "device_ms": round(total / 1e3, 1),
-            "phase_device_ms": {k: round(e.device_time_total / 1e3, 1) for k, e in phase.items()},
-            "phase_host_ms": {k: round(e.cpu_time_total / 1e3, 1) for k, e in phase.items()},
+        return {
+            "wall_ms": round(wall_s * 1e3, 1),  # under the profiler, whose tracing adds host time
+            "device_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 1) if self.cuda else None,
             "syncs": {k: count[k] for k in SYNC_OPS if k in count},
             "launches": sum(count.get(k, 0) for k in LAUNCH_OPS),
-            "top_cpu_ops": [(k[:60], round(t / 1e3, 1), n) for k, t, n in cpu[:15]],  # (op, self ms, calls)
+            "aten_ops": sum(n for k, n in count.items() if k.startswith("aten::")),  # nested calls included
+            "top_cpu_ops": [(k[:60], round(t / 1e3, 1), n) for k, t, n in cpu[:12]],  # (op, self ms, calls)
+            "top_kernels": top_times(events, True, 8) if self.cuda else [],
         }
 
 
@@ -457,8 +494,10 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
     profiler = LastStepProfile(dev.type == "cuda") if args.profile else None
+    phases.host = HostProfile(dev.type == "cuda") if args.profile_host else None
     log = StepLog(name, timer, phases)
     callbacks = [timer.callback, phases.callback, log.callback] + ([profiler.callback] if profiler else [])
+    callbacks += [phases.host.callback] if phases.host else []
     trainer = TraceGRPOTrainer(model, reward, args=cfg, train_dataset=ds, processing_class=tok, callbacks=callbacks,
                                peft_config=peft_config)  # fmt: skip
     if not name.startswith("generate"):
@@ -510,7 +549,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     }
     if profiler:
         res["kernels_last_step"] = profiler.kernels  # [(kernel, ms, share of the step's device time)]
-        res["host_last_step"] = profiler.host
+    if phases.host:
+        res["host_profile_last_step"] = phases.host.phases  # one call of each phase
     del trainer, model
     gc.collect()
     if dev.type == "cuda":

@@ -225,29 +225,30 @@ def test_calibrate_eos_reaches_the_mean_or_says_it_cannot(capsys):
     assert "not --eos-mean 2" in capsys.readouterr().out
 
 
-def test_last_step_profile_counts_syncs_and_attributes_phases():
-    """`LastStepProfile`'s CUDA summary: kernels by self device time, the host's syncs and launches, and the device
-    time of each `PhaseTimer` range (its children's kernels)."""
+def test_host_profile_counts_syncs_launches_and_ops():
+    """`HostProfile`'s summary of one call: device time from the kernels, the host's syncs, launches and aten ops,
+    and its costliest ops."""
     from types import SimpleNamespace as E
 
     from benchmarks.training import grpo_step as g
 
     ev = [
-        E(key="gemm_kernel", count=10, self_cpu_time_total=0, self_device_time_total=3000, device_time_total=3000,
-          cpu_time_total=0),
-        E(key="aten::_local_scalar_dense", count=7, self_cpu_time_total=500, self_device_time_total=0,
-          device_time_total=0, cpu_time_total=500),
-        E(key="cudaLaunchKernel", count=40, self_cpu_time_total=200, self_device_time_total=0, device_time_total=0,
-          cpu_time_total=200),
-        E(key=g.PHASE_RANGE + "train_forward", count=2, self_cpu_time_total=100, self_device_time_total=0,
-          device_time_total=1000, cpu_time_total=4000),
-    ]  # fmt: skip
-    prof = g.LastStepProfile.__new__(g.LastStepProfile)
-    prof._summarize(ev, cuda=True)
-    assert prof.kernels == [("gemm_kernel", 3.0, 1.0)]
-    assert prof.host["device_ms"] == 3.0
-    assert prof.host["syncs"] == {"aten::_local_scalar_dense": 7}
-    assert prof.host["launches"] == 40
-    assert prof.host["phase_device_ms"] == {"train_forward": 1.0}
-    assert prof.host["phase_host_ms"] == {"train_forward": 4.0}
-    assert prof.host["top_cpu_ops"][0] == ("aten::_local_scalar_dense", 0.5, 7)
+        E(key="gemm_kernel", count=10, self_cpu_time_total=0, self_device_time_total=3000),
+        E(key="aten::_local_scalar_dense", count=7, self_cpu_time_total=500, self_device_time_total=0),
+        E(key="aten::mm", count=10, self_cpu_time_total=300, self_device_time_total=0),
+        E(key="cudaLaunchKernel", count=40, self_cpu_time_total=200, self_device_time_total=0),
+    ]
+    host = g.HostProfile(cuda=True)
+    out = host.summarize(ev, wall_s=0.012)
+    assert out["wall_ms"] == 12.0 and out["device_ms"] == 3.0
+    assert out["syncs"] == {"aten::_local_scalar_dense": 7}
+    assert out["launches"] == 40 and out["aten_ops"] == 17
+    assert out["top_cpu_ops"][0] == ("aten::_local_scalar_dense", 0.5, 7)
+    assert out["top_kernels"] == [("gemm_kernel", 3.0, 1.0)]
+
+
+def test_grpo_step_profile_flags_exclude_each_other():
+    from benchmarks.training import grpo_step as g
+
+    with pytest.raises(SystemExit):
+        g.parse_args(["--out", "x.json", "--profile", "--profile-host"])
