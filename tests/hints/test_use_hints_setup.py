@@ -22,14 +22,19 @@ def models(tmp_path_factory):
     return out
 
 
-def walks_in_use_hints(model, monkeypatch) -> int:
+def recorded(model):
+    """Two rows of six tokens and the hints a no-grad forward of ``model`` records for them (model left in train)."""
     ids = torch.randint(4, 60, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     model.eval()
     with torch.no_grad(), HintRecorder(model.model) as rec:
         model.model(input_ids=ids, attention_mask=mask)
-    hints = rec.collect(mask)
     model.train()
+    return ids, mask, rec.collect(mask)
+
+
+def walks_in_use_hints(model, monkeypatch) -> int:
+    ids, mask, hints = recorded(model)
     calls = []
     original = nn.Module.modules
 
@@ -68,13 +73,7 @@ def syncs_in_hinted_forward(model) -> int:
     """Host syncs (`.item()`, `int(t)`, `.tolist()`: `aten._local_scalar_dense`) of one hinted training forward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    ids = torch.randint(4, 60, (2, 6), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    model.eval()
-    with torch.no_grad(), HintRecorder(model.model) as rec:
-        model.model(input_ids=ids, attention_mask=mask)
-    hints = rec.collect(mask)
-    model.train()
+    ids, mask, hints = recorded(model)
     seen = []
 
     class Syncs(TorchDispatchMode):
