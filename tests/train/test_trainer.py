@@ -337,3 +337,53 @@ def test_log_prob_forwards_pack_short_rows_and_put_rows_back(tmp_path, model_dir
     real = mask[:, P:].bool()
     torch.testing.assert_close(packed[real], torch.cat(alone)[real], rtol=1e-5, atol=1e-5)
     assert torch.all(packed[~real] == 0)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
+        ({"steps_per_generation": 4}, "steps_per_generation=4"),
+        ({"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
+    ],
+)
+def test_group_by_length_is_refused_where_it_would_change_the_gradient(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(tmp_path, train_sampling_strategy="group_by_length", **kw)
+
+
+def test_other_sampling_strategies_are_refused_not_ignored(tmp_path):
+    with pytest.raises(ValueError, match="'random'.*'group_by_length'"):
+        config(tmp_path, train_sampling_strategy="sequential")
+
+
+def test_grouped_micro_batches_give_the_same_step(tmp_path, model_dir):
+    """One GRPO step with micro-batches grouped by length trains to the same weights as TRL's random order (same
+    rollouts: the seed is the same and TRL shuffles first in both), and its micro-batches are sorted by length. The
+    router aux loss is off: TRL computes it per micro-batch, so it depends on which tokens share one in any order."""
+    # every prompt of its own length: a generation batch holds two of them, four generations each
+    ds = Dataset.from_dict(
+        {"prompt": [D.format_prompt("1" * k + "+2") for k in range(1, 9)], "answer": ["#### 3"] * 8}
+    )
+    seen, trained = {}, {}
+    for strategy in ("random", "group_by_length"):
+        model = load(model_dir)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        trainer = make(model, tmp_path / strategy, ds, max_steps=1, train_sampling_strategy=strategy, optim="sgd",
+                       learning_rate=0.1, router_aux_loss_coef=0.0, per_device_train_batch_size=2,
+                       gradient_accumulation_steps=4)  # fmt: skip
+        compute, seen[strategy] = trainer._compute_loss, []
+
+        def spy(model, inputs, compute=compute, log=seen[strategy]):
+            log.append((inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)).tolist())
+            return compute(model, inputs)
+
+        trainer._compute_loss = spy
+        trainer.train()
+        trained[strategy] = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    flat = {k: [n for mb in v for n in mb] for k, v in seen.items()}
+    assert len(seen["group_by_length"]) == 4 and flat["group_by_length"] == sorted(flat["random"]), seen
+    assert flat["random"] != sorted(flat["random"]), seen  # TRL's order mixed the lengths (seed 0)
+    assert any(not torch.equal(trained["random"][n], p) for n, p in before.items()), "the step changed nothing"
+    for name, p in trained["random"].items():  # SGD: the update is the gradient (Adam's first step is its sign)
+        torch.testing.assert_close(trained["group_by_length"][name], p, rtol=1e-5, atol=1e-7, msg=name)

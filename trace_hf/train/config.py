@@ -10,6 +10,7 @@ from trl import GRPOConfig
 
 from ..rollout import ROLLOUT_ENGINES
 from .delta_rule import GATED_DELTA_RULES
+from .grouping import check_sampling_strategy
 from .importance import IS_MODES
 from .trl_options import check_trl_options
 
@@ -187,6 +188,7 @@ class TraceGRPOConfig(GRPOConfig):
             self.activation_checkpointing = True  # TRL's GRPOConfig default, without the deprecated name
         super().__post_init__()
         check_trl_options(self)  # TRL options this trainer cannot honour (trace_hf.train.trl_options)
+        check_sampling_strategy(self)  # group_by_length: micro-batches by length (trace_hf.train.grouping)
         if self.use_vllm:
             raise ValueError(
                 "TraceGRPOConfig(use_vllm=True) is not supported: TraceGRPOTrainer generates through the model's own "

@@ -13,6 +13,8 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
 * `_get_per_token_logps_and_entropies`: every row chunk runs inside `use_hints` for exactly its rows, and in every
   regime with position ids from the attention mask, as `generate` makes them for left-padded prompts; each chunk
   runs only the columns its rows use (TRL pads every completion to the batch's longest).
+* `_prepare_inputs`: with ``train_sampling_strategy="group_by_length"``, the micro-batches hold rows of similar
+  length instead of TRL's random order (`trace_hf.train.grouping`).
 * `training_step`: keeps the hint context open until backward is done, because gradient checkpointing recomputes
   the forward there.
 * `_compute_loss`: applies the IS ratio (`trace_hf.train.importance`) through TRL's per-token advantages.
@@ -42,6 +44,7 @@ from ..quant.experts import TraceFP4Experts, fp4_experts
 from ..rollout import RolloutOutput, make_rollout
 from .config import TraceGRPOConfig
 from .delta_rule import delta_rule_modules, recurrent_values
+from .grouping import group_by_length
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
 
@@ -230,6 +233,17 @@ class TraceGRPOTrainer(GRPOTrainer):
                 unwrapped.train(was_training)
         self._trace_state.batch = out
         return out.completion_ids, out.logprobs
+
+    def _prepare_inputs(self, generation_batch):
+        # TRL shuffles a fresh generation batch and splits it into micro-batches; group_by_length regroups those rows.
+        fresh = self.model.training and (
+            self._step % (self.args.steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None
+        )
+        inputs = super()._prepare_inputs(generation_batch)
+        if fresh and getattr(self.args, "train_sampling_strategy", "random") == "group_by_length":
+            self._buffered_inputs = group_by_length(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
