@@ -89,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--no-compaction", action="store_true",
                    help="engine rollouts without live-row compaction (EngineRollout(compaction=False))")  # fmt: skip
     p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="micro-batches of rows of similar length (train_sampling_strategy='group_by_length')")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -490,6 +492,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         save_strategy="no", seed=0, disable_tqdm=True,
         rollout_precision="fp4" if fp4 else "bf16", trace_hints=fp4, routing_replay=fp4,
         rollout_engine="generate" if name.startswith("generate") else "engine",
+        train_sampling_strategy="group_by_length" if args.group_by_length else "random",
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
