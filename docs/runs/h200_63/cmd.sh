@@ -4,6 +4,7 @@
 # `grpo_step --profile` over the second step, now with the host's syncs, launches and costliest ops and each
 # phase's device time, FP4 then BF16, each in its own process. From the root:
 #   OUT=$OUT bash docs/runs/h200_63/cmd.sh
+# (It ran at commit 975828b. Since 8506a09 the host-side profile is `--profile-host`, one call per phase: see notes 6c.)
 set -u
 export PYTHONUNBUFFERED=1
 START=$SECONDS
