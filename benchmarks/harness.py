@@ -99,6 +99,11 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / time_per_call(lambda: dst.copy_(src), 10)
 
 
+def fmt(v, spec: str = ".1f") -> str:
+    """A table cell: ``v`` formatted, or "-" where a cell has no value (skipped, out of memory)."""
+    return "-" if v is None else format(v, spec)
+
+
 def write_json(path: str, obj: Any, indent: int = 1) -> None:
     """``obj`` as JSON at ``path`` (its folder made if missing; values JSON does not know written as str)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

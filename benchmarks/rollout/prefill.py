@@ -348,16 +348,13 @@ def main(argv=None) -> int:
     res["seconds"] = time.perf_counter() - t_start
     harness.write_json(args.out, res)
 
-    def fmt(v, spec=".1f"):
-        return "-" if v is None else format(v, spec)
-
     print(f"\n{'rows x tokens':>14} {'fp4 ms':>9} {'bf16 ms':>9} {'fp4 tok/s':>10} {'bf16 tok/s':>10} {'fp4/bf16':>8} "
           f"{'+load':>6} {'fp4 load':>8} {'bf16 load':>9}")  # fmt: skip
     for r in table:
-        print(f"{r['rows']:>6} x {r['prompt_tokens']:<5} {fmt(r['fp4_ms']):>9} {fmt(r['bf16_ms']):>9} "
-              f"{fmt(r['fp4_tokens_per_s'], '.0f'):>10} {fmt(r['bf16_tokens_per_s'], '.0f'):>10} "
-              f"{fmt(r['fp4_over_bf16'], '.2f'):>8} {fmt(r['fp4_over_bf16_with_load'], '.2f'):>6} "
-              f"{fmt(r['fp4_load_cache_ms'], '.2f'):>8} {fmt(r['bf16_load_cache_ms'], '.2f'):>9}")  # fmt: skip
+        print(f"{r['rows']:>6} x {r['prompt_tokens']:<5} {harness.fmt(r['fp4_ms']):>9} {harness.fmt(r['bf16_ms']):>9} "
+              f"{harness.fmt(r['fp4_tokens_per_s'], '.0f'):>10} {harness.fmt(r['bf16_tokens_per_s'], '.0f'):>10} "
+              f"{harness.fmt(r['fp4_over_bf16'], '.2f'):>8} {harness.fmt(r['fp4_over_bf16_with_load'], '.2f'):>6} "
+              f"{harness.fmt(r['fp4_load_cache_ms'], '.2f'):>8} {harness.fmt(r['bf16_load_cache_ms'], '.2f'):>9}")  # fmt: skip
     profiled = [c for c in res["cells"] if "profile" in c]
     if profiled:
         unit = "device ms" if cuda else "cpu ms (smoke: op time)"

@@ -264,15 +264,12 @@ def main(argv=None) -> int:
     res["seconds"] = time.perf_counter() - t_start
     harness.write_json(args.out, res)
 
-    def fmt(v, spec=".1f"):
-        return "-" if v is None else format(v, spec)
-
     print(f"\n{'B':>4} {'T':>6} {'hf tok/s':>9} {'bf16 tok/s':>10} {'fp4 tok/s':>10} {'fp4/hf':>7} {'fp4/bf16':>8} "
           f"{'hints':>7}")  # fmt: skip
     for r in rows:
-        print(f"{r['batch']:>4} {r['context']:>6} {fmt(r['hf']):>9} {fmt(r['fast_bf16']):>10} {fmt(r['fast_fp4']):>10} "
-              f"{fmt(r.get('fp4_over_hf'), '.2f'):>7} {fmt(r.get('fp4_over_bf16'), '.2f'):>8} "
-              f"{fmt(r.get('hint_overhead'), '+.1%'):>7}")  # fmt: skip
+        print(f"{r['batch']:>4} {r['context']:>6} {harness.fmt(r['hf']):>9} {harness.fmt(r['fast_bf16']):>10} {harness.fmt(r['fast_fp4']):>10} "
+              f"{harness.fmt(r.get('fp4_over_hf'), '.2f'):>7} {harness.fmt(r.get('fp4_over_bf16'), '.2f'):>8} "
+              f"{harness.fmt(r.get('hint_overhead'), '+.1%'):>7}")  # fmt: skip
     print(f"total {res['seconds']:.0f} s; JSON: {args.out}")
     return 0
 
