@@ -89,6 +89,25 @@ def call_times(fn: Callable[[], Any], n: int, warmup: int = 1, cuda: bool | None
     return [time_per_call(fn, 1, warmup=0, cuda=cuda, wall=wall) for _ in range(n)]
 
 
+def kernel_times(run: Callable[[], Any], n: int = 3, top: int = 12) -> dict:
+    """Where the GPU time of ``run`` (a graph replay or a step) goes, by kernel (torch.profiler, graph replays
+    included): ``us`` per call, ``launches`` per call, and the ``top`` kernels as [name, us per call, share]."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / n, e.count / n) for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(t for _, t, _ in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+    return {"us": round(total, 1), "launches": round(sum(c for *_, c in rows), 1),
+            "top": [[k[:80], round(t, 1), round(t / total, 3)] for k, t, _ in rows[:top]]}  # fmt: skip
+
+
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Bytes read + written per second by a device-to-device copy of ``nbytes``: the bound the benchmarks quote
     their bandwidth as a fraction of (a memory-bound kernel can at best move bytes at this rate)."""

@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--cells", default="64x1024,64x32768", help="batch x context, comma-separated")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true",
+                   help="also record where each cell's GPU time goes: by kernel, and the launches per step")
     p.add_argument("--setups", default="bf16,fp4,fp4_triton",
                    help=f"comma-separated, of {','.join(SETUPS)} (run in that order: fp4 quantizes in place)")  # fmt: skip
     args = p.parse_args(argv)
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
                 assert torch.isfinite(dec.logits).all(), "non-finite logits"
                 cell = {"setup": setup, "batch": B, "context": T, "step_ms": step_s * 1e3, "tokens_per_s": B / step_s,
                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
+                if args.profile and cuda:
+                    dec.positions.fill_(T)
+                    cell["kernels"] = harness.kernel_times(dec.run, top=25)
                 del dec
             except Exception as e:  # keep the other cells
                 cell = {"setup": setup, "batch": B, "context": T, "error": f"{type(e).__name__}: {e}"[:300]}

@@ -123,20 +123,6 @@ def main(argv=None) -> int:
     def time_steps(run, n) -> float:
         return harness.time_per_call(run, n, warmup=3 if cuda else 0)
 
-    def kernel_times(run, n=3) -> list:
-        """[(kernel, us per step, share)] of the GPU time of ``run`` (torch.profiler; graph replays included)."""
-        from torch.profiler import ProfilerActivity, profile
-
-        run()
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                run()
-            sync()
-        rows = [(e.key, e.device_time_total / n) for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(t for _, t in rows) or 1.0
-        return [(k[:60], round(t, 1), round(t / total, 3)) for k, t in sorted(rows, key=lambda r: -r[1])[:12]]
-
     kv_tok_bf16 = 2 * dims.num_kv_heads * dims.head_dim * (2 if cuda else 4) * dims.num_layers
     kv_tok_fp4 = 2 * dims.num_kv_heads * (dims.head_dim // 2 + dims.head_dim // 16 + 4) * dims.num_layers
 
@@ -220,7 +206,7 @@ def main(argv=None) -> int:
                         g = graphs[variants[0][0]]
                         dec.record_hints = variants[0][1] and dec.fp4_experts
                         dec.positions.fill_(T)
-                        out["kernels"] = kernel_times(g.replay)
+                        out["kernels"] = harness.kernel_times(g.replay)["top"]
                     cell(setup, B, T, **out)
                 except Exception as e:
                     cell(setup, B, T, status=f"error: {type(e).__name__}: {e}"[:500])
