@@ -81,8 +81,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--cells", default="64x1024,64x32768", help="batch x context, comma-separated")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile", action="store_true",
-                   help="also record where each cell's GPU time goes: by kernel, and the launches per step")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also record where each cell's GPU time goes: by kernel, and the launches per step",
+    )
     p.add_argument("--setups", default="bf16,fp4,fp4_triton",
                    help=f"comma-separated, of {','.join(SETUPS)} (run in that order: fp4 quantizes in place)")  # fmt: skip
     args = p.parse_args(argv)
