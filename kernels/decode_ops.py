@@ -1,6 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Small fused kernels of the decode step: residual add + RMSNorm (optionally with the NVFP4 quantization of its
-output, the experts' input), the router's softmax + top-k, and a one-row GEMV for batch 1's projections.
+output, the experts' input, and a gated shared expert's output in the sum), the router's softmax + top-k, a dense
+MLP's SiLU-and-multiply, and a one-row GEMV for batch 1's projections.
 
 At decode sizes every elementwise torch op is its own launch that moves a few KB; a 48-layer step would be made
 of thousands of them. These two kernels replace the ~15 launches per layer the plain torch code needs for the
@@ -24,9 +25,9 @@ from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
 @triton.jit
-def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, H, eps, NADD: tl.constexpr,
-                        QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr, PDL: tl.constexpr,
-                        ROUND_NORMED: tl.constexpr = True):  # fmt: skip
+def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, hb_ptr, y_ptr, gate_ptr, gate_stride,
+                        H, eps, NADD: tl.constexpr, QUANT: tl.constexpr, WRITE_BITS: tl.constexpr, NBT: tl.constexpr,
+                        PDL: tl.constexpr, ROUND_NORMED: tl.constexpr = True, GATED: tl.constexpr = False):  # fmt: skip
     wait_for_producer(PDL)
     # A row as [1, NBT, 16]: NVFP4 blocks of 16 along the last axis, the layout `quantize_rows_nvfp4` takes.
     r = tl.program_id(0).to(tl.int64)
@@ -37,6 +38,11 @@ def _add_rmsnorm_kernel(res_ptr, add_ptr, w_ptr, out_ptr, q_ptr, sb_ptr, g_ptr, 
     if NADD > 0:
         for j in tl.static_range(NADD):
             x += tl.load(add_ptr + (r * NADD + j) * H + h, mask=m, other=0.0).to(tl.float32)
+        if GATED:  # a shared expert's output times sigmoid(its gate), each rounded as the model's ops round them
+            dt = y_ptr.dtype.element_ty
+            s = tl.load(gate_ptr + r * gate_stride).to(tl.float32)
+            s = (1.0 / (1.0 + tl.exp(-s))).to(dt).to(tl.float32)
+            x += (s * tl.load(y_ptr + r * H + h, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         # The residual stream stays in the model dtype, as in the model: normalize the rounded value.
         x = x.to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + r * H + h, x, mask=m)
@@ -106,6 +112,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, x_stride, N, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < N
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(x_ptr + r * x_stride + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + r * x_stride + N + c, mask=m, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # SiLU in the model dtype, then the product, rounded
+    tl.store(out_ptr + r * N + c, (a * u).to(dt), mask=m)
+
+
 def _check(t: torch.Tensor) -> None:
     if not (t.is_cuda or INTERPRETED):
         raise RuntimeError("trace_hf.kernels.decode_ops needs CUDA tensors, or TRITON_INTERPRET=1 (CPU tests).")
@@ -118,13 +136,16 @@ def add_rmsnorm(
     eps: float,
     out: torch.Tensor | None = None,
     round_normalized: bool = True,
+    gated: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``res += add.sum(1)`` in place (``add`` [M, n, H], any float dtype; None: no add), then RMSNorm(res) * weight
     in ``res.dtype`` (Qwen3's RMSNorm: fp32 statistics, normalized value rounded to the dtype before the weight;
-    ``round_normalized=False``: Qwen3.5's, the fp32 normalized value times an fp32 ``weight``, rounded once)."""
+    ``round_normalized=False``: Qwen3.5's, the fp32 normalized value times an fp32 ``weight``, rounded once).
+    ``gated``: ``(y [M, H], gate [M])``, a shared expert's output and its gate logit, also added, as
+    ``sigmoid(gate) * y`` (Qwen3.5's shared expert, folded into the sum)."""
     _check(res)
     out = torch.empty_like(res) if out is None else out
-    _launch_add_rmsnorm(res, add, weight, eps, out, None, None, None, None, round_normalized)
+    _launch_add_rmsnorm(res, add, weight, eps, out, None, None, None, None, round_normalized, gated)
     return out
 
 
@@ -135,6 +156,7 @@ def add_rmsnorm_fp4(
     eps: float,
     hints: FP4Hints | None = None,
     round_normalized: bool = True,
+    gated: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, FP4Tensor]:
     """`add_rmsnorm`, and its output quantized as ``fp4.quantize(out, "nvfp4", "row")`` in the same launch: the
     MoE input of the decode step, one launch per layer instead of two. Returns ``(out, FP4Tensor)``.
@@ -163,20 +185,24 @@ def add_rmsnorm_fp4(
                                  f"got {t.dtype} {list(t.shape)} on {t.device}: the buffers are written in place.")  # fmt: skip
     out = torch.empty_like(res)
     packed = torch.empty(M, H // 2, dtype=torch.uint8, device=dev)
-    _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized)
+    _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized, gated)
     return out, FP4Tensor(packed, scale, g, "nvfp4")
 
 
-def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized=True) -> None:
+def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized=True, gated=None) -> None:
     M, H = res.shape
     quant = packed is not None
     dummy = res  # never touched: its constexpr switch is off
+    y, gate = gated if gated is not None else (dummy, dummy)
+    if gated is not None and (add is None or y.shape != (M, H) or not y.is_contiguous() or gate.shape != (M,)):
+        raise ValueError(f"add_rmsnorm: gated must be (y [M, H] contiguous, gate [M]) with [M, H] = {[M, H]}, beside "
+                         f"an add; got {list(y.shape)} and {list(gate.shape)}, add {add is not None}.")  # fmt: skip
     _add_rmsnorm_kernel[(M,)](
         res, add.contiguous() if add is not None else res, weight, out, packed if quant else dummy,
-        scale if quant else dummy, g if quant else dummy, bits if bits is not None else dummy, H, eps,
-        NADD=0 if add is None else add.shape[1], QUANT=quant, WRITE_BITS=bits is not None,
-        NBT=triton.next_power_of_2(triton.cdiv(H, 16)), ROUND_NORMED=round_normalized, num_warps=4 if H <= 4096 else 8,
-        enable_fp_fusion=False, **launch_options(res.device),
+        scale if quant else dummy, g if quant else dummy, bits if bits is not None else dummy, y, gate,
+        gate.stride(0) if gated is not None else 0, H, eps, NADD=0 if add is None else add.shape[1], QUANT=quant,
+        WRITE_BITS=bits is not None, NBT=triton.next_power_of_2(triton.cdiv(H, 16)), ROUND_NORMED=round_normalized,
+        GATED=gated is not None, num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False, **launch_options(res.device),
     )  # fmt: skip
 
 
@@ -208,6 +234,19 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 1 and (x.is_cuda or INTERPRETED):
         return gemv(x, w)
     return torch.nn.functional.linear(x, w)
+
+
+def silu_mul(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``silu(x[:, :width]) * x[:, width:2 width]`` in ``x.dtype`` (a dense MLP's gate and up halves, rounded as
+    ``F.silu(gate) * up`` rounds), one launch; columns past ``2 width`` are not read."""
+    _check(x)
+    M = x.shape[0]
+    if x.ndim != 2 or x.shape[1] < 2 * width or x.stride(1) != 1:
+        raise ValueError(f"silu_mul takes x [M, >= 2 x {width}] with unit column stride, got {list(x.shape)}.")
+    out = torch.empty(M, width, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul_kernel[(M, triton.cdiv(width, block))](x, out, x.stride(0), width, BLOCK=block, num_warps=4)
+    return out
 
 
 def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

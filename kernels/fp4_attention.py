@@ -165,31 +165,45 @@ def _quantize_row_store(x, q_ptr, s_ptr, g_ptr, D: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
-    """One head's row: RMSNorm over D (Qwen3's q_norm / k_norm), then rotate-half RoPE at position ``pos``."""
+def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+               R: tl.constexpr, ROUND: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+    """One head's row: RMSNorm over D (q_norm / k_norm), then rotate-half RoPE at position ``pos`` on its first R
+    dims (R < D: partial rotary, the rest passed on). ``ROUND``: round to ``dt`` where transformers' ops do (after
+    the norm, each RoPE product and their sum; Qwen3.5), else all in fp32 (Qwen3)."""
     d = tl.arange(0, D)
     x = tl.load(x_ptr + d).to(tl.float32)
     if ROPE:
-        pd = (d + D // 2) % D
+        pd = tl.where(d < R, (d + R // 2) % R, d)
         xp = tl.load(x_ptr + pd).to(tl.float32)
     if NORM:
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         x = (x * r) * tl.load(w_ptr + d).to(tl.float32)
         if ROPE:
             xp = (xp * r) * tl.load(w_ptr + pd).to(tl.float32)
+        if ROUND:
+            x = x.to(dt).to(tl.float32)
+            if ROPE:
+                xp = xp.to(dt).to(tl.float32)
     if ROPE:
-        c = tl.load(cos_ptr + pos * D + d)
-        s = tl.load(sin_ptr + pos * D + d)
-        x = x * c + tl.where(d < D // 2, -xp, xp) * s
+        rot = d < R
+        c = tl.load(cos_ptr + pos * R + d, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * R + d, mask=rot, other=0.0).to(tl.float32)
+        xp = tl.where(d < R // 2, -xp, xp)
+        if ROUND:
+            y = ((x * c).to(dt).to(tl.float32) + (xp * s).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        else:
+            y = x * c + xp * s
+        x = tl.where(rot, y, x)
     return x
 
 
 @triton.jit
 def _qkv_post_kernel(
-    qkv_ptr,  # [B, (HQ + 2 HKV) * D] fused projection output
+    qkv_ptr,  # [B, >= (HQ + 2 HKV) * D] fused projection output (q, k, v heads first)
+    qkv_stride,
     qn_ptr,  # q_norm weight [D]
     kn_ptr,  # k_norm weight [D]
-    cos_ptr,  # [Tpos, D] fp32
+    cos_ptr,  # [Tpos, R]
     sin_ptr,
     pos_ptr,  # [B] int: position of the token = where it goes in the cache
     q_out_ptr,  # [B, HQ, D]
@@ -206,6 +220,8 @@ def _qkv_post_kernel(
     D: tl.constexpr,
     NORM: tl.constexpr,
     ROPE: tl.constexpr,
+    R: tl.constexpr,
+    ROUND: tl.constexpr,
     KV_FP4: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -213,14 +229,15 @@ def _qkv_post_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + b).to(tl.int64)
-    row = qkv_ptr + b.to(tl.int64) * ((HQ + 2 * HKV) * D)
+    row = qkv_ptr + b.to(tl.int64) * qkv_stride
     d = tl.arange(0, D)
+    dt = q_out_ptr.dtype.element_ty
     if h < HQ:
-        q = _norm_rope(row + h * D, qn_ptr, cos_ptr, sin_ptr, pos, eps, D, NORM, ROPE)
-        tl.store(q_out_ptr + (b * HQ + h).to(tl.int64) * D + d, q.to(q_out_ptr.dtype.element_ty))
+        q = _norm_rope(row + h * D, qn_ptr, cos_ptr, sin_ptr, pos, eps, D, NORM, ROPE, R, ROUND, dt)
+        tl.store(q_out_ptr + (b * HQ + h).to(tl.int64) * D + d, q.to(dt))
     else:
         j = h - HQ
-        k = _norm_rope(row + h * D, kn_ptr, cos_ptr, sin_ptr, pos, eps, D, NORM, ROPE)
+        k = _norm_rope(row + h * D, kn_ptr, cos_ptr, sin_ptr, pos, eps, D, NORM, ROPE, R, ROUND, dt)
         v = tl.load(row + (HQ + HKV + j) * D + d).to(tl.float32)
         t = (b * HKV + j).to(tl.int64) * T + pos  # cache row of this token and head
         if KV_FP4:
@@ -448,23 +465,35 @@ def qkv_post(
     sin: torch.Tensor | None = None,
     eps: float = 1e-6,
     q_out: torch.Tensor | None = None,
+    round_like_torch: bool = False,
 ) -> torch.Tensor:
     """Normalize and rotate Q and K of the decode tokens, write K and V at ``positions`` (one per sequence).
 
-    ``qkv`` [B, (Hq + 2 Hkv) * D] (q, k, v heads in that order); ``cos``/``sin`` [Tpos, D] fp32 tables (RoPE off
-    if None); ``q_norm``/``k_norm`` [D] (norm off if None). Returns Q [B, Hq, D] in ``qkv.dtype``.
+    ``qkv`` [B, >= (Hq + 2 Hkv) * D] (q, k, v heads first, in that order; more columns, e.g. an output gate, are
+    not read); ``cos``/``sin`` [Tpos, R] tables (RoPE off if None; R < D: partial rotary on each head's first R
+    dims); ``q_norm``/``k_norm`` [D] (norm off if None). ``round_like_torch``: round to ``qkv.dtype`` after the norm
+    and each RoPE op, as transformers' ops do (Qwen3.5's engine), instead of fp32 throughout (Qwen3's). Returns Q
+    [B, Hq, D] in ``qkv.dtype``.
     """
     check_device(qkv)
     B = qkv.shape[0]
     D = cache.head_dim
-    qkv = qkv.contiguous()
+    if qkv.shape[1] < (num_heads + 2 * num_kv_heads) * D:
+        raise ValueError(f"qkv_post: qkv has {qkv.shape[1]} columns, fewer than the (Hq + 2 Hkv) * D = "
+                         f"{(num_heads + 2 * num_kv_heads) * D} of {num_heads} + 2 x {num_kv_heads} heads of {D}.")  # fmt: skip
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
     q_out = torch.empty(B, num_heads, D, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     norm, rope = q_norm is not None, cos is not None
+    R = cos.shape[-1] if rope else D
+    if rope and (R > D or R % 2 or sin.shape[-1] != R):
+        raise ValueError(f"qkv_post: cos and sin must be [positions, R] with R even and at most head_dim {D}, got "
+                         f"{list(cos.shape)} and {list(sin.shape)}.")  # fmt: skip
     dummy = qkv
     _qkv_post_kernel[(B, num_heads + num_kv_heads)](
-        qkv, q_norm if norm else dummy, k_norm if norm else dummy, cos if rope else dummy, sin if rope else dummy,
-        positions, q_out, *_cache_args(cache), cache.max_len, eps,
-        HQ=num_heads, HKV=num_kv_heads, D=D, NORM=norm, ROPE=rope, KV_FP4=cache.fp4,
+        qkv, qkv.stride(0), q_norm if norm else dummy, k_norm if norm else dummy, cos if rope else dummy,
+        sin if rope else dummy, positions, q_out, *_cache_args(cache), cache.max_len, eps,
+        HQ=num_heads, HKV=num_kv_heads, D=D, NORM=norm, ROPE=rope, R=R, ROUND=round_like_torch, KV_FP4=cache.fp4,
         num_warps=1, enable_fp_fusion=False, **launch_options(qkv.device),
     )  # fmt: skip
     return q_out

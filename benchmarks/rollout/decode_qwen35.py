@@ -46,7 +46,7 @@ def dims(layers: int, smoke: bool):
 
 
 def random_weights(d, dtype, device, seed=0):
-    from trace_hf.rollout.engine.qwen35 import HybridDecodeWeights, HybridLayerWeights
+    from trace_hf.rollout.engine.qwen35 import HybridDecodeWeights, HybridLayerWeights, pad_rows
 
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -60,7 +60,7 @@ def random_weights(d, dtype, device, seed=0):
     layers = []
     for i, kind in enumerate(d.layer_types):
         common = {"ln_post": ones(H), "w_router": rnd(E, H), "gate_up": rnd(E, 2 * NI, H), "down": rnd(E, H, NI),
-                  "w_shared": rnd(2 * d.shared_dim + 1, H), "w_shared_down": rnd(H, d.shared_dim),
+                  "w_shared": pad_rows(rnd(2 * d.shared_dim + 1, H)), "w_shared_down": rnd(H, d.shared_dim),
                   "hinted": i >= d.num_layers // 2}  # fmt: skip
         if kind == "full_attention":
             lw = HybridLayerWeights(kind, ones(H), rnd((2 * d.num_heads + 2 * d.num_kv_heads) * D, H),

@@ -142,3 +142,42 @@ def test_ptx_decoding_is_at_least_as_accurate_as_bf16_operands(monkeypatch):
         err[ptx] = ((out - ref).norm() / ref.norm()).item()
     print(f"decode attention relative error: bf16 operands {err[False]:.2e}, PTX fp16 operands {err[True]:.2e}")
     assert err[True] < 2e-3 and err[True] <= err[False]
+
+
+@pytest.mark.parametrize("dt", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_qkv_post_rounds_as_qwen35_ops(dt):
+    """``round_like_torch`` with partial rotary against transformers' own Qwen3.5 ops (its RMSNorm with ``1 + w``
+    and ``apply_rotary_pos_emb`` over the first R dims): Q and the stored K/V equal up to fp32 summation order (in
+    bf16: all but a rare ulp); columns past q, k, v (the output gate) are not read. bf16 on the GPU only: the
+    interpreter truncates fp32 to bf16 where the GPU rounds."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if dt == torch.bfloat16 else "cpu"
+    B, HQ, HKV, D, R, T = 3, 4, 2, 32, 8, 20
+    cache = A.allocate_kv_cache(B, HKV, T, D, False, dtype=dt, device=dev)
+    proj = (torch.randn(B, (2 * HQ + 2 * HKV) * D, generator=g) * 3).to(dev, dt)  # [q | k | v | gate]
+    pos = torch.tensor([0, 7, 19], dtype=torch.int32, device=dev)
+    qn, kn = Qwen3_5MoeRMSNorm(D, eps=1e-6).to(dev), Qwen3_5MoeRMSNorm(D, eps=1e-6).to(dev)
+    with torch.no_grad():
+        for m in (qn, kn):
+            m.weight.copy_(torch.randn(D, generator=g) * 0.3)
+    qn, kn = qn.to(dt), kn.to(dt)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, R, 2, dtype=torch.float) / R))
+    emb = torch.cat([torch.arange(T, dtype=torch.float)[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(dev, dt), emb.sin().to(dev, dt)
+    q = A.qkv_post(proj, cache, pos, HQ, HKV, 1 + qn.weight.detach().float(), 1 + kn.weight.detach().float(), cos, sin,
+                   1e-6, round_like_torch=True)  # fmt: skip
+    q_in, k_in, v_in, _ = proj.split([HQ * D, HKV * D, HKV * D, HQ * D], 1)
+    with torch.no_grad():
+        c, s = cos[pos.long()][:, None], sin[pos.long()][:, None]  # [B, 1, R], unsqueezed over heads
+        q_ref, k_ref = apply_rotary_pos_emb(qn(q_in.view(B, 1, HQ, D)).transpose(1, 2),
+                                            kn(k_in.view(B, 1, HKV, D)).transpose(1, 2), c, s)  # fmt: skip
+    b = torch.arange(B, device=dev)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dt == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for got, want in ((q, q_ref[:, :, 0]), (cache.k[b, :, pos.long()], k_ref[:, :, 0])):
+        assert got.dtype == dt and (dt == torch.float32 or (got == want).float().mean() > 0.98)
+        torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(cache.v[b, :, pos.long()], v_in.view(B, HKV, D))
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        A.qkv_post(proj, cache, pos, HQ, HKV, None, None, cos[:, :-1], sin[:, :-1])

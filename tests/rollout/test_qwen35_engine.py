@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from rollout_inputs import greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
@@ -85,31 +86,98 @@ def test_add_rmsnorm_follows_qwen35_rmsnorm(dtype):
         assert (out == want).float().mean() > (qwen3_way == want).float().mean()
 
 
-def test_gated_delta_step_kernel_is_transformers_recurrent_step():
-    """`gated_delta_step` (state in place, grouped key heads) against transformers' torch recurrent gated delta rule
-    over 3 tokens from a random state: outputs and final state equal up to fp32 summation order."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_recurrent_gated_delta_rule
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_shared_expert_kernels_follow_transformers(dtype):
+    """`silu_mul` and `add_rmsnorm(..., gated=...)` against transformers' Qwen3.5 shared expert (its MLP and
+    ``sigmoid(shared_expert_gate(x)) * mlp(x)``) added to routed slots and the residual: the residual sum equal up to
+    fp32 summation order (in bf16, bits equal on > 99%)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeMLP
 
-    from trace_hf.kernels.gated_delta import gated_delta_step
+    from trace_hf.kernels import decode_ops
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if dtype == torch.bfloat16 else "cpu"
+    model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=2)
+    c = model.config
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe.shared_expert, Qwen3_5MoeMLP)
+    moe = moe.to(dev, dtype)
     g = torch.Generator().manual_seed(0)
-    B, HK, HV, DK, DV, T_ = 3, 2, 4, 16, 64, 3
-    q, k = torch.randn(B, T_, HK, DK, generator=g), torch.randn(B, T_, HK, DK, generator=g)
-    v = torch.randn(B, T_, HV, DV, generator=g)
-    decay_log = -torch.rand(B, T_, HV, generator=g)
-    beta = torch.rand(B, T_, HV, generator=g)
-    s0 = torch.randn(B, HV, DK, DV, generator=g)
-    q, k, v, decay_log, beta, s0 = (t.to(dev) for t in (q, k, v, decay_log, beta, s0))
-    want, want_state = torch_recurrent_gated_delta_rule(q, k, v, decay_log, beta, initial_state=s0.clone(),
-                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
-    state, outs = s0.clone(), []
-    for t in range(T_):
-        qt = q[:, t] * torch.rsqrt((q[:, t] ** 2).sum(-1, keepdim=True) + 1e-6) / DK**0.5
-        kt = k[:, t] * torch.rsqrt((k[:, t] ** 2).sum(-1, keepdim=True) + 1e-6)
-        outs.append(gated_delta_step(state, qt, kt, v[:, t], decay_log[:, t].exp(), beta[:, t]))
-    torch.testing.assert_close(torch.stack(outs, 1), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    x = torch.randn(16, c.hidden_size, generator=g).to(dev, dtype)
+    res, routed = (
+        torch.randn(16, c.hidden_size, generator=g).to(dev, dtype),
+        torch.randn(16, 8, c.hidden_size, generator=g).to(dev),
+    )
+    se = moe.shared_expert
+    w_shared = torch.cat([se.gate_proj.weight, se.up_proj.weight, moe.shared_expert_gate.weight])
+    with torch.no_grad():
+        want_shared = torch.sigmoid(moe.shared_expert_gate(x)) * se(x)
+        want = (res.float() + routed.sum(1) + want_shared.float()).to(dtype)
+        proj = x @ w_shared.T
+        S = se.gate_proj.out_features
+        h = decode_ops.silu_mul(proj, S)
+        want_h = F.silu(proj[:, :S]) * proj[:, S : 2 * S]
+        torch.testing.assert_close(h, want_h, rtol=1e-6 if dtype == torch.float32 else 2**-7, atol=1e-6)
+        assert dtype == torch.float32 or (h == want_h).float().mean() > 0.99
+        y = h @ se.down_proj.weight.T
+        decode_ops.add_rmsnorm(res, routed, torch.ones(c.hidden_size, device=dev), 1e-6, gated=(y, proj[:, -1]))
+    torch.testing.assert_close(res, want, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)
+    if dtype == torch.bfloat16:
+        assert (res == want).float().mean() > 0.99
+    with pytest.raises(ValueError, match="gated must be"):
+        decode_ops.add_rmsnorm(res, None, torch.ones(c.hidden_size, device=dev), 1e-6, gated=(y, proj[:, -1]))
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dv", [16, 32])
+def test_gated_deltanet_kernels_step_as_torch(dv, dev):
+    """The Triton Gated DeltaNet step (`causal_conv_step` + `gated_delta_step`) against the torch step (transformers'
+    ops) on one layer from random conv and recurrent states, with gates past softplus' threshold (a + dt_bias > 20),
+    near zero and negative, and Dv unequal to Dk: output, conv state and recurrent state equal up to fp32 summation
+    order, over 3 tokens. fp32 on CPU (interpreter), bf16 on CUDA."""
+    from trace_hf.rollout.engine import weights_from_hf
+
+    model = _model(False, device=dev, linear_value_head_dim=dv)
+    w = weights_from_hf(model)
+    lw = w.layers[0]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        lw.a_log.copy_(torch.randn(lw.a_log.shape, generator=g).to(dev))
+        lw.dt_bias.copy_(torch.tensor([25.0, 0.0, -30.0, 1.0], device=dev))
+        lw.gate_norm.copy_(1 + torch.randn(lw.gate_norm.shape, generator=g).to(dev))
+    decs = [HybridDecoder(w, 3, 8, kv_fp4=False, record_hints=False, delta_rule=r) for r in ("torch", "triton")]
+    conv, rec = (
+        torch.randn(decs[0].conv_states[0].shape, generator=g),
+        torch.randn(decs[0].recurrent_states[0].shape, generator=g),
+    )
+    for dec in decs:
+        dec.conv_states[0].copy_(conv.to(dev))
+        dec.recurrent_states[0].copy_(rec.to(dev))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dev == "cpu" else {"rtol": 2e-2, "atol": 2e-2}
+    for _ in range(3):
+        xn = torch.randn(3, model.config.hidden_size, generator=g).to(dev, w.embed.dtype)
+        want, got = (dec._linear_attention(xn, lw, 0) for dec in decs)
+        torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(decs[1].conv_states[0], decs[0].conv_states[0], rtol=0, atol=0)
+    torch.testing.assert_close(decs[1].recurrent_states[0], decs[0].recurrent_states[0], **tol)
+
+
+def test_gated_deltanet_kernels_refuse_bad_shapes():
+    """A state that is not fp32, or a projection of the wrong width, is a ValueError that says what is expected."""
+    from trace_hf.kernels.gated_delta import causal_conv_step, gated_delta_step
+
+    B, hk, dk, hv, dv = 2, 2, 16, 4, 16
+    C = 2 * hk * dk + hv * dv
+    proj = torch.zeros(B, C + hv * dv + 2 * hv)
+    with pytest.raises(ValueError, match="conv_state must be contiguous"):
+        causal_conv_step(proj, torch.zeros(B, C + 1, 4), torch.zeros(C + 1, 4), (hk, dk, hv, dv))
+    qkv = causal_conv_step(proj, torch.zeros(B, C, 4), torch.zeros(C, 4), (hk, dk, hv, dv))
+    ones = torch.ones(hv)
+    with pytest.raises(ValueError, match="state must be contiguous fp32"):
+        gated_delta_step(
+            torch.zeros(B, hv, dk, dv, dtype=torch.float64), qkv, proj, ones, ones, torch.ones(dv), 1e-6, hk
+        )
+    with pytest.raises(ValueError, match=r"proj \[B, "):
+        gated_delta_step(torch.zeros(B, hv, dk, dv), qkv, proj[:, :-1], ones, ones, torch.ones(dv), 1e-6, hk)
 
 
 @pytest.mark.skipif(

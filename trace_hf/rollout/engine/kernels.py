@@ -19,15 +19,17 @@ class Kernels:
     ops: `decode_ops`: add + RMSNorm (fused with the experts' FP4 input quantization), router top-k, linear/gemv.
     attention: `fp4_attention`: the static KV cache, q/k norm + RoPE + cache write, split-K decode attention.
     moe: `fp4_moe`: the routed experts.
+    gated_delta: `gated_delta`: Gated DeltaNet's decode step (Qwen3.5's linear attention).
     """
 
     ops: ModuleType
     attention: ModuleType
     moe: ModuleType
+    gated_delta: ModuleType
 
 
 @functools.cache
 def kernels() -> Kernels:
-    from trace_hf.kernels import decode_ops, fp4_attention, fp4_moe
+    from trace_hf.kernels import decode_ops, fp4_attention, fp4_moe, gated_delta
 
-    return Kernels(ops=decode_ops, attention=fp4_attention, moe=fp4_moe)
+    return Kernels(ops=decode_ops, attention=fp4_attention, moe=fp4_moe, gated_delta=gated_delta)

@@ -16,7 +16,7 @@ import torch
 
 from ...models import has_lora, lora_weight
 from .decoder import FastDecoder
-from .qwen35 import HybridDecoder, HybridDecodeWeights, HybridDims, HybridLayerWeights
+from .qwen35 import HybridDecoder, HybridDecodeWeights, HybridDims, HybridLayerWeights, pad_rows
 from .weights import DecodeWeights, Derived, Dims, LayerWeights, Reader
 
 
@@ -104,8 +104,8 @@ def _qwen35_layer(lay: Layout, layer, i: int, dims: HybridDims, r: Reader) -> Hy
     ln_post, w_router = r.tensor(lay.norm(layer.post_attention_layernorm)), r.tensor(mlp.gate.weight)
     gu, dn, hinted, sites = r.experts(mlp.experts)
     sh, sg = getattr(mlp, lay.shared_expert[0]), getattr(mlp, lay.shared_expert[1])
-    w_shared = r.tensor(Derived(lambda full: torch.cat([full(sh.gate_proj.weight), full(sh.up_proj.weight),
-                                                        full(sg.weight)])))  # fmt: skip
+    w_shared = r.tensor(Derived(lambda full: pad_rows(torch.cat([full(sh.gate_proj.weight), full(sh.up_proj.weight),
+                                                                 full(sg.weight)]))))  # fmt: skip
     return HybridLayerWeights(kind, ln_in, w_in, w_out, ln_post, w_router, gu, dn, w_shared,
                               r.tensor(sh.down_proj.weight), hinted=hinted, hint_sites=sites, **extra)  # fmt: skip
 

@@ -3,27 +3,25 @@
 
 Per layer: add + RMSNorm (`decode_ops`, the model's ``1 + w`` norm weights kept in fp32), then the layer's token
 mixer, then what Qwen3's step does (add + RMSNorm fused with the experts' input quantization and its hints, router,
-routed experts through `fp4_moe`) plus the shared expert and its sigmoid gate, whose output joins the routed
-slots the next norm sums.
+routed experts through `fp4_moe`) plus the shared expert, whose output and sigmoid gate the next norm adds to the
+routed slots it sums (`decode_ops.add_rmsnorm`'s ``gated``).
 
-* Full-attention layers (`layer_types` ``"full_attention"``): one projection [q; k; v; output gate], q/k RMSNorm
-  and partial RoPE in torch (transformers' ops, in its order and dtypes), K/V written to the engine's static cache
-  by `fp4_attention.qkv_post` (norm and RoPE off: it only quantizes and stores, so the FP4 cache holds what
-  transformers' FP4 cache holds), `fp4_attention.decode_attention`, ``* sigmoid(gate)``, ``o_proj``.
-* Linear-attention layers (Gated DeltaNet): one projection [q k v; z; b; a], the causal conv1d as a shift of a
-  static [B, C, kernel] state and a depthwise ``F.conv1d`` over it, then one step of the gated delta rule on a
-  static fp32 state [B, Hv, Dk, Dv], the gated RMSNorm and ``out_proj``.
+* Full-attention layers (`layer_types` ``"full_attention"``): one projection [q; k; v; output gate], then one
+  `fp4_attention.qkv_post` launch: q/k RMSNorm and partial RoPE, rounded where transformers' ops round
+  (``round_like_torch``), K/V quantized and stored in the engine's static cache (the FP4 cache holds what
+  transformers' FP4 cache holds), then `fp4_attention.decode_attention`, ``* sigmoid(gate)``, ``o_proj``.
+* Linear-attention layers (Gated DeltaNet): one projection [q k v; z; b; a], the causal conv1d over a static
+  [B, C, kernel] window, one step of the gated delta rule on a static fp32 state [B, Hv, Dk, Dv], the gated
+  RMSNorm and ``out_proj``.
 
-Kernels: the Gated DeltaNet step is written here, not taken from flash-linear-attention
-(``fused_recurrent_gated_delta_rule``) or causal-conv1d (``causal_conv1d_update``). Ours run on any device, under
-the CPU Triton interpreter (CI) and inside CUDA graphs whatever the Triton (fla gates its kernels on Triton
-versions: its chunked backward refuses the H200 image's 3.6; causal-conv1d is a CUDA extension), and the default
-torch ops follow transformers' torch path op for op, which is what `generate` runs when the extras are absent.
-Per token the conv is K multiply-adds a channel, a few graph-replayed launches; the cost is reading the fp32
-delta-rule state (2 MB a sequence per layer at the 35B-A3B shape), which the torch ops pass over six times.
-`trace_hf.kernels.gated_delta` reads and writes it once (``HybridDecoder(delta_rule="triton")``, the default on
-CUDA: the same function up to fp32 summation order; 1.37x the FP4 step at the 40-layer shape, lab-notes 7c). The
-torch ops stay the default on CPU, where they are the interpreter-free path. The prefill stays the model's own forward (fla and causal-conv1d
+Gated DeltaNet's step between the projections, ``delta_rule``: ``"torch"`` follows transformers' torch path op for
+op (what `generate` runs without the extras), some 45 launches a layer that pass over the state six times;
+``"triton"`` is `trace_hf.kernels.gated_delta`'s two kernels (the state read and written once; the same function up
+to fp32 summation order), the default on CUDA. We wrote those rather than take flash-linear-attention's
+``fused_recurrent_gated_delta_rule`` or causal-conv1d's ``causal_conv1d_update``: ours run under the CPU Triton
+interpreter (CI) and inside CUDA graphs whatever the Triton (fla gates its kernels on Triton versions; its chunked
+backward refuses the H200 image's 3.6; causal-conv1d is a CUDA extension). The torch ops stay the default on CPU.
+The prefill stays the model's own forward (fla and causal-conv1d
 speed it up when installed: ``pip install trace-hf[qwen35]``), and its final conv and recurrent states are copied
 into the decoder's state (`HybridDecoder.load_states`). transformers zeroes the hidden states of padded positions
 before the linear-attention projections, so a left-padded row's states equal those of its unpadded prompt and are
@@ -87,7 +85,7 @@ class HybridLayerWeights:
     w_router: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-    w_shared: torch.Tensor  # [gate_proj; up_proj; shared_expert_gate] rows
+    w_shared: torch.Tensor  # [gate_proj; up_proj; shared_expert_gate; zeros] rows: see `pad_rows`
     w_shared_down: torch.Tensor
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -113,18 +111,12 @@ class HybridDecodeWeights(DecodeWeights):
         )
 
 
-def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's RMSNorm with its fp32 scale ``w`` (= 1 + weight), as transformers computes it."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).type_as(x)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first ``cos.shape[-1]`` dims of each head (partial rotary), the rest passed on."""
-    r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
-    return torch.cat([xr * cos + torch.cat([-x2, x1], -1) * sin, xp], -1)
+def pad_rows(w: torch.Tensor, multiple: int = 8) -> torch.Tensor:
+    """``w`` with zero rows appended up to a multiple of ``multiple``: the shared expert's [gate; up; sigmoid gate]
+    has 2 I + 1 rows, and cuBLAS runs a GEMM with an odd output width on an unaligned kernel (12 us a layer at the
+    35B-A3B shape and 64 rows, `h200_64`'s profile)."""
+    pad = -w.shape[0] % multiple
+    return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -136,9 +128,9 @@ class HybridDecoder(FastDecoder):
     at linear-attention layers (`conv_states` [B, C, kernel] in the model dtype, `recurrent_states`
     [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook.
 
-    ``delta_rule``: ``"torch"`` (transformers' recurrent step, op for op), ``"triton"``
-    (`trace_hf.kernels.gated_delta`: the state read and written once instead of six passes; the same function up
-    to fp32 summation order) or ``"auto"``: Triton on CUDA, torch elsewhere."""
+    ``delta_rule``: ``"torch"`` (transformers' Gated DeltaNet step, op for op), ``"triton"``
+    (`trace_hf.kernels.gated_delta`: conv, norms, gates, rule and gated norm in two launches, the state read and
+    written once; the same function up to fp32 summation order) or ``"auto"``: Triton on CUDA, torch elsewhere."""
 
     round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
     row_buffers = {**FastDecoder.row_buffers, "conv_states": 0, "recurrent_states": 0}
@@ -181,23 +173,31 @@ class HybridDecoder(FastDecoder):
 
     # -- the mixers -------------------------------------------------------------------------------------------
 
-    def _full_attention(self, xn, lw: HybridLayerWeights, i: int, cos, sin, lengths) -> torch.Tensor:
+    def _full_attention(self, xn, lw: HybridLayerWeights, i: int, lengths) -> torch.Tensor:
         d, B = self.dims, self.batch
         dec, A = kernels().ops, kernels().attention
         D, Hq, Hkv = d.head_dim, d.num_heads, d.num_kv_heads
-        q, k, v, gate = dec.linear(xn, lw.w_in).split([Hq * D, Hkv * D, Hkv * D, Hq * D], -1)
-        q = _rope(_rmsnorm(q.view(B, Hq, D), lw.q_norm, d.eps), cos, sin)
-        k = _rope(_rmsnorm(k.view(B, Hkv, D), lw.k_norm, d.eps), cos, sin)
+        proj = dec.linear(xn, lw.w_in)  # [q | k | v | output gate]
         c = self.caches[i]
-        q = A.qkv_post(torch.cat([q.flatten(1), k.flatten(1), v], 1), c, self.positions, Hq, Hkv)  # stores K/V
+        # q/k RMSNorm and partial RoPE rounded as transformers' ops round them, K/V stored
+        q = A.qkv_post(proj, c, self.positions, Hq, Hkv, lw.q_norm, lw.k_norm, self.cos, self.sin, d.eps,
+                       round_like_torch=True)  # fmt: skip
         attn = A.decode_attention(q, c, lengths, splits=self.splits)
+        gate = proj[:, (Hq + 2 * Hkv) * D :]
         return dec.linear(attn.reshape(B, -1) * torch.sigmoid(gate), lw.w_out)
 
     def _linear_attention(self, xn, lw: HybridLayerWeights, i: int) -> torch.Tensor:
         d, B = self.dims, self.batch
         dec = kernels().ops
         Hk, Hv, Dk, Dv = d.lin_k_heads, d.lin_v_heads, d.lin_k_dim, d.lin_v_dim
-        mixed, z, b, a = dec.linear(xn, lw.w_in).split([d.conv_dim, Hv * Dv, Hv, Hv], -1)
+        proj = dec.linear(xn, lw.w_in)
+        if self.delta_rule == "triton":
+            gated_delta = kernels().gated_delta
+            qkv = gated_delta.causal_conv_step(proj, self.conv_states[i], lw.conv, (Hk, Dk, Hv, Dv))
+            h = gated_delta.gated_delta_step(self.recurrent_states[i], qkv, proj, lw.a_log, lw.dt_bias, lw.gate_norm,
+                                             d.eps, Hk)  # fmt: skip
+            return dec.linear(h, lw.w_out)
+        mixed, z, b, a = proj.split([d.conv_dim, Hv * Dv, Hv, Hv], -1)
         # causal conv1d: shift the window of the last `kernel` inputs, one depthwise product over it, SiLU
         st = self.conv_states[i]
         st.copy_(torch.cat([st[:, :, 1:], mixed.unsqueeze(-1).to(st.dtype)], -1))
@@ -208,11 +208,6 @@ class HybridDecoder(FastDecoder):
         beta = torch.sigmoid(b).float()
         g = -lw.a_log.float().exp() * F.softplus(a.float() + lw.dt_bias)
         S = self.recurrent_states[i]
-        if self.delta_rule == "triton":
-            from trace_hf.kernels.gated_delta import gated_delta_step
-
-            out = gated_delta_step(S, q, k, v.view(B, Hv, Dv), g.exp(), beta).to(xn.dtype)
-            return self._gated_norm_out(out, z, lw)
         if Hv != Hk:
             q, k = q.repeat_interleave(Hv // Hk, 1), k.repeat_interleave(Hv // Hk, 1)
         # the gated delta rule, one token: S <- exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q. In place and
@@ -235,10 +230,12 @@ class HybridDecoder(FastDecoder):
         h = (h * F.silu(z.reshape(B, Hv, Dv).float())).to(out.dtype)
         return dec.linear(h.reshape(B, -1), lw.w_out)
 
-    def _shared_expert(self, xn, lw: HybridLayerWeights) -> torch.Tensor:
+    def _shared_expert(self, xn, lw: HybridLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared expert's output and its gate logit: the next norm adds ``sigmoid(gate) * out``."""
         dec = kernels().ops
-        gate, up, sg = dec.linear(xn, lw.w_shared).split([self.dims.shared_dim, self.dims.shared_dim, 1], -1)
-        return torch.sigmoid(sg) * dec.linear(F.silu(gate) * up, lw.w_shared_down)
+        S = self.dims.shared_dim
+        proj = dec.linear(xn, lw.w_shared)  # [gate | up | shared_expert_gate | zeros]
+        return dec.linear(dec.silu_mul(proj, S), lw.w_shared_down), proj[:, 2 * S]
 
     # -- the step ---------------------------------------------------------------------------------------------
 
@@ -248,13 +245,11 @@ class HybridDecoder(FastDecoder):
         dec, moe = kernels().ops, kernels().moe
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
-        pos = self.positions.long()
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        pending = None
+        pending, shared = None, None  # the last layer's routed slots, and its shared expert (output, gate logit)
         for i, lw in enumerate(self.w.layers):
-            xn = dec.add_rmsnorm(res, pending, lw.ln_in, d.eps, round_normalized=self.round_normalized)
+            xn = dec.add_rmsnorm(res, pending, lw.ln_in, d.eps, round_normalized=self.round_normalized, gated=shared)
             if lw.kind == "full_attention":
-                o = self._full_attention(xn, lw, i, cos, sin, lengths)
+                o = self._full_attention(xn, lw, i, lengths)
             else:
                 o = self._linear_attention(xn, lw, i)
             if self.fp4_experts:
@@ -267,12 +262,12 @@ class HybridDecoder(FastDecoder):
             if self.record_routing:
                 self.routing[i].copy_(ids)
             if self.record_hints and i in self.hidden_hinted:
-                routed = self._experts_recording_hidden(xq, ids, tw, i)
+                pending = self._experts_recording_hidden(xq, ids, tw, i)
             else:
-                routed = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
-            pending = torch.cat([routed, self._shared_expert(xn, lw).unsqueeze(1).to(routed.dtype)], 1)
-        xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps, round_normalized=self.round_normalized)
+                pending = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
+            shared = self._shared_expert(xn, lw)
+        xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps, round_normalized=self.round_normalized, gated=shared)
         self._next_token(xn)
 
 
-__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridDecoder"]
+__all__ = ["HybridDims", "HybridLayerWeights", "HybridDecodeWeights", "HybridDecoder", "pad_rows"]
