@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""One decode token of Gated DeltaNet (Qwen3.5's linear attention) after its input projection, in two kernels.
+"""One decode token of Gated DeltaNet (Qwen3.5's linear attention) after its input projection, in two or three launches.
 
 Why: per token the layer is a few KB of vectors against a [B, Hv, Dk, Dv] fp32 state (2 MB a sequence per layer at
 Qwen3.5-35B-A3B's 32 x 128 x 128). transformers' torch step is some 45 launches a layer (the conv window's shift
@@ -10,7 +10,9 @@ microseconds even inside a CUDA graph; at 30 such layers that is milliseconds a 
   the q/k L2 norms and q's 1/sqrt(Dk): q, k and v as one fp32 row [B, C] (channel order of the projection).
 * `gated_delta_step`: the gates (beta = sigmoid(b), decay = exp(-exp(A_log) softplus(a + dt_bias))), the rule
   (``S <- decay S``, ``S += k (beta (v - S^T k))^T``, ``o = S^T q``: the state read once and written once) and the
-  gated RMSNorm (``w * norm(o) * silu(z)``): the out projection's input [B, Hv * Dv] in the model dtype.
+  gated RMSNorm (``w * norm(o) * silu(z)``): the out projection's input [B, Hv * Dv] in the model dtype. The rule
+  is bound by the state's bytes, and programs over slices of a head's value columns stream it faster than one
+  program per head; the norm, which needs the whole head, is then a third small launch (`CONFIG`).
 
 Each value is rounded where transformers' torch path rounds it (conv and SiLU outputs, beta, the rule's output,
 the normalized and weighted values), so the two agree up to fp32 summation order and ``exp``'s last bits. They run
@@ -63,15 +65,31 @@ def _conv_step_kernel(proj_ptr, proj_stride, st_ptr, w_ptr, qkv_ptr, HK, HV, q_s
     tl.store(qkv_ptr + b * C + c, x, mask=m)
 
 
+#: Launch of the rule: ``block_v`` value columns of a head per program. Below Dv, more programs with smaller state
+#: tiles, and the gated norm (which needs the whole head) runs as a second launch; at Dv, the norm follows in the
+#: same program. ``num_warps`` per program. See `benchmarks/kernels/gated_delta_tune.py`.
+CONFIG = {"block_v": 32, "num_warps": 4}
+
+
 @triton.jit
-def _delta_norm_kernel(s_ptr, qkv_ptr, proj_ptr, proj_stride, a_log_ptr, dt_bias_ptr, nw_ptr, out_ptr, HK, HV, eps,
-                       z_off, b_off, a_off, DK: tl.constexpr, DV: tl.constexpr):  # fmt: skip
+def _gated_norm(o, dv, row, z_off, h, nw_ptr, eps, DV: tl.constexpr, dt: tl.constexpr):
+    """The gated RMSNorm of one head's rule output ``o`` (already rounded to ``dt``): normalize in fp32, round,
+    times its weight (rounded), times silu(z) in fp32, rounded."""
+    n = (o * (1.0 / tl.sqrt(tl.sum(o * o) / DV + eps))).to(dt).to(tl.float32)
+    g = (tl.load(nw_ptr + dv).to(tl.float32) * n).to(dt).to(tl.float32)
+    z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
+    return (g * (z / (1.0 + tl.exp(-z)))).to(dt)
+
+
+@triton.jit
+def _delta_rule_kernel(s_ptr, qkv_ptr, proj_ptr, proj_stride, a_log_ptr, dt_bias_ptr, nw_ptr, out_ptr, HK, HV, eps,
+                       z_off, b_off, a_off, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)  # row * HV + value head
     b, h = bh // HV, bh % HV
     kh = h // (HV // HK)  # value head h reads key head h // (Hv / Hk), as repeat_interleave
     C = 2 * HK * DK + HV * DV
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
     q = tl.load(qkv_ptr + b * C + kh * DK + dk)
     k = tl.load(qkv_ptr + b * C + HK * DK + kh * DK + dk)
     v = tl.load(qkv_ptr + b * C + 2 * HK * DK + h * DV + dv)
@@ -90,12 +108,20 @@ def _delta_norm_kernel(s_ptr, qkv_ptr, proj_ptr, proj_stride, a_log_ptr, dt_bias
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * delta[None, :]
     tl.store(at, s)
-    o = tl.sum(s * q[:, None], axis=0).to(dt).to(tl.float32)
-    # The gated RMSNorm: normalize in fp32, round, times its weight (rounded), times silu(z) in fp32, rounded.
-    n = (o * (1.0 / tl.sqrt(tl.sum(o * o) / DV + eps))).to(dt).to(tl.float32)
-    g = (tl.load(nw_ptr + dv).to(tl.float32) * n).to(dt).to(tl.float32)
-    z = tl.load(row + z_off + h * DV + dv).to(tl.float32)
-    tl.store(out_ptr + bh * DV + dv, (g * (z / (1.0 + tl.exp(-z)))).to(dt))
+    o = tl.sum(s * q[:, None], axis=0).to(dt)
+    if BV == DV:
+        o = _gated_norm(o.to(tl.float32), dv, row, z_off, h, nw_ptr, eps, DV, dt)
+    tl.store(out_ptr + bh * DV + dv, o)
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, proj_ptr, proj_stride, nw_ptr, HV, eps, z_off, DV: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // HV, bh % HV
+    dv = tl.arange(0, DV)
+    at = o_ptr + bh * DV + dv
+    o = tl.load(at).to(tl.float32)
+    tl.store(at, _gated_norm(o, dv, proj_ptr + b * proj_stride, z_off, h, nw_ptr, eps, DV, o_ptr.dtype.element_ty))
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
@@ -153,6 +179,10 @@ def gated_delta_step(state: torch.Tensor, qkv: torch.Tensor, proj: torch.Tensor,
         if t.shape != (n,) or not t.is_contiguous():
             raise ValueError(f"gated_delta_step: {name} must be contiguous [{n}], got {list(t.shape)}.")
     out = torch.empty(B, hv * dv, dtype=proj.dtype, device=proj.device)
-    _delta_norm_kernel[(B * hv,)](state, qkv, proj, proj.stride(0), a_log, dt_bias, norm_weight, out, hk, hv, eps,
-                                  C, C + hv * dv, C + hv * dv + hv, DK=dk, DV=dv, num_warps=8)  # fmt: skip
+    bv = min(CONFIG["block_v"], dv)
+    _delta_rule_kernel[(B * hv, dv // bv)](state, qkv, proj, proj.stride(0), a_log, dt_bias, norm_weight, out, hk, hv,
+                                           eps, C, C + hv * dv, C + hv * dv + hv, DK=dk, DV=dv, BV=bv,
+                                           num_warps=CONFIG["num_warps"])  # fmt: skip
+    if bv < dv:  # the norm needs the whole head: its own launch, in place on the rule's rounded output
+        _gated_norm_kernel[(B * hv,)](out, proj, proj.stride(0), norm_weight, hv, eps, C, DV=dv, num_warps=1)
     return out

@@ -3,7 +3,7 @@
 
     python -m benchmarks.kernels.fp4_attention_tune --out outputs/fp4_attention_tune.json     # H200, about 2 minutes
 
-One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128) decoding one token per sequence over a full
+One layer of Qwen3-30B-A3B's attention (32 query / 4 KV heads of 128; ``--heads`` for another shape) decoding one token per sequence over a full
 cache, for (batch, context) cells; each config times `decode_attention` (split kernel + combine) replayed from a
 CUDA graph, over enough copies of the cache that they do not fit in L2 (a decode step reads each layer's cache from
 HBM; batch 1 at 32K is 19 MB), and reports the fraction of the copy bandwidth (measured in the same run) that the
@@ -39,6 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--min-chunk", default="64,256", help="--hopper: smallest split, in tokens")
     p.add_argument("--min-copy-mb", type=float, default=256.0,
                    help="cache copies called in turn add up to at least this (past the 50 MB L2)")  # fmt: skip
+    p.add_argument(
+        "--heads",
+        default="32,4,128",
+        help="query heads, KV heads, head size (Qwen3-30B-A3B; Qwen3.5-35B-A3B: 16,2,256)",
+    )
     p.add_argument("--hopper", action="store_true",
                    help="sweep the Gluon kernel's CONFIG['hopper'] (block_t x programs) instead, against the Triton "
                         "kernel's current config in the same run")  # fmt: skip
@@ -59,7 +64,7 @@ def main(argv=None) -> int:
 
     from trace_hf.kernels import fp4_attention as A
 
-    HQ, HKV, D = 32, 4, 128
+    HQ, HKV, D = _csv(args.heads)
     dev = env.device
     copy_bw = harness.copy_bandwidth(dev)
     if args.hopper:

@@ -128,14 +128,17 @@ def test_shared_expert_kernels_follow_transformers(dtype):
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dv", [16, 32])
-def test_gated_deltanet_kernels_step_as_torch(dv, dev):
+@pytest.mark.parametrize("dv,block_v", [(16, 16), (32, 8)])
+def test_gated_deltanet_kernels_step_as_torch(dv, block_v, dev, monkeypatch):
     """The Triton Gated DeltaNet step (`causal_conv_step` + `gated_delta_step`) against the torch step (transformers'
     ops) on one layer from random conv and recurrent states, with gates past softplus' threshold (a + dt_bias > 20),
     near zero and negative, and Dv unequal to Dk: output, conv state and recurrent state equal up to fp32 summation
-    order, over 3 tokens. fp32 on CPU (interpreter), bf16 on CUDA."""
+    order, over 3 tokens; with the norm in the rule's program and in its own launch (``block_v`` < Dv). fp32 on CPU
+    (interpreter), bf16 on CUDA."""
+    from trace_hf.kernels import gated_delta
     from trace_hf.rollout.engine import weights_from_hf
 
+    monkeypatch.setitem(gated_delta.CONFIG, "block_v", block_v)
     model = _model(False, device=dev, linear_value_head_dim=dv)
     w = weights_from_hf(model)
     lw = w.layers[0]
