@@ -417,8 +417,11 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: more programs, but at most ``max_splits`` splits: the combine's cost grows with them); ``stages``: tiles in flight
 #: in a cp.async ring in shared memory (0: none, loads straight to registers); ``prefetch`` (``stages`` 0 only): the
 #: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM);
-#: ``small_batch``: the tile and ring depth up to ``max_batch`` sequences (`hopper_config`). From
-#: `fp4_attention_tune.py --hopper` on the H200 (docs/lab-notes.md 2d). Empty: the Triton kernel everywhere.
+#: ``small_batch``: the tile and ring depth up to ``max_batch`` sequences (`hopper_config`); ``wide_heads``: the
+#: settings for heads of ``min_head_dim`` or more (`hopper_config`; a 256-wide tile of codes per token holds twice
+#: the registers). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads docs/lab-notes.md 2d;
+#: ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us a layer at 384 x
+#: 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
@@ -431,6 +434,7 @@ CONFIG = {
         "target_programs": 1056,
         "min_chunk": 64,
         "max_splits": 128,
+        "wide_heads": {"min_head_dim": 256, "block_t": 32, "stages": 2, "target_programs": 2112},
     },
     "target_programs": 264,
     "min_chunk": 256,
@@ -499,22 +503,29 @@ def qkv_post(
     return q_out
 
 
-def hopper_config(batch: int) -> dict:
-    """``CONFIG["hopper"]`` for a batch of ``batch`` sequences: its ``small_batch`` tile and ring depth up to that
-    entry's ``max_batch`` (a few sequences have few programs, which shorter tiles and a deeper ring serve better:
-    7.0 against 8.3 us at batch 1 and 1K in `h200_18`), else its own."""
+def hopper_config(batch: int, head_dim: int = 128) -> dict:
+    """``CONFIG["hopper"]`` for a batch of ``batch`` sequences with heads of ``head_dim``: its ``wide_heads``
+    settings from that entry's ``min_head_dim`` on, then its ``small_batch`` tile and ring depth up to that entry's
+    ``max_batch`` (a few sequences have few programs, which shorter tiles and a deeper ring serve better: 7.0
+    against 8.3 us at batch 1 and 1K in `h200_18`)."""
     cfg = CONFIG["hopper"]
+    wide = cfg.get("wide_heads")
+    if wide and head_dim >= wide["min_head_dim"]:
+        cfg = {**cfg, **{k: v for k, v in wide.items() if k != "min_head_dim"}}
     small = cfg.get("small_batch")
     if small and batch <= small["max_batch"]:
         return {**cfg, **{k: v for k, v in small.items() if k != "max_batch"}}
     return cfg
 
 
-def num_splits(batch: int, num_kv_heads: int, max_len: int, hopper: bool = False) -> tuple[int, int]:
+def num_splits(
+    batch: int, num_kv_heads: int, max_len: int, hopper: bool = False, head_dim: int = 128
+) -> tuple[int, int]:
     """(splits, chunk) for a cache of ``max_len`` tokens: enough programs to fill the GPU, chunks of at least
     ``min_chunk`` tokens (a multiple of the tile). Static per cache size, so a captured graph keeps it. ``hopper``:
-    for the Gluon kernel (`uses_hopper_kernel`), which runs more, smaller programs."""
-    cfg = hopper_config(batch) if hopper else CONFIG
+    for the Gluon kernel (`uses_hopper_kernel`), which runs more, smaller programs (``hopper_config`` of
+    ``head_dim``)."""
+    cfg = hopper_config(batch, head_dim) if hopper else CONFIG
     bt = cfg["block_t"] if hopper else max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
     want = max(1, cfg["target_programs"] // max(1, batch * num_kv_heads))
     chunk = max(cfg["min_chunk"], triton.cdiv(max_len, want), triton.cdiv(max_len, cfg.get("max_splits", max_len)))
@@ -538,14 +549,14 @@ def decode_attention(
     HKV, T = cache.k.shape[1], cache.max_len
     group = HQ // HKV
     hopper = uses_hopper_kernel(cache.fp4, D, q.device)
-    S, chunk = splits or num_splits(B, HKV, T, hopper)
+    S, chunk = splits or num_splits(B, HKV, T, hopper, D)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     # The split kernels take no PDL: scheduled early, their few long programs land unevenly on the SMs, and at 32K
     # tokens and batch 20-24 the step was 15% slower with it (docs/lab-notes.md, `h200_31`).
     if hopper:
-        cfg = hopper_config(B)
+        cfg = hopper_config(B, D)
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),

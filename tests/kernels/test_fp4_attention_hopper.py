@@ -120,6 +120,19 @@ def test_small_batches_get_their_own_tile_and_splits_follow_it(monkeypatch):
     assert A.hopper_config(1)["block_t"] == 64
 
 
+def test_wide_heads_get_their_own_tile_and_programs(monkeypatch):
+    """Heads of ``min_head_dim`` or more take the ``wide_heads`` settings, and small batches still their own tile."""
+    wide = {"min_head_dim": 256, "block_t": 32, "stages": 2, "target_programs": 2112}
+    cfg = dict(A.CONFIG["hopper"], block_t=64, target_programs=1056, wide_heads=wide,
+               small_batch={"max_batch": 4, "block_t": 16, "stages": 3})  # fmt: skip
+    monkeypatch.setitem(A.CONFIG, "hopper", cfg)
+    assert (A.hopper_config(64, 128)["block_t"], A.hopper_config(64, 128)["target_programs"]) == (64, 1056)
+    assert (A.hopper_config(64, 256)["block_t"], A.hopper_config(64, 256)["target_programs"]) == (32, 2112)
+    assert A.hopper_config(2, 256)["block_t"] == 16
+    assert A.num_splits(64, 2, 32768, True, 256)[0] >= A.num_splits(64, 2, 32768, True, 128)[0]
+    assert A.num_splits(64, 2, 1000, True, 256)[1] % 32 == 0
+
+
 def test_kernel_selection_without_gluon_or_gpu(monkeypatch):
     assert not A.uses_hopper_kernel(True, 128, "cpu")
     assert not A.uses_hopper_kernel(False, 128, "cpu")

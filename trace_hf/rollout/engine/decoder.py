@@ -122,7 +122,7 @@ class FastDecoder:
     def _splits(self, batch: int) -> tuple[int, int]:
         A, d = kernels().attention, self.dims
         hopper = A.uses_hopper_kernel(self.kv_fp4, d.head_dim, self.device)
-        return A.num_splits(batch, d.num_kv_heads, self.max_len, hopper)
+        return A.num_splits(batch, d.num_kv_heads, self.max_len, hopper, d.head_dim)
 
     def _has_kv(self, layer: int) -> bool:
         """Whether decoder layer `layer` keeps a K/V cache (every Qwen3 layer does; see `HybridDecoder`)."""
