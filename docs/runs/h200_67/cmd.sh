@@ -14,7 +14,7 @@ timeout 110 python3 -m benchmarks.rollout.decode_qwen35 --profile --layers 40 --
   --cells 64x1024,96x32768,384x32768,448x32768 --out "$R/q35_40l.json" > "$R/q35_40l.log" 2>&1
 echo "rc=$? after $((SECONDS - START)) s" >> "$R/q35_40l.log"; grep -E '"best"|^\{"1024|rc=' "$R/q35_40l.log" | cut -c1-700 | tail -n 3
 PKG=$(mktemp -d); cp -r trace_hf "$PKG/"; rm -rf "$PKG/trace_hf/kernels"; ln -s "$PWD/kernels" "$PKG/trace_hf/kernels"
-left=$((250 - (SECONDS - START)))
+left=$((190 - (SECONDS - START)))
 (cd "$PKG" && PYTHONPATH=$PKG:$PYTHONPATH timeout $((left > 30 ? left : 30)) python3 -m pytest -v -s -m gpu -p no:cacheprovider \
   --rootdir="$OLDPWD" "$OLDPWD/tests/kernels/test_fp4_attention_hopper.py" "$OLDPWD/tests/rollout/test_qwen35_engine.py" \
   "$OLDPWD/tests/rollout/test_fast_decode.py") > "$R/gpu_tests.log" 2>&1
