@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""One decode token of Gated DeltaNet (Qwen3.5's linear attention) after its input projection, in two or three launches.
+"""One decode token of Gated DeltaNet (Qwen3.5's linear attention) between its projections, in two or three launches.
 
 Why: per token the layer is a few KB of vectors against a [B, Hv, Dk, Dv] fp32 state (2 MB a sequence per layer at
 Qwen3.5-35B-A3B's 32 x 128 x 128). transformers' torch step is some 45 launches a layer (the conv window's shift
@@ -183,6 +183,8 @@ def gated_delta_step(state: torch.Tensor, qkv: torch.Tensor, proj: torch.Tensor,
             raise ValueError(f"gated_delta_step: {name} must be contiguous [{n}], got {list(t.shape)}.")
     out = torch.empty(B, hv * dv, dtype=proj.dtype, device=proj.device)
     bv = min(CONFIG["block_v"], dv)
+    if bv & (bv - 1) or bv < 1:
+        raise ValueError(f"gated_delta.CONFIG['block_v'] = {CONFIG['block_v']}: set a power of two.")
     _delta_rule_kernel[(B * hv, dv // bv)](state, qkv, proj, proj.stride(0), a_log, dt_bias, norm_weight, out, hk, hv,
                                            eps, C, C + hv * dv, C + hv * dv + hv, DK=dk, DV=dv, BV=bv,
                                            num_warps=CONFIG["num_warps"])  # fmt: skip

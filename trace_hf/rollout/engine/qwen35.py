@@ -16,14 +16,14 @@ routed slots it sums (`decode_ops.add_rmsnorm`'s ``gated``).
 
 Gated DeltaNet's step between the projections, ``delta_rule``: ``"torch"`` follows transformers' torch path op for
 op (what `generate` runs without the extras), some 45 launches a layer that pass over the state six times;
-``"triton"`` is `trace_hf.kernels.gated_delta`'s two kernels (the state read and written once; the same function up
-to fp32 summation order), the default on CUDA. We wrote those rather than take flash-linear-attention's
-``fused_recurrent_gated_delta_rule`` or causal-conv1d's ``causal_conv1d_update``: ours run under the CPU Triton
-interpreter (CI) and inside CUDA graphs whatever the Triton (fla gates its kernels on Triton versions; its chunked
-backward refuses the H200 image's 3.6; causal-conv1d is a CUDA extension). The torch ops stay the default on CPU.
-The prefill stays the model's own forward (fla and causal-conv1d
-speed it up when installed: ``pip install trace-hf[qwen35]``), and its final conv and recurrent states are copied
-into the decoder's state (`HybridDecoder.load_states`). transformers zeroes the hidden states of padded positions
+``"triton"`` is `trace_hf.kernels.gated_delta`'s three launches (conv and norms; gates and rule; gated norm: the
+state read and written once, the same function up to fp32 summation order), the default on CUDA. We wrote those
+rather than take flash-linear-attention's ``fused_recurrent_gated_delta_rule`` or causal-conv1d's
+``causal_conv1d_update``: ours run under the CPU Triton interpreter (CI) and inside CUDA graphs whatever the Triton
+(fla gates its kernels on Triton versions; its chunked backward refuses the H200 image's 3.6; causal-conv1d is a
+CUDA extension). The torch ops stay the default on CPU. The prefill stays the model's own forward (fla and
+causal-conv1d speed it up when installed: ``pip install trace-hf[qwen35]``), and its final conv and recurrent states
+are copied into the decoder's state (`HybridDecoder.load_states`). transformers zeroes the hidden states of padded positions
 before the linear-attention projections, so a left-padded row's states equal those of its unpadded prompt and are
 copied as they are.
 """
@@ -129,7 +129,7 @@ class HybridDecoder(FastDecoder):
     [B, Hv, Dk, Dv] fp32, None elsewhere). Same buffers, hint and routing records and sampler hook.
 
     ``delta_rule``: ``"torch"`` (transformers' Gated DeltaNet step, op for op), ``"triton"``
-    (`trace_hf.kernels.gated_delta`: conv, norms, gates, rule and gated norm in two launches, the state read and
+    (`trace_hf.kernels.gated_delta`: conv, norms, gates, rule and gated norm in three launches, the state read and
     written once; the same function up to fp32 summation order) or ``"auto"``: Triton on CUDA, torch elsewhere."""
 
     round_normalized = False  # Qwen3.5's RMSNorm: fp32 normalized value times fp32 (1 + w), rounded once
