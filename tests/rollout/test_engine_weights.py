@@ -5,6 +5,7 @@ layout map), on CPU: one gloo rank, a child process (it owns the process group),
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -61,8 +62,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (a fixed one fails the test whenever another process holds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_fsdp2_engine_rolls_out_as_the_unsharded_model(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531",
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
