@@ -62,6 +62,7 @@ from trace_hf.kernels.fp4_moe_configs import (  # noqa: E402
     HIDDEN_LAUNCH,
     check_hopper_entry,
     check_wgmma_entry,
+    grouped_config,
     hopper_config,
     launch_config,
     wgmma_config,
@@ -320,6 +321,47 @@ def _down_kernel(
     tl.store(out, acc, mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _grouped_down_epilogue_kernel(
+    out_ptr,  # bf16 [P, H]: the grouped down GEMM of the decoded hidden (``E2M1 * s`` operands), by sorted position
+    hg_ptr,  # [P] fp32 row scales of the hidden
+    wg_ptr,  # [E] fp32
+    tw_ptr,  # routing weights [num_slots] fp32
+    y_ptr,  # out: fp32 [num_slots, H]
+    sorted_ptr,
+    expert_ptr,
+    num_slots,
+    H,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """`_down_kernel`'s epilogue (global scales, routing weight, store by slot) on a grouped GEMM's output."""
+    pid_m = tl.program_id(0)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = valid[:, None] & (offs_n < H)[None, :]
+    acc = tl.load(out_ptr + offs_p.to(tl.int64)[:, None] * H + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    acc = acc * tl.load(hg_ptr + offs_p, mask=valid, other=0.0)[:, None]
+    acc = acc * tl.load(wg_ptr + e)
+    acc = acc * tl.load(tw_ptr + slot, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * H + offs_n[None, :], acc, mask=ok)
+
+
+@triton.jit
+def _decode_rows_kernel(q_ptr, s_ptr, out_ptr, R, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``E2M1(code) * s`` of packed NVFP4 rows [R, K] as bf16, the grouped GEMMs' operands: exact (at most 6
+    significant bits), so the conversion never rounds, on the GPU or in the interpreter."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    k0 = tl.program_id(1) * BLOCK_K
+    ok = rows < R
+    v = load_fp4_rows(q_ptr, s_ptr, rows, ok, k0, K, ROWS, BLOCK_K)
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(out, v.to(tl.bfloat16), mask=ok[:, None])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------------
@@ -403,6 +445,9 @@ def experts_from_quantized(
     n = M * K
     dev = x_arg.device
     w4a4 = a_fp4 and w_fp4 and hidden_fp4
+    grouped = grouped_config(n, E, dev) if w4a4 else None
+    if grouped is not None:
+        return _experts_grouped(grouped, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden)
     wgmma = wgmma_config(n, E, dev) if w4a4 else None
     if wgmma is not None and not check_wgmma_entry(wgmma, H, NI):
         wgmma = None  # shapes the wgmma tiles do not divide: the decode kernels
@@ -562,6 +607,66 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     return (y, hidden) if return_hidden else y
 
 
+def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden):
+    """`experts_from_quantized` for W4A4 with many tokens per expert (`GROUPED`): the weights, the input and the
+    hidden are decoded to bf16 as ``E2M1 * s`` (exact) and multiplied by torch's grouped GEMM over `moe_align`'s
+    segments; the global scales, SiLU * up, the hidden's quantization (and hints) and the routing weights are the
+    other kernels' epilogues. Same outputs up to the GEMMs' bf16 results: gate/up and down are rounded to bf16
+    (a relative 2^-9) before their fp32 epilogues, where the other kernels keep fp32 accumulators."""
+    M, K = topk_ids.shape
+    n, E, H = M * K, w_gate_up.shape[0], w_gate_up.shape[2]
+    bm = cfg["block_m"]
+    # Grouped GEMM segments must come in expert order: the one-token layout of "auto" (row block k = slot k) is not.
+    sorted_ids, expert_ids = moe_align(
+        topk_ids, E, bm, "torch" if align_backend == "auto" and M == 1 else align_backend
+    )
+    blocks = torch.zeros(E + 1, dtype=torch.int32, device=sorted_ids.device)
+    blocks.scatter_add_(0, torch.where(expert_ids >= 0, expert_ids, E).long(), torch.ones_like(expert_ids))
+    offsets = (blocks[:E] * bm).cumsum(0, dtype=torch.int32)  # rows past the last offset: not computed, not read
+    rows = (sorted_ids.long() // K).clamp_(max=M - 1)  # padding rows read a real token; their outputs are dropped
+    dr = cfg["decode_rows"]
+    a = _exact_bf16(xq.packed[rows], xq.block_scale[rows], dr)
+    gate_up = _grouped_mm(a, _exact_bf16(w_gate_up.packed, w_gate_up.block_scale, dr), offsets)
+    del a
+    xg, wgug = (
+        xq.global_scale.reshape(-1).float().contiguous(),
+        w_gate_up.global_scale.reshape(-1).float().contiguous(),
+    )
+    hq, hidden = _hidden(gate_up[None], xg, wgug, sorted_ids, expert_ids, n, K, bm, True, True, True, return_hidden)
+    del gate_up
+    h = _exact_bf16(hq.packed, hq.block_scale, dr)
+    out = _grouped_mm(h, _exact_bf16(w_down.packed, w_down.block_scale, dr), offsets)
+    del h
+    y = torch.empty(M, K, H, dtype=torch.float32, device=out.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    wdg = w_down.global_scale.reshape(-1).float().contiguous()
+    _grouped_down_epilogue_kernel[(sorted_ids.numel() // bm, triton.cdiv(H, 128))](
+        out, hq.global_scale.reshape(-1), wdg, tw, y, sorted_ids, expert_ids, n, H, BLOCK_M=bm, BLOCK_N=128,
+        num_warps=4,
+    )  # fmt: skip
+    return (y, hidden) if return_hidden else y
+
+
+def _exact_bf16(packed: torch.Tensor, block_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """``E2M1(code) * s`` in bf16 (`_decode_rows_kernel`), without the global scale; the shape of the unpacked
+    values: as ``FP4Tensor(packed, block_scale, 1).dequantize(torch.bfloat16)``; ``rows`` per program."""
+    packed, block_scale = packed.contiguous(), block_scale.contiguous()
+    K = packed.shape[-1] * 2
+    R = packed.numel() // packed.shape[-1]
+    out = torch.empty(packed.shape[:-1] + (K,), dtype=torch.bfloat16, device=packed.device)
+    block_k = _pick(K, 256)
+    _decode_rows_kernel[(triton.cdiv(R, rows), K // block_k)](
+        packed, block_scale, out, R, K, ROWS=rows, BLOCK_K=block_k, num_warps=4
+    )
+    return out
+
+
+def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of ``a`` (segments ending at ``offsets``) times ``w[e].T`` (``w`` [E, N, K]), bf16."""
+    mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return mm(a, w.transpose(-2, -1), offs=offsets)
+
+
 def fp4_moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -599,21 +704,39 @@ def moe_experts_reference(
     w_gate_up: FP4Tensor | torch.Tensor,
     w_down: FP4Tensor | torch.Tensor,
     activations: str = "fp4",
+    gemm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The torch fallback and reference: the math of `TraceFP4Experts._routed` (eval path), computed in fp32 by
-    gathering each slot's expert weights (fine for tests and small batches, not fast)."""
+    gathering each slot's expert weights (fine for tests and small batches, not fast). As in the kernels, a GEMM
+    sums ``E2M1 * s`` products and its operands' global scales multiply the sum. ``gemm_dtype=torch.bfloat16``:
+    each GEMM's sum is rounded to bf16 before the scales, the function of the grouped path (`GROUPED`)."""
     xf = x.float()
+    xg = 1.0
     if activations == "fp4":
-        xf = fp4.quantize(xf, "nvfp4", "row", backend="torch").dequantize()
-    gu = w_gate_up.dequantize() if isinstance(w_gate_up, FP4Tensor) else w_gate_up.float()
-    d = w_down.dequantize() if isinstance(w_down, FP4Tensor) else w_down.float()
+        xf, xg = _exact_and_global(fp4.quantize(xf, "nvfp4", "row", backend="torch"))
+    gu, gug = _exact_and_global(w_gate_up)
+    d, dg = _exact_and_global(w_down)
     M, K = topk_ids.shape
     out = torch.zeros(M, x.shape[-1], dtype=torch.float32, device=x.device)
     for k in range(K):
         e = topk_ids[:, k].long()
-        gate, up = torch.einsum("mh,mnh->mn", xf, gu[e]).chunk(2, dim=-1)
-        h = torch.nn.functional.silu(gate) * up
+        gate, up = (_round(torch.einsum("mh,mnh->mn", xf, gu[e]), gemm_dtype) * xg * gug[e]).chunk(2, dim=-1)
+        h, hg = torch.nn.functional.silu(gate) * up, 1.0
         if activations == "fp4":
-            h = fp4.quantize(h, "nvfp4", "row", backend="torch").dequantize()
-        out += torch.einsum("mi,mhi->mh", h, d[e]) * topk_weights[:, k, None].float()
+            h, hg = _exact_and_global(fp4.quantize(h, "nvfp4", "row", backend="torch"))
+        out += _round(torch.einsum("mi,mhi->mh", h, d[e]), gemm_dtype) * hg * dg[e] * topk_weights[:, k, None].float()
     return out.to(x.dtype)
+
+
+def _exact_and_global(q: FP4Tensor | torch.Tensor):
+    """(``E2M1 * s`` in fp32, the global scale shaped to multiply a GEMM's output rows) of an `FP4Tensor`: an
+    activation [M, K] gives [M, 1], expert weights [E, N, K] give [E, 1] (indexed by expert); (fp32, 1) if dense."""
+    if not isinstance(q, FP4Tensor):
+        return q.float(), torch.ones(q.shape[0], 1, device=q.device) if q.ndim == 3 else 1.0
+    ones = torch.ones(q.packed.shape[:-1] + (1,), dtype=torch.float32, device=q.packed.device)
+    exact = FP4Tensor(q.packed, q.block_scale, ones, q.fmt).dequantize()
+    return exact, q.global_scale.float().reshape(q.shape[0], 1)
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype).float()

@@ -130,6 +130,24 @@ def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict
     return cfg if gluon_module("fp4_moe_wgmma") is not None else None
 
 
+#: W4A4 where each expert serves so many tokens that the GEMMs are bound by compute, not bytes (prefill, long training
+#: forwards): Hopper has no FP4 MMA, so `fp4_moe._experts_grouped` decodes each weight once per call to bf16 (exact;
+#: the global scales stay in the epilogues) and multiplies with torch's grouped GEMM (cutlass wgmma at the bf16 rate),
+#: where the wgmma kernels above re-decode each weight once per 64-token block. ``from``: (token, slot) pairs per
+#: expert from which it runs (sm_90+, CUDA); ``block_m``: rows of `moe_align`'s expert segments (grouped GEMM groups
+#: start on multiples of it); ``decode_rows``: rows per program of the bf16 decoding. Empty: never.
+GROUPED = {"from": 96, "block_m": 16, "decode_rows": 16}
+
+
+def grouped_config(num_slots: int, num_experts: int, device: torch.device) -> dict | None:
+    """`GROUPED` for a W4A4 call of ``num_slots`` (token, slot) pairs over ``num_experts`` experts, or None."""
+    if not GROUPED or num_slots < GROUPED["from"] * max(num_experts, 1):
+        return None
+    if INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return None
+    return GROUPED
+
+
 def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     """Whether a `WGMMA` entry's tiles divide the expert shapes (``hidden`` H, ``width`` I): else the other kernels
     run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""

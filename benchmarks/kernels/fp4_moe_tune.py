@@ -49,6 +49,13 @@ def parse_args(argv=None):
     p.add_argument("--wg-warps", default="4,8", help="--wgmma: warps per program")
     p.add_argument("--wg-slice-buffers", default="0", help="--wgmma: one shared allocation per K-slice (1) or not")
     p.add_argument(
+        "--grouped",
+        action="store_true",
+        help="time the grouped path (`GROUPED`: bf16 decoding + torch grouped GEMM) and the wgmma prefill entry at "
+        "every batch, against transformers' BF16 grouped_mm experts as the baseline (the prefill's BF16 path)",
+    )
+    p.add_argument("--decode-rows", default="16", help="--grouped: rows per program of the bf16 decoding")
+    p.add_argument(
         "--copies",
         type=int,
         default=8,
@@ -116,6 +123,9 @@ def main(argv=None) -> int:
         )
         if bn % (16 * w) == 0
     ]
+    grouped_grid = [{"grouped": True, "from": 0, "block_m": 16, "decode_rows": r} for r in _ints(args.decode_rows)] + [
+        dict(configs.WGMMA[-1][1], wgmma=True)
+    ]
     grid = [
         {"block_m": bm, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w,
          "num_stages": st, "halves": hv[0], "ptx": hv[1], "split_k": sk}
@@ -126,7 +136,8 @@ def main(argv=None) -> int:
         )
     ]  # fmt: skip
     by_slots, dense, hopper = list(configs.CONFIG["by_slots"]), configs.CONFIG["dense"], list(configs.HOPPER)
-    wgmma = list(configs.WGMMA)
+    wgmma, grouped = list(configs.WGMMA), dict(configs.GROUPED)
+    hf_experts = _hf_experts(gu, dn, K) if args.grouped else None
     t0 = time.perf_counter()
     rows, best = [], {}
     for M in (int(b) for b in args.batches.split(",")):
@@ -138,6 +149,7 @@ def main(argv=None) -> int:
         io_bytes = xq.nbytes() + M * K * H * 4
 
         def timed(cfg, weights, x_in):
+            configs.GROUPED = {k: v for k, v in cfg.items() if k != "grouped"} if cfg.get("grouped") else {}
             configs.WGMMA = [(0, cfg)] if cfg.get("wgmma") else []
             if "block_t" in cfg:
                 configs.HOPPER = [(1 << 62, cfg)]
@@ -154,12 +166,18 @@ def main(argv=None) -> int:
         t_bf16 = timed(dense, bf16_w, x) * 1e-3
         if M * K >= 64 * E:
             t_bf16 = min(t_bf16, timed(dict(dense, block_m=64), bf16_w, x) * 1e-3)
+        if hf_experts is not None:  # the prefill's BF16 experts: transformers' own grouped_mm forward
+            t_bf16 = triton.testing.do_bench_cudagraph(lambda: hf_experts(x, ids, tw), rep=50) * 1e-3
         bf16_frac = (distinct * bf16_expert_bytes + x.nbytes + M * K * H * 4) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
         configs.CONFIG["by_slots"], configs.HOPPER, configs.WGMMA = by_slots, hopper, wgmma
+        configs.GROUPED = grouped
         wg_cfg = configs.wgmma_config(M * K, E, dev)
+        gr_cfg = configs.grouped_config(M * K, E, dev)
         current = (
-            dict(wg_cfg, wgmma=True)
+            dict(gr_cfg, grouped=True, **{"from": 0})
+            if gr_cfg
+            else dict(wg_cfg, wgmma=True)
             if wg_cfg
             else dict(configs.hopper_config(M * K, dev) or configs.launch_config(M * K))
         )
@@ -167,7 +185,7 @@ def main(argv=None) -> int:
         for cfg in (
             [current]
             + ([triton_cfg] if current != triton_cfg else [])
-            + (wgmma_grid if args.wgmma else hopper_grid if args.hopper else grid)
+            + (grouped_grid if args.grouped else wgmma_grid if args.wgmma else hopper_grid if args.hopper else grid)
         ):
             if time.perf_counter() - t0 > args.budget_s:
                 break
@@ -191,9 +209,23 @@ def main(argv=None) -> int:
             if t_tr:
                 print(f"           Triton kernels (current table) {t_tr:.1f} us: best / Triton {t_tr / b['us']:.2f}x")
     configs.CONFIG["by_slots"], configs.CONFIG["dense"], configs.HOPPER = by_slots, dense, hopper
-    configs.WGMMA = wgmma
+    configs.WGMMA, configs.GROUPED = wgmma, grouped
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
+
+
+def _hf_experts(gu, dn, top_k):
+    """transformers' Qwen3-MoE experts with these BF16 weights, run by its ``grouped_mm`` implementation."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    E, two_i, H = gu.shape
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=two_i // 2, num_experts=E, num_experts_per_tok=top_k)
+    config._experts_implementation = "grouped_mm"
+    experts = Qwen3MoeExperts(config).to(gu.device, gu.dtype)
+    experts.gate_up_proj.data.copy_(gu)
+    experts.down_proj.data.copy_(dn)
+    return experts
 
 
 if __name__ == "__main__":
