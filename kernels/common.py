@@ -170,7 +170,7 @@ def load_fp4_rows(q_ptr, s_ptr, rows, row_mask, k0, K, ROWS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _e2m1_times_2_pow_m14(code):
+def e2m1_times_2_pow_m14(code):
     """E2M1 codes (int32, 0..15) as fp16 bit patterns: magnitude bits under the fp16 exponent's low bits, so the
     value is ``E2M1 * 2^-14`` exactly (code 1 lands on an fp16 subnormal, which conversions keep). Five integer
     operations and one conversion instead of `e2m1_decode`'s dozen; the 2^14 goes into the block scale."""
@@ -179,7 +179,7 @@ def _e2m1_times_2_pow_m14(code):
 
 
 @triton.jit
-def _e4m3_hw(b):
+def e4m3_hw(b):
     """fp32 value of E4M3 bytes (uint8) by the hardware fp8 conversion; 0x7F / 0xFF are NaN (the interpreter
     would give 480)."""
     v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -232,7 +232,7 @@ def load_halves(
     sum its terms in any order, so ``a_even @ w_even + a_odd @ w_odd`` is the whole product; for packed FP4 the
     halves are just the low and high nibbles (no interleaving shuffle), each element's block scale is read
     directly at ``column // 8`` (repeated addresses, served by the cache), and the decoding is the cheap one of
-    `_e2m1_times_2_pow_m14` and `_e4m3_hw` (exact, like `load_fp4_rows`). With ``PTX`` the tiles are fp16 and
+    `e2m1_times_2_pow_m14` and `e4m3_hw` (exact, like `load_fp4_rows`). With ``PTX`` the tiles are fp16 and
     carry a factor 2^-14 (`fp4_halves_f16`), which the caller takes out of the accumulator."""
     r = rows.to(tl.int64)[:, None]
     j = tl.arange(0, BLOCK_K // 2)[None, :]
@@ -248,8 +248,8 @@ def load_halves(
     elif FP4:
         p = tl.load(ptr + r * (K // 2) + (k0 // 2 + j), mask=m, other=0).to(tl.int32) & 0xFF
         sb = tl.load(q_s_ptr + r * (K // 16) + (k0 // 16 + j // 8), mask=m, other=0)
-        s = _e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
-        return _e2m1_times_2_pow_m14(p & 15) * s, _e2m1_times_2_pow_m14(p >> 4) * s
+        s = e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
+        return e2m1_times_2_pow_m14(p & 15) * s, e2m1_times_2_pow_m14(p >> 4) * s
     else:
         base = ptr + r * K + k0 + 2 * j
         return tl.load(base, mask=m, other=0.0).to(tl.float32), tl.load(base + 1, mask=m, other=0.0).to(tl.float32)

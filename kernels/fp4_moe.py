@@ -53,6 +53,8 @@ from trace_hf.kernels.common import (  # noqa: E402
     DOT_BF16,
     INTERPRETED,
     check_device,
+    e2m1_times_2_pow_m14,
+    e4m3_hw,
     hardware_fp8,
     load_fp4_rows,
     load_halves,
@@ -322,44 +324,60 @@ def _down_kernel(
 
 
 @triton.jit
-def _grouped_down_epilogue_kernel(
+def _grouped_combine_kernel(
     out_ptr,  # bf16 [P, H]: the grouped down GEMM of the decoded hidden (``E2M1 * s`` operands), by sorted position
     hg_ptr,  # [P] fp32 row scales of the hidden
     wg_ptr,  # [E] fp32
-    tw_ptr,  # routing weights [num_slots] fp32
-    y_ptr,  # out: fp32 [num_slots, H]
-    sorted_ptr,
-    expert_ptr,
-    num_slots,
+    tw_ptr,  # routing weights [M * K] fp32
+    ids_ptr,  # [M * K] int expert of each slot
+    rows_ptr,  # [M * K] int64 sorted position of each slot
+    y_ptr,  # out: fp32 [M, H] (REDUCE: each token's slots summed in order k = 0 .. K - 1) or [M, K, H]
+    M,
     H,
-    BLOCK_M: tl.constexpr,
+    K: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """`_down_kernel`'s epilogue (global scales, routing weight, store by slot) on a grouped GEMM's output."""
-    pid_m = tl.program_id(0)
-    e = tl.load(expert_ptr + pid_m)
-    if e < 0:
-        return
-    offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
+    """`_down_kernel`'s epilogue (global scales, routing weight) on a grouped GEMM's output, by token."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = valid[:, None] & (offs_n < H)[None, :]
-    acc = tl.load(out_ptr + offs_p.to(tl.int64)[:, None] * H + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-    acc = acc * tl.load(hg_ptr + offs_p, mask=valid, other=0.0)[:, None]
-    acc = acc * tl.load(wg_ptr + e)
-    acc = acc * tl.load(tw_ptr + slot, mask=valid, other=0.0)[:, None]
-    tl.store(y_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * H + offs_n[None, :], acc, mask=ok)
+    t_ok = t < M
+    ok = t_ok[:, None] & (offs_n < H)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(K):
+        slot = t.to(tl.int64) * K + k
+        p = tl.load(rows_ptr + slot, mask=t_ok, other=0)
+        v = tl.load(out_ptr + p[:, None] * H + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        v = v * tl.load(hg_ptr + p, mask=t_ok, other=0.0)[:, None]
+        v = v * tl.load(wg_ptr + tl.load(ids_ptr + slot, mask=t_ok, other=0), mask=t_ok, other=0.0)[:, None]
+        v = v * tl.load(tw_ptr + slot, mask=t_ok, other=0.0)[:, None]
+        if REDUCE:
+            acc += v
+        else:
+            tl.store(y_ptr + slot[:, None] * H + offs_n[None, :], v, mask=ok)
+    if REDUCE:
+        tl.store(y_ptr + t.to(tl.int64)[:, None] * H + offs_n[None, :], acc, mask=ok)
 
 
 @triton.jit
 def _decode_rows_kernel(q_ptr, s_ptr, out_ptr, R, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``E2M1(code) * s`` of packed NVFP4 rows [R, K] as bf16, the grouped GEMMs' operands: exact (at most 6
-    significant bits), so the conversion never rounds, on the GPU or in the interpreter."""
+    significant bits), so the conversion never rounds, on the GPU or in the interpreter. The decoding is
+    `load_halves`' cheap one (``E2M1 * 2^-14`` from integer operations, the 2^14 in the block scale)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = rows.to(tl.int64)[:, None]
+    ok = (rows < R)[:, None]
     k0 = tl.program_id(1) * BLOCK_K
-    ok = rows < R
-    v = load_fp4_rows(q_ptr, s_ptr, rows, ok, k0, K, ROWS, BLOCK_K)
-    out = out_ptr + rows.to(tl.int64)[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :]
-    tl.store(out, v.to(tl.bfloat16), mask=ok[:, None])
+    p = tl.load(q_ptr + r * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]), mask=ok, other=0)
+    p = p.to(tl.int32) & 0xFF
+    sb = tl.load(s_ptr + r * (K // 16) + (k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]), mask=ok, other=0)
+    s = e4m3_hw(sb.to(tl.uint8, bitcast=True)) * 16384.0
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [ROWS, BLOCK_K // 16, 8]), [ROWS, BLOCK_K // 2])
+    lo, hi = e2m1_times_2_pow_m14(p & 15) * s, e2m1_times_2_pow_m14(p >> 4) * s
+    v = tl.reshape(tl.join(lo, hi), [ROWS, BLOCK_K])  # element 2i is the low nibble, 2i + 1 the high one
+    out = out_ptr + r * K + k0 + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(out, v.to(tl.bfloat16), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -406,9 +424,14 @@ class QuantizedHidden:
     def positions(self) -> torch.Tensor:
         """The row of every slot, [num_slots] int64: ``t[positions()]`` puts rows in slot order, padding dropped
         (no host sync, so a CUDA graph can capture it)."""
-        pos = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=self.slots.device)
-        rows = torch.arange(self.slots.numel(), device=self.slots.device)
-        return pos.scatter_(0, self.slots.long(), rows)[: self.num_slots]  # padding rows all land on the extra one
+        return _slot_rows(self.slots, self.num_slots)
+
+
+def _slot_rows(sorted_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The sorted position of every slot, [num_slots] int64, from `moe_align`'s ``sorted_ids`` (no host sync)."""
+    pos = torch.zeros(num_slots + 1, dtype=torch.int64, device=sorted_ids.device)
+    rows = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
+    return pos.scatter_(0, sorted_ids.long(), rows)[:num_slots]  # padding rows all land on the extra one
 
 
 def experts_from_quantized(
@@ -420,6 +443,8 @@ def experts_from_quantized(
     hidden_fp4: bool | None = None,
     align_backend: str = "auto",
     return_hidden: bool = False,
+    reduce: bool = False,
+    bf16_sums: bool = True,
 ):
     """Routed experts on an already quantized input (`FP4Tensor` [M, H], or a dense [M, H] tensor).
 
@@ -427,9 +452,21 @@ def experts_from_quantized(
     of those shapes. ``topk_ids`` must be < E (checking would cost a host sync): `TraceFP4Experts` maps
     expert-parallel sentinels to weight 0 before calling. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
     (token, expert) row. Returns fp32 ``[M, top_k, H]``: each slot's expert output times its routing weight; the
-    token's output is the sum over dim 1. With ``return_hidden`` (FP4 hidden only) also returns the
-    `QuantizedHidden` the down projection read, for recording experts_hidden hints.
+    token's output is the sum over dim 1; with ``reduce``, that sum, fp32 ``[M, H]`` (fused into the grouped path's
+    epilogue). With ``return_hidden`` (FP4 hidden only) also returns the `QuantizedHidden` the down projection
+    read, for recording experts_hidden hints. ``bf16_sums=False`` keeps every GEMM sum in fp32, off the grouped path
+    (`GROUPED`, which rounds them to bf16): a training forward that must recompute what decode computed.
     """
+    y, hidden = _experts(xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_fp4, align_backend, return_hidden,
+                         reduce, bf16_sums)  # fmt: skip
+    if reduce and y.ndim == 3:
+        y = y.sum(1)
+    return (y, hidden) if return_hidden else y
+
+
+def _experts(xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_fp4, align_backend, return_hidden, reduce,
+             bf16_sums):  # fmt: skip
+    """`experts_from_quantized` by path: (y, `QuantizedHidden` or None); y is [M, H] only from the grouped path."""
     x_arg, xs, xg, a_fp4 = _fp4_args(xq)
     wgu, wgus, wgug, w_fp4 = _fp4_args(w_gate_up)
     wd, wds, wdg, wd_fp4 = _fp4_args(w_down)
@@ -445,9 +482,11 @@ def experts_from_quantized(
     n = M * K
     dev = x_arg.device
     w4a4 = a_fp4 and w_fp4 and hidden_fp4
-    grouped = grouped_config(n, E, dev) if w4a4 else None
+    grouped = grouped_config(n, E, dev) if w4a4 and bf16_sums else None
     if grouped is not None:
-        return _experts_grouped(grouped, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden)
+        return _experts_grouped(
+            grouped, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden, reduce
+        )
     wgmma = wgmma_config(n, E, dev) if w4a4 else None
     if wgmma is not None and not check_wgmma_entry(wgmma, H, NI):
         wgmma = None  # shapes the wgmma tiles do not divide: the decode kernels
@@ -499,7 +538,7 @@ def experts_from_quantized(
         A_FP4=h_is_fp4, W_FP4=w_fp4, HALVES=cfg["halves"] and (h_is_fp4 or w_fp4), PTX=_ptx(cfg, h_is_fp4, w_fp4),
         BLOCK_N=bn_d, BLOCK_K=bk_i, **common,
     )  # fmt: skip
-    return (y, hidden) if return_hidden else y
+    return y, hidden
 
 
 def _gate_up_out(split: int, P: int, NI: int, device) -> torch.Tensor:
@@ -578,7 +617,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
         STAGES=stages, num_warps=nw, **launch_options(x.device),
     )  # fmt: skip
-    return (y, hidden) if return_hidden else y
+    return y, hidden
 
 
 def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,
@@ -604,10 +643,10 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
         **launch_options(x.device),
     )  # fmt: skip
-    return (y, hidden) if return_hidden else y
+    return y, hidden
 
 
-def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden):
+def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden, reduce):
     """`experts_from_quantized` for W4A4 with many tokens per expert (`GROUPED`): the weights, the input and the
     hidden are decoded to bf16 as ``E2M1 * s`` (exact) and multiplied by torch's grouped GEMM over `moe_align`'s
     segments; the global scales, SiLU * up, the hidden's quantization (and hints) and the routing weights are the
@@ -637,14 +676,14 @@ def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_b
     h = _exact_bf16(hq.packed, hq.block_scale, dr)
     out = _grouped_mm(h, _exact_bf16(w_down.packed, w_down.block_scale, dr), offsets)
     del h
-    y = torch.empty(M, K, H, dtype=torch.float32, device=out.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     wdg = w_down.global_scale.reshape(-1).float().contiguous()
-    _grouped_down_epilogue_kernel[(sorted_ids.numel() // bm, triton.cdiv(H, 128))](
-        out, hq.global_scale.reshape(-1), wdg, tw, y, sorted_ids, expert_ids, n, H, BLOCK_M=bm, BLOCK_N=128,
-        num_warps=4,
+    y = torch.empty((M, H) if reduce else (M, K, H), dtype=torch.float32, device=out.device)
+    _grouped_combine_kernel[(triton.cdiv(M, 16), triton.cdiv(H, 128))](
+        out, hq.global_scale.reshape(-1), wdg, tw, topk_ids.reshape(-1), _slot_rows(sorted_ids, n), y, M, H,
+        K=K, REDUCE=reduce, BLOCK_T=16, BLOCK_N=128, num_warps=4,
     )  # fmt: skip
-    return (y, hidden) if return_hidden else y
+    return y, hidden
 
 
 def _exact_bf16(packed: torch.Tensor, block_scale: torch.Tensor, rows: int) -> torch.Tensor:

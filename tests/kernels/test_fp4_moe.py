@@ -471,6 +471,8 @@ def test_grouped_path_computes_the_reference_with_bf16_gemm_sums(M, E, K, monkey
     e = ids.reshape(-1).long()
     slot_out = torch.einsum("si,shi->sh", h, dq[e]).bfloat16().float() * hg * dg[e] * w.reshape(-1, 1)
     assert _rel(y.reshape(M * K, -1), slot_out) < 1e-6
+    summed = moe.experts_from_quantized(fp4.quantize(x, "nvfp4", "row"), ids, w, gu, d, reduce=True)
+    assert summed.shape == (M, 64) and _rel(summed, y.sum(1)) < 1e-6  # the epilogue's fused sum over the slots
 
 
 def test_grouped_path_nan_input_row_poisons_only_its_token(monkeypatch):

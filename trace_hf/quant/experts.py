@@ -386,11 +386,11 @@ class TraceFP4Experts(nn.Module):
         ids = top_k_index.clamp(max=self.num_experts - 1)
         w, hidden_fp4 = top_k_weights * valid, self.activations == "fp4"
         if hidden_site is not None and hidden_site.recorder is not None:
-            y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True)
+            y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True, reduce=True)
             hidden_site.recorder.record_hidden(hidden_site, hidden.q, hidden.positions(), top_k_index.shape[1])
         else:
-            y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4)
-        return y.sum(1).to(x.dtype)
+            y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, reduce=True)
+        return y.to(x.dtype)
 
     def _kernel_train_forward(self, x, top_k_index, top_k_weights) -> torch.Tensor:
         """Training forward of frozen experts through the rollout's kernels (`_kernel_forward`'s values, bit for bit,
@@ -559,12 +559,14 @@ class _FrozenKernelExperts(torch.autograd.Function):
         a = fp4.FP4Tensor(*xq, module.fmt) if xq else x
         hidden_fp4 = module.activations == "fp4"
         kept = ()
+        # fp32 GEMM sums (never the grouped path's bf16 ones): the completions were decoded by kernels that keep them.
         if keep_hidden:
-            y, hidden = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, return_hidden=True)
+            y, hidden = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, return_hidden=True,
+                                                       bf16_sums=False)  # fmt: skip
             pos = hidden.positions()  # padded sorted rows -> slot order, padding dropped
             kept = tuple(f[pos] for f in _fields(hidden.q))
         else:
-            y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4)
+            y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, bf16_sums=False)
         ctx.module, ctx.dtype, ctx.codes, ctx.kept = module, x.dtype, len(xq), len(kept)
         ctx.save_for_backward(weights, ids, *kept, *(xq or (x,)))
         return y.sum(1).to(x.dtype)
