@@ -92,6 +92,12 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=120.0,
                    help="start no cell past this many seconds (setup k of n: past (k + 1) / n of it)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="profile one more prefill per cell, by part and kernel")
+    p.add_argument(
+        "--sync-check",
+        action="store_true",
+        help="one more prefill per cell (CUDA) under torch.cuda.set_sync_debug_mode('warn'): the host syncs by call "
+        "site, and the allocator's device allocations, frees and retries (cudaFree and retries sync the device)",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.cells, args.layers, args.repeats = "1x16,2x8", 2, 1
@@ -188,6 +194,33 @@ def event_times(events, cuda: bool):
         if t - linked[name] > 0:
             us[(name, part_of(name, None))] += t - linked[name]
     return us
+
+
+def sync_check(run) -> dict:
+    """One call of ``run`` under ``torch.cuda.set_sync_debug_mode("warn")``: the synchronizing calls by Python call
+    site (file:line, count), and the caching allocator's device allocations, frees and retries in the call."""
+    import warnings
+
+    import torch
+
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            site = f"{w.filename}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return {"syncs": sum(sites.values()), "sync_sites": sites, **{k: after.get(k, 0) - before.get(k, 0) for k in keys}}
 
 
 def profile_parts(run, cuda: bool, top: int = 15) -> dict:
@@ -316,6 +349,8 @@ def main(argv=None) -> int:
                             out["profile"] = prof = profile_parts(prefill, cuda)
                         if cuda:  # the timed forward's stream time that no kernel of the profiled one fills
                             prof["gpu_idle_ms"] = max(0.0, fwd * 1e3 - prof["total_ms"])
+                    if args.sync_check and cuda:
+                        out["sync_check"] = sync_check(prefill)
                 cell(**base, **out)
             except Exception as e:  # an OOM (or any failure) of one cell must not lose the others
                 cell(**base, status=f"error: {type(e).__name__}: {e}"[:500])
