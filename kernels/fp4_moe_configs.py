@@ -134,12 +134,14 @@ def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict
 #: FP4 MMA, so `fp4_moe._experts_grouped` decodes each weight once per call to bf16 (exact; the global scales stay in
 #: the epilogues) and multiplies with torch's grouped GEMM (cutlass wgmma at the bf16 rate), where the wgmma kernels
 #: above re-decode each weight once per 64-token block. Its GEMM sums are rounded to bf16 before the epilogues (a
-#: hidden code in ~1-2% flips against fp32 sums), so a training forward that recomputes decode opts out
-#: (``bf16_sums=False``). ``from``: (token, slot) pairs per expert from which it runs (sm_90+, CUDA); ``block_m``:
-#: rows of `moe_align`'s expert segments (grouped GEMM groups start on multiples of it); ``decode_rows``: rows per
-#: program of the bf16 decoding. Measured (`fp4_moe_tune.py --grouped`, run h200_68, one Qwen3-30B-A3B layer): 256
-#: per expert (4,096 tokens) 1.67 ms against the wgmma kernels' 1.54, 1,024 (16,384 tokens) 3.97 against 5.18 ms
-#: (transformers' BF16 grouped_mm experts: 1.49 and 4.87 ms); the crossover, interpolated, near 335. Empty: never.
+#: hidden code in ~1-2% flips against fp32 sums), so it runs only for calls that ask (``bf16_sums=True``, from
+#: `TraceFP4Config.prefill_bf16_gemms`, off by default: it raised trace/kl_rollout_train ~14%, run h200_71).
+#: ``from``: (token, slot) pairs per expert from which it runs (sm_90+, CUDA); ``block_m``: rows of `moe_align`'s
+#: expert segments (grouped GEMM groups start on multiples of it); ``decode_rows``: rows per program of the bf16
+#: decoding. Measured (`fp4_moe_tune.py --grouped`, runs h200_68 and h200_69, one Qwen3-30B-A3B layer): 256 per
+#: expert (4,096 tokens) 1.67 ms against the wgmma kernels' 1.54-1.55, 512 (8,192) 2.45 ms, 1,024 (16,384) 3.97-4.02
+#: against 5.18 ms (transformers' BF16 grouped_mm experts: 1.49, 2.66 and 4.87-4.96 ms); the crossover, interpolated,
+#: near 335. Empty: never.
 GROUPED = {"from": 384, "block_m": 16, "decode_rows": 16}
 
 

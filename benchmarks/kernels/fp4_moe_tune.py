@@ -158,7 +158,11 @@ def main(argv=None) -> int:
                 configs.CONFIG["by_slots"] = [(1 << 62, cfg)]
                 configs.CONFIG["dense"] = cfg
             return triton.testing.do_bench_cudagraph(
-                lambda: [moe.experts_from_quantized(x_in, ids, tw, w_gu, w_dn) for w_gu, w_dn in weights], rep=50
+                lambda: [
+                    moe.experts_from_quantized(x_in, ids, tw, w_gu, w_dn, bf16_sums=bool(cfg.get("grouped")))
+                    for w_gu, w_dn in weights
+                ],
+                rep=50,
             ) / len(weights)
 
         # The baseline is the BF16 decode step's own call: BF16 input, BF16 weights, a BF16 hidden activation; from

@@ -7,8 +7,9 @@ prompt tokens; with ``--profile``, where each prefill's device time goes.
     python -m benchmarks.rollout.prefill --smoke --profile --out /tmp/prefill.json   # CPU, tiny model, interpreter
 
 Setups (`benchmarks.training.grpo_step.build_model` with frozen experts, its ``--freeze-experts``; the same random
-draws in both): ``fp4`` packed NVFP4 experts (`TraceFP4Config(freeze_experts=True)`), TRACE hints recorded, FP4 KV
-cache; ``bf16`` BF16 experts, BF16 KV cache. They run one after the other, each model built once and freed before
+draws in all): ``fp4`` packed NVFP4 experts (`TraceFP4Config(freeze_experts=True)`), TRACE hints recorded, FP4 KV
+cache; ``fp4_bf16_gemms`` the same with `TraceFP4Config(prefill_bf16_gemms=True)` (the experts as bf16 grouped
+GEMMs); ``bf16`` BF16 experts, BF16 KV cache. They run one after the other, each model built once and freed before
 the next (48 layers: about 17 GB FP4, 57 GB BF16).
 
 What is timed is the engine's own prefill, `EngineRollout._prefill` (what `EngineRollout._wave` calls): one forward
@@ -81,6 +82,9 @@ def part_of(name: str, scope: str | None) -> str:
     return next((part for part, pat in _PARTS if pat.search(name)), "other")
 
 
+SETUPS = ("fp4", "fp4_bf16_gemms", "bf16")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="path of the JSON with the numbers")
@@ -102,9 +106,9 @@ def parse_args(argv=None):
     if args.smoke:
         args.cells, args.layers, args.repeats = "1x16,2x8", 2, 1
     setups = args.setups.split(",")
-    bad = [s for s in setups if s not in ("fp4", "bf16")] + (["(none)"] if not args.setups else [])
+    bad = [s for s in setups if s not in SETUPS] + (["(none)"] if not args.setups else [])
     if bad or len(set(setups)) != len(setups):
-        p.error(f"--setups {args.setups!r}: name each of fp4 and bf16 at most once, e.g. --setups fp4,bf16.")
+        p.error(f"--setups {args.setups!r}: name each of {', '.join(SETUPS)} at most once, e.g. --setups fp4,bf16.")
     args.setups = setups
     try:
         args.cells = [tuple(int(v) for v in c.lower().split("x")) for c in args.cells.split(",")]
@@ -294,11 +298,13 @@ def main(argv=None) -> int:
 
     for k, setup in enumerate(args.setups):
         deadline = t_start + args.budget_s * (k + 1) / len(args.setups)
-        fp4 = setup == "fp4"
+        fp4 = setup.startswith("fp4")
         lm = None
         try:
             t0 = time.perf_counter()
-            lm = build_model(SimpleNamespace(smoke=args.smoke, layers=args.layers, freeze_experts=True), fp4, dev)
+            spec = SimpleNamespace(smoke=args.smoke, layers=args.layers, freeze_experts=True,
+                                   prefill_bf16_gemms=setup == "fp4_bf16_gemms")  # fmt: skip
+            lm = build_model(spec, fp4, dev)
             lm.eval()
             w = weights_from_hf(lm)
             decoder = layout_of(lm.config).decoder

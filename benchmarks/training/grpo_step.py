@@ -76,6 +76,11 @@ def parse_args(argv=None):
         action="store_true",
         help="frozen routed experts: packed FP4 (TraceFP4Config(freeze_experts=True)) or BF16 without grad",
     )
+    p.add_argument(
+        "--prefill-bf16-gemms",
+        action="store_true",
+        help="FP4 setups: TraceFP4Config(prefill_bf16_gemms=True), the prefill's experts as bf16 grouped GEMMs",
+    )
     p.add_argument("--lora-r", type=int, default=0, help="PEFT LoRA rank on q/k/v/o (0: full fine-tune)")
     p.add_argument(
         "--eos-mean", type=int, default=0, help="mean completion length via a calibrated EOS logit (0: off)"
@@ -127,18 +132,19 @@ def build_model(args, fp4: bool, dev):
                          pad_token_id=0, eos_token_id=1, bos_token_id=2, **shape)  # fmt: skip
     torch.manual_seed(0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    opt_in = getattr(args, "prefill_bf16_gemms", False)
     if args.freeze_experts:
-        return build_frozen(cfg, fp4, dev, dtype)
+        return build_frozen(cfg, fp4, dev, dtype, opt_in)
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if fp4:
         # Under FSDP2 the QAT weight cache would hold every layer's full dequantized experts on every GPU.
         fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        quantize_model(model, TraceFP4Config(cache_qat_weights=not fsdp))
+        quantize_model(model, TraceFP4Config(cache_qat_weights=not fsdp, prefill_bf16_gemms=opt_in))
     return model
 
 
-def build_frozen(cfg, fp4: bool, dev, dtype):
+def build_frozen(cfg, fp4: bool, dev, dtype, prefill_bf16_gemms: bool = False):
     """Meta skeleton, then every weight materialized on `dev`: non-expert ones by the model's own initializer, the
     experts one layer at a time from a per-layer seeded generator (the same draws for FP4 and BF16), quantized into
     the frozen FP4 buffers as each layer is drawn. BF16 experts are frozen (no gradient)."""
@@ -152,7 +158,7 @@ def build_frozen(cfg, fp4: bool, dev, dtype):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if fp4:
-        quantize_model(model, TraceFP4Config(freeze_experts=True))
+        quantize_model(model, TraceFP4Config(freeze_experts=True, prefill_bf16_gemms=prefill_bf16_gemms))
     model.to_empty(device=dev)
     with torch.no_grad():
         for mod in model.modules():
@@ -539,6 +545,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
         "freeze_experts": args.freeze_experts,
+        "prefill_bf16_gemms": args.prefill_bf16_gemms,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "phases_last_step": phases.steps[-1] if phases.steps else None,
         "phases_all_steps": phases.steps,

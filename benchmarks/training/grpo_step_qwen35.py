@@ -47,7 +47,7 @@ def build_model(args, fp4: bool, dev):
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if fp4:
-        quantize_model(model, TraceFP4Config())
+        quantize_model(model, TraceFP4Config(prefill_bf16_gemms=getattr(args, "prefill_bf16_gemms", False)))
     return model
 
 

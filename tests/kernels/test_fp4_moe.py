@@ -424,7 +424,8 @@ def test_hopper_entry_with_a_bad_ring_is_an_error(bad):
 
 
 def _grouped(monkeypatch):
-    """Route every W4A4 call through the grouped path (on the GPU it takes 96+ slots per expert on sm_90+ only)."""
+    """Route every W4A4 call that asks for it (``bf16_sums=True``) through the grouped path (on the GPU: from
+    `GROUPED["from"]` slots per expert, sm_90+)."""
     monkeypatch.setattr(moe, "grouped_config", lambda n, e, dev: dict(configs.GROUPED))
 
 
@@ -459,7 +460,8 @@ def test_grouped_path_computes_the_reference_with_bf16_gemm_sums(M, E, K, monkey
     x = torch.randn(M, 64, generator=torch.Generator().manual_seed(15))
     gu, d = mod.packed_weights()
     _grouped(monkeypatch)
-    y, hidden = moe.experts_from_quantized(fp4.quantize(x, "nvfp4", "row"), ids, w, gu, d, return_hidden=True)
+    xq = fp4.quantize(x, "nvfp4", "row")
+    y, hidden = moe.experts_from_quantized(xq, ids, w, gu, d, return_hidden=True, bf16_sums=True)
     ref = moe.moe_experts_reference(x, ids, w, gu, d, gemm_dtype=torch.bfloat16)
     assert _rel(y.sum(1), ref) < 1e-6
     assert _rel(y.sum(1), moe.moe_experts_reference(x, ids, w, gu, d)) > 1e-5  # the bf16 sums are visible
@@ -471,8 +473,10 @@ def test_grouped_path_computes_the_reference_with_bf16_gemm_sums(M, E, K, monkey
     e = ids.reshape(-1).long()
     slot_out = torch.einsum("si,shi->sh", h, dq[e]).bfloat16().float() * hg * dg[e] * w.reshape(-1, 1)
     assert _rel(y.reshape(M * K, -1), slot_out) < 1e-6
-    summed = moe.experts_from_quantized(fp4.quantize(x, "nvfp4", "row"), ids, w, gu, d, reduce=True)
+    summed = moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True, bf16_sums=True)
     assert summed.shape == (M, 64) and _rel(summed, y.sum(1)) < 1e-6  # the epilogue's fused sum over the slots
+    fp32 = moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True)  # not asked: fp32 sums, the other kernels
+    assert _rel(fp32, moe.moe_experts_reference(x, ids, w, gu, d)) < 1e-5
 
 
 def test_grouped_path_nan_input_row_poisons_only_its_token(monkeypatch):
@@ -481,7 +485,8 @@ def test_grouped_path_nan_input_row_poisons_only_its_token(monkeypatch):
     x = torch.randn(9, 64)
     x[2, 17] = float("nan")
     _grouped(monkeypatch)
-    out = moe.fp4_moe_experts(x, ids, w, *mod.packed_weights())
+    out = moe.experts_from_quantized(fp4.quantize(x, "nvfp4", "row"), ids, w, *mod.packed_weights(), reduce=True,
+                                     bf16_sums=True)  # fmt: skip
     assert torch.isnan(out[2]).all()
     keep = torch.arange(9) != 2
     assert torch.isfinite(out[keep]).all()
@@ -516,17 +521,27 @@ def test_grouped_path_gpu_qwen3_shapes():
     ids, w = _routing(M, E, K, seed=16, device=dev)
     x = torch.randn(M, H, device=dev).bfloat16()
     xq = fp4.quantize(x, "nvfp4", "row")
-    y, hidden = moe.experts_from_quantized(xq, ids, w, gu, d, return_hidden=True)
+    y, hidden = moe.experts_from_quantized(xq, ids, w, gu, d, return_hidden=True, bf16_sums=True)
     ref = torch.cat([moe.moe_experts_reference(x[i : i + 128].float(), ids[i : i + 128], w[i : i + 128], gu, d,
                                                gemm_dtype=torch.bfloat16) for i in range(0, 512, 128)])  # fmt: skip
     assert _rel(y[:512].sum(1), ref) < 1e-3  # cutlass sums in another order: a rare bf16 rounding and code flip
     assert hidden.hints.mantissa_bits.shape[0] == hidden.slots.numel()
-    summed = moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True)
+    summed = moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True, bf16_sums=True)
     assert _rel(summed, y.sum(1)) < 1e-6
-    saved = configs.GROUPED
-    configs.GROUPED = {}
-    try:
-        y_wgmma = moe.experts_from_quantized(xq, ids, w, gu, d)
-    finally:
-        configs.GROUPED = saved
+    y_wgmma = moe.experts_from_quantized(xq, ids, w, gu, d)  # not asked: the wgmma kernels, fp32 sums
     assert _rel(y.sum(1), y_wgmma.sum(1)) < 5e-2
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_module_takes_the_grouped_path_only_with_prefill_bf16_gemms(opt_in, monkeypatch):
+    """`TraceFP4Config.prefill_bf16_gemms` reaches the eval forward: with it, the bf16-sum function; without it
+    (the default), the fp32 one, even where the grouped path would serve the call."""
+    from trace_hf import TraceFP4Config
+
+    mod = _experts(4, 64, 32, seed=17, kernel="triton")
+    ids, w = _routing(40, 4, 2, seed=18)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(19))
+    _grouped(monkeypatch)
+    mod.prefill_bf16_gemms = TraceFP4Config(prefill_bf16_gemms=opt_in).prefill_bf16_gemms
+    ref = moe.moe_experts_reference(x, ids, w, *mod.packed_weights(), gemm_dtype=torch.bfloat16 if opt_in else None)
+    assert _rel(mod(x, ids, w), ref) < 1e-5

@@ -183,6 +183,10 @@ def test_config_round_trips_and_validation(tmp_path):
     assert TraceFP4Config.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
     cfg.to_json_file(tmp_path / "q.json")
     assert TraceFP4Config.from_dict(json.loads((tmp_path / "q.json").read_text())).to_dict() == cfg.to_dict()
+    opted = TraceFP4Config(prefill_bf16_gemms=True)
+    assert TraceFP4Config.from_dict(opted.to_dict()).prefill_bf16_gemms is True
+    with pytest.raises(ValueError, match="prefill_bf16_gemms"):
+        TraceFP4Config(prefill_bf16_gemms="yes")
     with pytest.raises(ValueError, match="nvfp4"):
         TraceFP4Config(fmt="fp8")
     with pytest.raises(ValueError, match="W4A16"):

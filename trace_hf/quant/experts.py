@@ -56,6 +56,7 @@ class TraceFP4Experts(nn.Module):
         cache_qat_weights: bool = True,
         frozen: bool = False,
         packed_placeholders: bool = False,
+        prefill_bf16_gemms: bool = False,
     ):
         super().__init__()
         e, two_i, h = gate_up_proj.shape
@@ -71,6 +72,7 @@ class TraceFP4Experts(nn.Module):
                 "Frozen FP4 experts have no BF16 masters to train without fake quantization: keep qat=True."
             )
         self.frozen = frozen  # `TraceFP4Config.freeze_experts`: packed FP4 buffers only, no BF16 masters
+        self.prefill_bf16_gemms = prefill_bf16_gemms  # eval forwards may take the kernels' bf16-sum grouped path
         self._frozen_dtype = gate_up_proj.dtype  # frozen experts: the dtype they dequantize to (the model's)
         self.act_fn = act_fn
         self.fmt = fmt
@@ -142,6 +144,7 @@ class TraceFP4Experts(nn.Module):
         return cls(
             experts.gate_up_proj, experts.down_proj, experts.act_fn, config.fmt, config.activations, config.qat,
             config.experts_kernel, config.resolved_cache_qat_weights, config.freeze_experts, packed_placeholders,
+            config.prefill_bf16_gemms,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -385,11 +388,12 @@ class TraceFP4Experts(nn.Module):
         valid = top_k_index < self.num_experts
         ids = top_k_index.clamp(max=self.num_experts - 1)
         w, hidden_fp4 = top_k_weights * valid, self.activations == "fp4"
+        kw = {"reduce": True, "bf16_sums": self.prefill_bf16_gemms}
         if hidden_site is not None and hidden_site.recorder is not None:
-            y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True, reduce=True)
+            y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True, **kw)
             hidden_site.recorder.record_hidden(hidden_site, hidden.q, hidden.positions(), top_k_index.shape[1])
         else:
-            y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, reduce=True)
+            y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, **kw)
         return y.to(x.dtype)
 
     def _kernel_train_forward(self, x, top_k_index, top_k_weights) -> torch.Tensor:
@@ -559,14 +563,12 @@ class _FrozenKernelExperts(torch.autograd.Function):
         a = fp4.FP4Tensor(*xq, module.fmt) if xq else x
         hidden_fp4 = module.activations == "fp4"
         kept = ()
-        # fp32 GEMM sums (never the grouped path's bf16 ones): the completions were decoded by kernels that keep them.
         if keep_hidden:
-            y, hidden = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, return_hidden=True,
-                                                       bf16_sums=False)  # fmt: skip
+            y, hidden = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, return_hidden=True)
             pos = hidden.positions()  # padded sorted rows -> slot order, padding dropped
             kept = tuple(f[pos] for f in _fields(hidden.q))
         else:
-            y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, bf16_sums=False)
+            y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4)
         ctx.module, ctx.dtype, ctx.codes, ctx.kept = module, x.dtype, len(xq), len(kept)
         ctx.save_for_backward(weights, ids, *kept, *(xq or (x,)))
         return y.sum(1).to(x.dtype)
