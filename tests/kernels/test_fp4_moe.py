@@ -534,14 +534,23 @@ def test_grouped_path_gpu_qwen3_shapes():
 
 @pytest.mark.parametrize("opt_in", [False, True])
 def test_module_takes_the_grouped_path_only_with_prefill_bf16_gemms(opt_in, monkeypatch):
-    """`TraceFP4Config.prefill_bf16_gemms` reaches the eval forward: with it, the bf16-sum function; without it
-    (the default), the fp32 one, even where the grouped path would serve the call."""
+    """`TraceFP4Config.prefill_bf16_gemms` reaches the eval forward of experts the quantizer builds: with it, the
+    bf16-sum function; without it (the default), the fp32 one, even where the grouped path would serve the call."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
     from trace_hf import TraceFP4Config
 
-    mod = _experts(4, 64, 32, seed=17, kernel="triton")
+    hf = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4))
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.randn(hf.gate_up_proj.shape, generator=g) * 0.1)
+        hf.down_proj.copy_(torch.randn(hf.down_proj.shape, generator=g) * 0.1)
+    config = TraceFP4Config(experts_kernel="triton", prefill_bf16_gemms=opt_in)
+    mod = TraceFP4Experts.from_experts(hf, config).eval()
+    assert mod.prefill_bf16_gemms is opt_in
     ids, w = _routing(40, 4, 2, seed=18)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(19))
     _grouped(monkeypatch)
-    mod.prefill_bf16_gemms = TraceFP4Config(prefill_bf16_gemms=opt_in).prefill_bf16_gemms
     ref = moe.moe_experts_reference(x, ids, w, *mod.packed_weights(), gemm_dtype=torch.bfloat16 if opt_in else None)
     assert _rel(mod(x, ids, w), ref) < 1e-5
