@@ -25,7 +25,10 @@ last fp32 bits and, rarely, round to a neighbouring FP4 code):
 On sm_90+ (measured on the H200) W4A4 decode calls run steps 3 and 5 in the Gluon kernels of `fp4_moe_hopper`
 instead (`HOPPER`; same inputs and outputs, no layout shuffle before the MMA), and past its last limit or from 16 slots
 per expert (prefill, training forwards, decode from batch 129 at top-8 of 128 experts), the wgmma kernels of `fp4_moe_wgmma`
-(`WGMMA`: wide token blocks, each weight decoded once per block). The Triton kernels also take dense
+(`WGMMA`: wide token blocks, each weight decoded once per block). Calls that ask for it (``bf16_sums=True``, the
+opt-in `TraceFP4Config.prefill_bf16_gemms`) with hundreds of tokens per expert take `_experts_grouped` (`GROUPED`):
+weights decoded once to exact bf16, torch's grouped GEMM, the same epilogues, GEMM sums rounded to bf16
+(`moe_experts_reference(..., gemm_dtype=torch.bfloat16)`). The Triton kernels also take dense
 (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
 the same code and differs only in the bytes it reads.
 
