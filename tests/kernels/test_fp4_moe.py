@@ -429,10 +429,6 @@ def _grouped(monkeypatch):
     monkeypatch.setattr(moe, "grouped_config", lambda n, e, dev: dict(configs.GROUPED))
 
 
-def _exact(q):
-    return moe._exact_and_global(q)[0]
-
-
 def test_bf16_decoding_is_exact_for_every_code_and_scale_byte():
     """The grouped GEMMs' operands, ``E2M1 * s`` in bf16, against the torch format (global scale 1): every code
     with every E4M3 byte (subnormal scales, 448, the NaN bytes) and random rows, bit for bit."""
