@@ -367,7 +367,8 @@ def _grouped_combine_kernel(
 def _decode_rows_kernel(q_ptr, s_ptr, out_ptr, R, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``E2M1(code) * s`` of packed NVFP4 rows [R, K] as bf16, the grouped GEMMs' operands: exact (at most 6
     significant bits), so the conversion never rounds, on the GPU or in the interpreter. The decoding is
-    `load_halves`' cheap one (``E2M1 * 2^-14`` from integer operations, the 2^14 in the block scale)."""
+    `load_halves`' cheap one (``E2M1 * 2^-14`` from integer operations, the 2^14 in the block scale), not
+    `fp4_quant.dequantize`'s, whose global scale and bf16 rounding logic these exact values do not need."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     r = rows.to(tl.int64)[:, None]
     ok = (rows < R)[:, None]
