@@ -10,7 +10,8 @@
 
 VARIANTS maps a name to a patch: ``{limit: {key: value}}`` updates the `HOPPER` entry of that slot limit, ``"*"``
 every entry; ``{"WGMMA<from>": {key: value}}`` the `WGMMA` entry that starts at ``from`` slots per expert,
-``"WGMMA*"`` every one; ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
+``"WGMMA*"`` every one, and ``{"WGMMA": [[from, cfg], ...]}`` replaces the whole table (to move where the wgmma kernels
+start); ``{"module.NAME": {key: value}}`` merges into the dict ``trace_hf.kernels.module.NAME`` (nested dicts
 key by key), e.g. ``fp4_moe_configs.HIDDEN_LAUNCH``, ``fp4_quant.CONFIG``, ``decode_ops.GEMV``. A variant ``base``
 (the settings as committed) always runs first. Writes $OUT/hopper_ab.json: tokens/s per variant, round and cell.
 """
@@ -37,9 +38,12 @@ def patched(table: list, patch: dict) -> list:
 
 
 def patched_wgmma(table: list, patch: dict) -> list:
-    """`WGMMA` with ``patch``'s ``WGMMA<from>`` / ``WGMMA*`` keys applied; an unknown start is an error."""
+    """`WGMMA` with ``patch``'s ``WGMMA<from>`` / ``WGMMA*`` keys applied, or replaced by its ``WGMMA`` list; an
+    unknown start is an error."""
+    if "WGMMA" in patch:
+        return [(start, dict(cfg)) for start, cfg in patch["WGMMA"]]
     starts = {f"WGMMA{start}" for start, _ in table}
-    unknown = {k for k in patch if k.startswith("WGMMA")} - starts - {"WGMMA*"}
+    unknown = {k for k in patch if k.startswith("WGMMA")} - starts - {"WGMMA*", "WGMMA"}
     if unknown:
         raise SystemExit(f"VARIANTS names WGMMA entries {sorted(unknown)}; WGMMA has {sorted(starts)}.")
     return [(st, {**cfg, **patch.get("WGMMA*", {}), **patch.get(f"WGMMA{st}", {})}) for st, cfg in table]
