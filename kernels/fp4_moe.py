@@ -633,12 +633,13 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     slices = bool(cfg.get("slice_buffers", False))
+    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     P = sorted_ids.numel()
     h = _gate_up_out(1, P, NI, x.device)
     wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
         x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
-        **launch_options(x.device),
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
+        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **regs, **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
@@ -646,7 +647,7 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
-        **launch_options(x.device),
+        **regs, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 

@@ -93,8 +93,8 @@ HOPPER = [
 #: wgmma kernels of `fp4_moe_wgmma` (weights decoded once per token block into wgmma's register operand, activations
 #: decoded once per K tile into shared memory). Entries ``(from, cfg)`` by (token, slot) pairs per expert
 #: (``num_slots / num_experts``, the mean token block an expert needs), ascending: an entry serves from its ``from``
-#: up to the next one's; below the first, `HOPPER` runs (past its last limit the first entry). The first ``from`` is 16: with
-#: fewer tokens per expert a 16+-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
+#: up to the next one's; below the first, `HOPPER` runs (past its last limit the first entry). The first ``from`` is 12:
+#: with fewer tokens per expert a 16-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
 #: bytes. ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
 #: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
 #: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
@@ -107,8 +107,17 @@ HOPPER = [
 #: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
 #: prefill, 48+ per expert: 64-token blocks, 128-row programs of 4 warps (a 16,384-token prefill layer: 5.2 ms; 8
 #: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile
-#: were slower at every size (k31_2) and are not built.
+#: were slower at every size (k31_2) and are not built. Below 16 per expert, past the `HOPPER` limit (batch 129-255):
+#: 16-token blocks, 3.0% faster than 32-token ones in the decode step at batch 192 (12 per expert; 11,549 against
+#: 11,213 tokens/s, two rounds, h200_73); at batch 128 (8 per expert) the decode kernels stay (190 us a layer
+#: against 206 us for 16-token wgmma blocks, and 9,523 against 9,035 tokens/s in the step, h200_73).
+#: ``gate_first`` (default False): gate/up waits for gate's MMAs before it decodes up's weights, so one decoded
+#: weight tile is live instead of two (sm_90 code, 32-token blocks: 134 registers instead of 161, the same
+#: instructions, the same MMAs in the same order, the same bits); ``maxnreg`` (default none): a register cap per
+#: thread for both kernels, e.g. 128 to fit 4 programs of 4 warps per SM.
 WGMMA = [
+    (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
+          "slice_buffers": True}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
           "slice_buffers": True}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
@@ -157,12 +166,13 @@ def grouped_config(num_slots: int, num_experts: int, device: torch.device) -> di
 def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     """Whether a `WGMMA` entry's tiles divide the expert shapes (``hidden`` H, ``width`` I): else the other kernels
     run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""
-    bt, bk, nw = cfg["block_t"], cfg["block_k"], cfg["num_warps"]
+    bt, bk, nw, regs = cfg["block_t"], cfg["block_k"], cfg["num_warps"], cfg.get("maxnreg", 0)
     rows = 16 * nw
     if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
-            or cfg["block_n_down"] % rows:  # fmt: skip
+            or cfg["block_n_down"] % rows or (regs and not 64 <= regs <= 255):  # fmt: skip
         raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
-                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}).")  # fmt: skip
+                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), maxnreg 0 (none) "
+                         f"or 64-255.")  # fmt: skip
     return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 

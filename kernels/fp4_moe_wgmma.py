@@ -127,6 +127,7 @@ def gate_up_kernel(
     BLOCK_K: gl.constexpr,  # 128 or 256
     NUM_WARPS: gl.constexpr,
     SLICE_BUFFERS: gl.constexpr,  # one shared-memory allocation per activation K-slice (`_x_smem`)
+    GATE_FIRST: gl.constexpr,  # wait for gate's MMAs before decoding up's weights (fewer registers)
     PDL: gl.constexpr,
 ):
     gdc_wait_for_producer(PDL)
@@ -169,20 +170,35 @@ def gate_up_kernel(
     acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     for kt in range(K_TILES - 1):
         cur = (kt % 2) * 8
-        gd = decode8(g, pair_scales(gs, la))
-        ud = decode8(u, pair_scales(us, la))
-        # The next tile's loads go out before this tile's MMAs.
-        xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
-        g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
-        u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
-        us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
-        acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
-        acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
-        # While they run, the next activation tile goes into the other buffer (free: the last tile's MMAs of
-        # every warp were waited for before the barrier that ended it).
-        _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
-        fence_async_shared()
-        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
+        if GATE_FIRST:
+            # Gate's MMAs are waited for before up's weights are decoded: one decoded tile live, not two.
+            gd = decode8(g, pair_scales(gs, la))
+            xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
+            g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
+            acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
+            acc_g = warpgroup_mma_wait(0, deps=(acc_g,) + gd)[0]
+            ud = decode8(u, pair_scales(us, la))
+            u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
+            us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
+            acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
+            _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
+            fence_async_shared()
+            acc_u = warpgroup_mma_wait(0, deps=(acc_u,) + ud)[0]
+        else:
+            gd = decode8(g, pair_scales(gs, la))
+            ud = decode8(u, pair_scales(us, la))
+            # The next tile's loads go out before this tile's MMAs.
+            xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
+            g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
+            u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
+            us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
+            acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
+            acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
+            # While they run, the next activation tile goes into the other buffer (free: the last tile's MMAs of
+            # every warp were waited for before the barrier that ended it).
+            _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
+            fence_async_shared()
+            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
         cta_barrier()
     cur = ((K_TILES - 1) % 2) * 8
     gd = decode8(g, pair_scales(gs, la))

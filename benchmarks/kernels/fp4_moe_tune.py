@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--wg-block-n", default="64,128", help="--wgmma: weight rows per program (both GEMMs)")
     p.add_argument("--wg-warps", default="4,8", help="--wgmma: warps per program")
     p.add_argument("--wg-slice-buffers", default="0", help="--wgmma: one shared allocation per K-slice (1) or not")
+    p.add_argument("--wg-gate-first", default="0", help="--wgmma: gate's MMAs waited for before up's decoding (1)")
+    p.add_argument("--wg-maxnreg", default="0", help="--wgmma: register caps per thread (0: none)")
     p.add_argument(
         "--grouped",
         action="store_true",
@@ -117,9 +119,12 @@ def main(argv=None) -> int:
             "block_k": 128,
             "num_warps": w,
             "slice_buffers": bool(sb),
+            "gate_first": bool(gf),
+            "maxnreg": mr,
         }
-        for bt, bn, w, sb in itertools.product(
-            *(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps, args.wg_slice_buffers))
+        for bt, bn, w, sb, gf, mr in itertools.product(
+            *(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps)),
+            *(_ints(a) for a in (args.wg_slice_buffers, args.wg_gate_first, args.wg_maxnreg)),
         )
         if bn % (16 * w) == 0
     ]

@@ -68,9 +68,12 @@ def _opcodes(body: list) -> dict:
     return dict(ops.most_common())
 
 
-def loop_counts(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1) -> tuple[int, dict]:
-    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90."""
-    lines = compile_sass(fn, signature, constexprs, num_warps, num_stages)
+def loop_counts(
+    fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options
+) -> tuple[int, dict]:
+    """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90 (``options``: compiler options
+    such as ``maxnreg``)."""
+    lines = compile_sass(fn, signature, constexprs, num_warps, num_stages, **options)
     best = (0, {})
     for addr, text in lines:
         br = re.search(r"BRA (0x[0-9a-f]+)", text)

@@ -89,16 +89,19 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     sorted_ids, expert_ids = moe_align(ids, E, bt)
     P = sorted_ids.numel()
     hs = []
-    for slices in (False, True):  # one shared-memory allocation for the staged activations, or one per K-slice
+    # One shared-memory allocation for the staged activations or one per K-slice; gate's MMAs waited for before up's
+    # decoding or not (the same MMAs on the same accumulators in the same order): the same bits.
+    for slices, gate_first in ((False, False), (True, False), (False, True)):
         h = torch.full((P, NI), float("inf"), device="cuda")
         wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
             xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
             wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
             BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
-            PDL=False, num_warps=cfg["num_warps"],
+            GATE_FIRST=gate_first, PDL=False, num_warps=cfg["num_warps"],
         )  # fmt: skip
         hs.append(h)
-    assert torch.equal(hs[0].nan_to_num(7.0), hs[1].nan_to_num(7.0)), "the buffer layout changed the result"
+    for other in hs[1:]:
+        assert torch.equal(hs[0].nan_to_num(7.0), other.nan_to_num(7.0)), "a loop variant changed the result"
     h = hs[0]
     real = sorted_ids < M * K
     slots = sorted_ids[real].long()
@@ -160,8 +163,9 @@ def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monk
     assert configs.wgmma_config(M * K, E, x.device) is not None, "the table must send these sizes to the wgmma kernels"
     y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
     cfg = configs.wgmma_config(M * K, E, x.device)
-    _with_table(monkeypatch, dict(cfg, slice_buffers=not cfg.get("slice_buffers", False)))  # the other layout
-    assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), "slice_buffers changed the result"
+    for key in ("slice_buffers", "gate_first"):  # the other buffer layout, the other gate/up loop order
+        _with_table(monkeypatch, dict(cfg, **{key: not cfg.get(key, False)}))
+        assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), f"{key} changed the result"
     for cfg in _entries():  # every entry gives the same numbers (same operands, its own summation order)
         _with_table(monkeypatch, cfg)
         y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
@@ -206,7 +210,7 @@ def test_module_uses_the_wgmma_kernels_and_matches_its_torch_path():
 
 
 def test_dispatch_by_slots_per_expert(monkeypatch):
-    """`wgmma_config`: from 16 slots per expert on, the entry whose range holds the call's slots per expert; past the
+    """`wgmma_config`: from the first entry's start (slots per expert) on, the entry whose range holds the call's slots per expert; past the
     decode kernels' last limit the first entry; below, on CPU, before sm_90, with an empty table or without Gluon,
     None (the decode kernels run)."""
     monkeypatch.setattr(configs, "INTERPRETED", False)
@@ -220,7 +224,7 @@ def test_dispatch_by_slots_per_expert(monkeypatch):
     assert configs.hopper_config(limit, dev) == configs.HOPPER[-1][1]
     assert configs.wgmma_config(limit + 1, E, dev) == first  # past them: wgmma, not the Triton kernels
     assert configs.wgmma_config(lo * E - 1, E, dev) == first
-    assert configs.wgmma_config(lo * E, E, dev) == first  # batch 256
+    assert configs.wgmma_config(lo * E, E, dev) == first  # batch 192
     assert configs.wgmma_config(hi * E - 1, E, dev) == first
     assert configs.wgmma_config(hi * E, E, dev) == second
     assert configs.wgmma_config(16384 * 8, E, dev) == configs.WGMMA[-1][1]  # a 16K-token prefill
@@ -241,7 +245,13 @@ def test_wgmma_entries_are_checked():
         assert configs.check_wgmma_entry(cfg, 2048, 768)  # Qwen3-30B-A3B
         assert not configs.check_wgmma_entry(cfg, 2048, 776)  # an expert width the tiles do not divide
     good = _entries()[0]
-    for bad in ({"block_t": 12}, {"block_k": 64}, {"num_warps": 2}, {"block_n_gate_up": 16 * good["num_warps"] + 8}):
+    for bad in (
+        {"block_t": 12},
+        {"block_k": 64},
+        {"num_warps": 2},
+        {"block_n_gate_up": 16 * good["num_warps"] + 8},
+        {"maxnreg": 32},
+    ):
         with pytest.raises(ValueError, match="WGMMA entry"):
             configs.check_wgmma_entry(dict(good, **bad), 2048, 768)
 
@@ -281,7 +291,10 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
     ):
         consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
                   "SLICE_BUFFERS": slices, "PDL": False}  # fmt: skip
-        n, ops = sass.loop_counts(fn, sig, consts, nw)
+        if fn is wg.gate_up_kernel:
+            consts["GATE_FIRST"] = bool(cfg.get("gate_first", False))
+        regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+        n, ops = sass.loop_counts(fn, sig, consts, nw, **regs)
         assert "LDL" not in ops and "STL" not in ops, f"{fn.__name__} {cfg}: spills {ops}"
         m_reps = bn // (16 * nw)  # 64-row wgmma tiles per warpgroup
         assert ops.get("HGMMA", 0) == ops_per_tile * m_reps * bk // 128, f"{fn.__name__} {cfg}: {ops}"
@@ -293,8 +306,8 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
 
 
 def test_hopper_ab_patches_the_wgmma_table():
-    """`benchmarks/kernels/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``); a start
-    the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
+    """`benchmarks/kernels/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``), or
+    replaces the table (``WGMMA``); a start the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
     from benchmarks.kernels import hopper_ab
 
     table = [(16, {"block_t": 32}), (48, {"block_t": 64})]
@@ -302,6 +315,7 @@ def test_hopper_ab_patches_the_wgmma_table():
     assert hopper_ab.patched_wgmma(table, patch) == [(16, {"block_t": 32, "num_warps": 8}),
                                                      (48, {"block_t": 128, "num_warps": 8})]  # fmt: skip
     assert hopper_ab.patched_wgmma(table, {}) == table
+    assert hopper_ab.patched_wgmma(table, {"WGMMA": [[8, {"block_t": 16}]]}) == [(8, {"block_t": 16})]  # a new table
     with pytest.raises(SystemExit, match="WGMMA entries"):
         hopper_ab.patched_wgmma(table, {"WGMMA32": {"block_t": 16}})
     assert hopper_ab.patched([(8, {"block_t": 8})], patch) == [(8, {"block_t": 8})]
