@@ -609,10 +609,11 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         split //= 2
     part = _gate_up_out(split, P, NI, x.device)
     stages = check_hopper_entry(cfg)
+    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
@@ -620,7 +621,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
-        STAGES=stages, num_warps=nw, **launch_options(x.device),
+        STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 
