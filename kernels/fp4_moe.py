@@ -634,7 +634,8 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     slices = bool(cfg.get("slice_buffers", False))
-    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
+    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
     P = sorted_ids.numel()
     h = _gate_up_out(1, P, NI, x.device)
     wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
@@ -648,7 +649,7 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
-        **regs, **launch_options(x.device),
+        **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 

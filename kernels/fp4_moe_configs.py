@@ -114,7 +114,7 @@ HOPPER = [
 #: ``gate_first`` (default False): gate/up waits for gate's MMAs before it decodes up's weights, so one decoded
 #: weight tile is live instead of two (sm_90 code, 32-token blocks: 134 registers instead of 161, the same
 #: instructions, the same MMAs in the same order, the same bits); ``maxnreg`` (default none): a register cap per
-#: thread for both kernels. Nsight Compute found the decode entry's gate/up waiting on its loads (long scoreboard)
+#: thread for both kernels; ``maxnreg_down`` (default ``maxnreg``): the down kernel's own cap. Nsight Compute found the decode entry's gate/up waiting on its loads (long scoreboard)
 #: with 2.85 warps per scheduler at 161 registers (3 programs per SM, h200_73); with both, 128 registers and 8 bytes
 #: of spills, 4 programs fit, and the decode step gained 5.5% at batch 192, 3.4% at 256 and 2.9% at 512 (two rounds
 #: each, h200_74; one layer at 512: 326.5 against 343.4 us). ``gate_first`` alone lost at 256 and 512 (-0.8%, -0.7%),
@@ -170,13 +170,14 @@ def grouped_config(num_slots: int, num_experts: int, device: torch.device) -> di
 def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     """Whether a `WGMMA` entry's tiles divide the expert shapes (``hidden`` H, ``width`` I): else the other kernels
     run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""
-    bt, bk, nw, regs = cfg["block_t"], cfg["block_k"], cfg["num_warps"], cfg.get("maxnreg", 0)
+    bt, bk, nw = cfg["block_t"], cfg["block_k"], cfg["num_warps"]
     rows = 16 * nw
+    caps = [cfg.get(k) or 0 for k in ("maxnreg", "maxnreg_down")]
     if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
-            or cfg["block_n_down"] % rows or (regs and not 64 <= regs <= 255):  # fmt: skip
+            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps):  # fmt: skip
         raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
-                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), maxnreg 0 (none) "
-                         f"or 64-255.")  # fmt: skip
+                         f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), maxnreg and "
+                         f"maxnreg_down 0 (none) or 56-255.")  # fmt: skip
     return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 

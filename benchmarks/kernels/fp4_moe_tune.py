@@ -50,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--wg-slice-buffers", default="0", help="--wgmma: one shared allocation per K-slice (1) or not")
     p.add_argument("--wg-gate-first", default="0", help="--wgmma: gate's MMAs waited for before up's decoding (1)")
     p.add_argument("--wg-maxnreg", default="0", help="--wgmma: register caps per thread (0: none)")
+    p.add_argument("--wg-maxnreg-down", default="0", help="--wgmma: the down kernel's own caps (0: as --wg-maxnreg)")
     p.add_argument(
         "--grouped",
         action="store_true",
@@ -121,10 +122,11 @@ def main(argv=None) -> int:
             "slice_buffers": bool(sb),
             "gate_first": bool(gf),
             "maxnreg": mr,
+            "maxnreg_down": md,
         }
-        for bt, bn, w, sb, gf, mr in itertools.product(
+        for bt, bn, w, sb, gf, mr, md in itertools.product(
             *(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps)),
-            *(_ints(a) for a in (args.wg_slice_buffers, args.wg_gate_first, args.wg_maxnreg)),
+            *(_ints(a) for a in (args.wg_slice_buffers, args.wg_gate_first, args.wg_maxnreg, args.wg_maxnreg_down)),
         )
         if bn % (16 * w) == 0
     ]

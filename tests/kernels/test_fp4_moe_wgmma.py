@@ -147,9 +147,9 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
-@pytest.mark.parametrize("M", [256, 512, 2048])
+@pytest.mark.parametrize("M", [192, 256, 512, 2048])
 def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monkeypatch):
-    """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes (decode batch 256 and 512, a 2,048-token prefill
+    """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes (decode batch 192, 256 and 512, a 2,048-token prefill
     chunk): the table's wgmma entry against the Triton kernels (held to the torch path by tests/kernels/test_fp4_moe.py) and
     the torch reference, and the hidden codes it quantized against the Triton kernels' (equal up to rare flips at a
     rounding boundary from the summation order)."""
@@ -166,6 +166,9 @@ def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monk
     for key in ("slice_buffers", "gate_first"):  # the other buffer layout, the other gate/up loop order
         _with_table(monkeypatch, dict(cfg, **{key: not cfg.get(key, False)}))
         assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), f"{key} changed the result"
+    for gate_up, down in ((None, None), (80, 64), (96, 72), (128, 128)):  # register caps: other code, the same bits
+        _with_table(monkeypatch, dict(cfg, maxnreg=gate_up, maxnreg_down=down))
+        assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), f"caps {gate_up}, {down}"
     for cfg in _entries():  # every entry gives the same numbers (same operands, its own summation order)
         _with_table(monkeypatch, cfg)
         y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
@@ -251,6 +254,7 @@ def test_wgmma_entries_are_checked():
         {"num_warps": 2},
         {"block_n_gate_up": 16 * good["num_warps"] + 8},
         {"maxnreg": 32},
+        {"maxnreg_down": 300},
     ):
         with pytest.raises(ValueError, match="WGMMA entry"):
             configs.check_wgmma_entry(dict(good, **bad), 2048, 768)
@@ -294,7 +298,8 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
                   "SLICE_BUFFERS": slices, "PDL": False}  # fmt: skip
         if fn is wg.gate_up_kernel:
             consts["GATE_FIRST"] = bool(cfg.get("gate_first", False))
-        regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+        cap = (cfg.get("maxnreg_down") if fn is wg.down_kernel else None) or cfg.get("maxnreg")
+        regs = {"maxnreg": cap} if cap else {}
         n, ops = sass.loop_counts(fn, sig, consts, nw, **regs)
         if slices == cfg.get("slice_buffers", False):  # the entry as it runs: no spills, or with its register cap
             # (``maxnreg``) a few reloads of values kept across the loop (the decode entry: 2 per K tile) and no stores
