@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 R=$OUT/r; mkdir -p "$R"
 PKG=$(mktemp -d); cp -r trace_hf "$PKG/"; rm -rf "$PKG/trace_hf/kernels"; ln -s "$PWD/kernels" "$PKG/trace_hf/kernels"
-(cd "$PKG" && PYTHONPATH=$PKG:$PYTHONPATH timeout 130 python3 -m pytest -v -m gpu -p no:cacheprovider \
+(cd "$PKG" && PYTHONPATH=$PKG:$PYTHONPATH timeout 170 python3 -m pytest -v -m gpu -p no:cacheprovider \
   --rootdir="$OLDPWD" "$OLDPWD/tests/kernels/test_fp4_moe_wgmma.py") > "$R/gpu_tests.log" 2>&1
 echo "rc=$?" >> "$R/gpu_tests.log"; grep -E "FAILED|ERROR|rc=|passed|failed" "$R/gpu_tests.log" | cut -c1-200 | tail -n 6
 echo "tests done at $((SECONDS - START)) s"
