@@ -118,12 +118,16 @@ HOPPER = [
 #: with 2.85 warps per scheduler at 161 registers (3 programs per SM, h200_73); with both, 128 registers and 8 bytes
 #: of spills, 4 programs fit, and the decode step gained 5.5% at batch 192, 3.4% at 256 and 2.9% at 512 (two rounds
 #: each, h200_74; one layer at 512: 326.5 against 343.4 us). ``gate_first`` alone lost at 256 and 512 (-0.8%, -0.7%),
-#: and the cap alone spills 104 bytes at 32-token blocks. The prefill entry (255 registers) is bound by its MMAs.
+#: and the cap alone spills 104 bytes at 32-token blocks. Lower caps, found with Triton 3.6's ptxas (which then
+#: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
+#: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
+#: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
+#: by its MMAs.
 WGMMA = [
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 128}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 128}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
 ]  # fmt: skip
 
