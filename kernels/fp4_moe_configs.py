@@ -73,7 +73,9 @@ CONFIG = {
 #: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
 #: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
-#: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower). From
+#: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
+#: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
+#: h200_75, so no entry has one). From
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
@@ -114,11 +116,12 @@ HOPPER = [
 #: ``gate_first`` (default False): gate/up waits for gate's MMAs before it decodes up's weights, so one decoded
 #: weight tile is live instead of two (sm_90 code, 32-token blocks: 134 registers instead of 161, the same
 #: instructions, the same MMAs in the same order, the same bits); ``maxnreg`` (default none): a register cap per
-#: thread for both kernels; ``maxnreg_down`` (default ``maxnreg``): the down kernel's own cap. Nsight Compute found the decode entry's gate/up waiting on its loads (long scoreboard)
-#: with 2.85 warps per scheduler at 161 registers (3 programs per SM, h200_73); with both, 128 registers and 8 bytes
-#: of spills, 4 programs fit, and the decode step gained 5.5% at batch 192, 3.4% at 256 and 2.9% at 512 (two rounds
-#: each, h200_74; one layer at 512: 326.5 against 343.4 us). ``gate_first`` alone lost at 256 and 512 (-0.8%, -0.7%),
-#: and the cap alone spills 104 bytes at 32-token blocks. Lower caps, found with Triton 3.6's ptxas (which then
+#: thread for both kernels; ``maxnreg_down`` (default ``maxnreg``): the down kernel's own cap. Nsight Compute found
+#: the decode entry's gate/up waiting on its loads (long scoreboard) with 2.85 warps per scheduler at 161 registers
+#: (3 programs per SM, h200_73); with ``gate_first`` and a cap of 128, 8 bytes of spills, 4 programs fit, and the
+#: decode step gained 5.5% at batch 192, 3.4% at 256 and 2.9% at 512 (two rounds each, h200_74; one layer at 512:
+#: 326.5 against 343.4 us). ``gate_first`` alone lost at 256 and 512 (-0.8%, -0.7%), and the cap alone spills 104
+#: bytes at 32-token blocks. Lower caps, found with Triton 3.6's ptxas (which then
 #: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
 #: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
 #: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound

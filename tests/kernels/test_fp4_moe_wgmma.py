@@ -149,10 +149,11 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
 @pytest.mark.parametrize("M", [192, 256, 512, 2048])
 def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monkeypatch):
-    """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes (decode batch 192, 256 and 512, a 2,048-token prefill
-    chunk): the table's wgmma entry against the Triton kernels (held to the torch path by tests/kernels/test_fp4_moe.py) and
-    the torch reference, and the hidden codes it quantized against the Triton kernels' (equal up to rare flips at a
-    rounding boundary from the summation order)."""
+    """Whole `experts_from_quantized` at Qwen3-30B-A3B expert shapes (decode batch 192, 256 and 512, a 2,048-token
+    prefill chunk): the table's wgmma entry against the Triton kernels (held to the torch path by
+    tests/kernels/test_fp4_moe.py) and the torch reference, and the hidden codes it quantized against the Triton
+    kernels' (equal up to rare flips at a rounding boundary from the summation order); the loop variants and register
+    caps give the entry's bits."""
     from trace_hf.kernels import fp4_quant
 
     E, H, NI, K = 128, 2048, 768, 8
