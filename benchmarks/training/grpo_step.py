@@ -40,7 +40,8 @@ Batch: ``--prompts`` x ``--num-generations`` rows of ``--prompt-len`` random tok
 length). Reported
 per setup: rollout seconds and tokens/s, whole-step seconds (steps after the first, which compiles and captures),
 peak memory (per GPU), and the ratios to ``generate_bf16``; with ``--profile`` also the last step's device time
-by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what); with
+by kernel (``kernels_last_step``: what a rollout spends in prefill, decode and re-packing, and training in what;
+``--profile rollout``: the last step's rollout alone, ``kernels_last_rollout``, and each profile's device total); with
 ``--profile-host`` instead, one call of each training phase with the host's side (``host_profile_last_step``). Under several processes every GPU rolls out its own
 64 rows; tokens/s are per GPU and in all (``*_total``), and the main process writes the JSON.
 """
@@ -68,7 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--setups", default="generate_bf16,engine_bf16,engine_fp4")
-    p.add_argument("--profile", action="store_true", help="break the last step's device time down by kernel")
+    p.add_argument("--profile", nargs="?", const="step", choices=["step", "rollout"], default=None,
+                   help="break the last step's device time down by kernel; `--profile rollout`: only its rollout "
+                        "(the engine's or generate's), to compare the precisions' rollouts kernel by kernel")  # fmt: skip
     p.add_argument("--profile-host", action="store_true",
                    help="profile one call of each training phase in the last step, host side included")  # fmt: skip
     p.add_argument(
@@ -349,39 +352,73 @@ class StepLog:
 
 
 class LastStepProfile:
-    """A TrainerCallback that runs torch.profiler over the last optimizer step (rollout and training): which
-    kernels the step's device time goes to (on CPU, the CPU time of each op)."""
+    """A TrainerCallback that runs torch.profiler over the last optimizer step (``scope="step"``: rollout and
+    training) or over that step's rollout only (``"rollout"``, through `watch`): which kernels the device time goes to
+    (on CPU, the CPU time of each op), and their total."""
 
-    def __init__(self, cuda: bool):
-        from torch.profiler import ProfilerActivity, profile
+    def __init__(self, cuda: bool, scope: str = "step"):
         from transformers import TrainerCallback
 
         prof = self
+        self.cuda, self.scope, self.armed, self._p = cuda, scope, False, None
         self.kernels: list = []
+        self.total_ms: float | None = None
 
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                if state.global_step == state.max_steps - 1:
-                    prof._p = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
-                    prof._p.__enter__()
+                prof.armed = state.global_step == state.max_steps - 1
+                if prof.armed and prof.scope == "step":
+                    prof._start()
 
             def on_step_end(self, args, state, control, **kw):
-                if getattr(prof, "_p", None) is None:
-                    return
-                import torch
-
-                if cuda:
-                    torch.cuda.synchronize()
-                prof._p.__exit__(None, None, None)
-                prof.kernels = top_times(prof._p.key_averages(), cuda, 20)
-                prof._p = None
+                if prof._p is not None:
+                    prof._stop()
+                prof.armed = False
 
         self.callback = _CB()
+
+    def _start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._p = profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
+        self._p.__enter__()
+
+    def _stop(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._p.__exit__(None, None, None)
+        events = self._p.key_averages()
+        self.kernels = top_times(events, self.cuda, 25 if self.scope == "rollout" else 20)
+        self.total_ms = round(sum(_self_time(e, self.cuda) for e in events) / 1e3, 2)
+        self._p = None
+
+    def watch(self, obj, name: str) -> None:
+        """With ``scope="rollout"``: profile the last step's first call of `obj.name` (the trainer's rollout)."""
+        if self.scope != "rollout":
+            return
+        orig = getattr(obj, name)
+
+        def profiled(*a, **k):
+            if not self.armed or self.kernels:
+                return orig(*a, **k)
+            self._start()
+            try:
+                return orig(*a, **k)
+            finally:
+                self._stop()
+
+        setattr(obj, name, profiled)
+
+
+def _self_time(e, cuda: bool) -> float:
+    return max(0.0, e.self_device_time_total if cuda else e.self_cpu_time_total)
 
 
 def top_times(events, cuda: bool, n: int) -> list:
     """The ``n`` costliest kernels (on CPU: ops by self CPU time) of a profile: (name, ms, share of the total)."""
-    rows = [(e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in events]
+    rows = [(e.key, _self_time(e, cuda)) for e in events]
     rows = [(k, t) for k, t in rows if t > 0]
     total = sum(t for _, t in rows) or 1.0
     return [(k[:60], round(t / 1e3, 2), round(t / total, 3)) for k, t in sorted(rows, key=lambda r: -r[1])[:n]]
@@ -502,7 +539,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
-    profiler = LastStepProfile(dev.type == "cuda") if args.profile else None
+    profiler = LastStepProfile(dev.type == "cuda", args.profile) if args.profile else None
     phases.host = HostProfile(dev.type == "cuda") if args.profile_host else None
     log = StepLog(name, timer, phases)
     callbacks = [timer.callback, phases.callback, log.callback] + ([profiler.callback] if profiler else [])
@@ -519,6 +556,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
                 lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
     phases.wrap(trainer.accelerator, "backward", "backward")
+    if profiler:
+        profiler.watch(trainer, "_generate_single_turn")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -558,7 +597,9 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "trace_metrics": {k: v for k, v in later[-1].items() if k.startswith("trace/")},
     }
     if profiler:
-        res["kernels_last_step"] = profiler.kernels  # [(kernel, ms, share of the step's device time)]
+        key = "last_rollout" if args.profile == "rollout" else "last_step"
+        res[f"kernels_{key}"] = profiler.kernels  # [(kernel, ms, share of the device time)]
+        res[f"device_ms_{key}"] = profiler.total_ms
     if phases.host:
         res["host_profile_last_step"] = phases.host.phases  # one call of each phase
     del trainer, model

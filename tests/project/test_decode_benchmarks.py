@@ -252,3 +252,33 @@ def test_grpo_step_profile_flags_exclude_each_other():
 
     with pytest.raises(SystemExit):
         g.parse_args(["--out", "x.json", "--profile", "--profile-host"])
+
+
+def test_last_step_profile_of_the_rollout_only():
+    """`--profile rollout`: `LastStepProfile` profiles the watched call (the trainer's rollout) in the last step only,
+    its first call there, and reports its ops and their total; earlier steps' calls and the rest of the step are not
+    in it."""
+    from types import SimpleNamespace as S
+
+    from benchmarks.training import grpo_step as g
+
+    class Trainer:
+        def roll(self, n):
+            return torch.ones(n, n) @ torch.ones(n, n)
+
+    prof, t = g.LastStepProfile(cuda=False, scope="rollout"), Trainer()
+    prof.watch(t, "roll")
+    for step in range(2):
+        state = S(global_step=step, max_steps=2)
+        prof.callback.on_step_begin(None, state, None)
+        t.roll(64)
+        if step == 0:
+            assert prof.kernels == []
+        else:
+            first = list(prof.kernels)
+            torch.ones(8).sum()  # the rest of the step: not profiled
+            t.roll(32)  # a second call: not profiled either
+        prof.callback.on_step_end(None, state, None)
+    names = [k for k, _, _ in first]
+    assert "aten::mm" in names and "aten::sum" not in names and prof.kernels == first
+    assert prof.total_ms >= sum(ms for _, ms, _ in first) - 0.05
