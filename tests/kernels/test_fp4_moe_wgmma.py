@@ -11,7 +11,10 @@ ptxas: every table entry builds, keeps its wgmma instructions in the loop and do
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -279,6 +282,23 @@ def _sass():
     return sass_counts
 
 
+def _loop_counts_clean(kernel: str, sig: dict, consts: dict, num_warps: int, options: dict) -> tuple[int, dict]:
+    """`sass_counts.loop_counts` of a `fp4_moe_wgmma` kernel in a fresh Python without ``TRITON_INTERPRET``: the
+    interpreter, once it has run a kernel in this process, leaves `triton.language` patched and a Gluon compile
+    here would fail (see `sass_counts.run_clean`)."""
+    code = ("import json, sys; from benchmarks.kernels import sass_counts as s; "
+            "from trace_hf.kernels import fp4_moe_wgmma as wg; a = [json.loads(x) for x in sys.argv[1:]]; "
+            f"print(json.dumps(s.loop_counts(getattr(wg, {kernel!r}), a[0], a[1], a[2], **a[3])))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = [json.dumps(a) for a in (sig, consts, num_warps, options)]
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=root)
+    if res.returncode != 0:
+        raise RuntimeError(f"compiling {kernel} failed:\n{res.stderr[-4000:]}")
+    n, ops = json.loads(res.stdout.strip().splitlines()[-1])
+    return n, ops
+
+
 @pytest.mark.parametrize("slices", [False, True], ids=["one_buffer", "slice_buffers"])
 @pytest.mark.parametrize("cfg", _entries(), ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
 def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
@@ -301,7 +321,7 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
             consts["GATE_FIRST"] = bool(cfg.get("gate_first", False))
         cap = (cfg.get("maxnreg_down") if fn is wg.down_kernel else None) or cfg.get("maxnreg")
         regs = {"maxnreg": cap} if cap else {}
-        n, ops = sass.loop_counts(fn, sig, consts, nw, **regs)
+        n, ops = _loop_counts_clean(fn.__name__, sig, consts, nw, regs)
         if slices == cfg.get("slice_buffers", False):  # the entry as it runs: no spills, or with its register cap
             # (``maxnreg``) a few reloads of values kept across the loop (the decode entry: 2 per K tile) and no stores
             assert "STL" not in ops and ops.get("LDL", 0) <= (4 if regs else 0), f"{fn.__name__} {cfg}: spills {ops}"
