@@ -189,6 +189,11 @@ def add_rmsnorm_fp4(
     return out, FP4Tensor(packed, scale, g, "nvfp4")
 
 
+#: `add_rmsnorm` warps per program (one row each) for hidden sizes up to 4096, twice that above: plain, and with the
+#: NVFP4 quantization of its output (`add_rmsnorm_fp4`), whose extra row reduction and stores add barriers.
+NORM_WARPS = {"plain": 4, "fp4": 4}
+
+
 def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, round_normalized=True, gated=None) -> None:
     M, H = res.shape
     quant = packed is not None
@@ -202,7 +207,8 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
         scale if quant else dummy, g if quant else dummy, bits if bits is not None else dummy, y, gate,
         gate.stride(0) if gated is not None else 0, H, eps, NADD=0 if add is None else add.shape[1], QUANT=quant,
         WRITE_BITS=bits is not None, NBT=triton.next_power_of_2(triton.cdiv(H, 16)), ROUND_NORMED=round_normalized,
-        GATED=gated is not None, num_warps=4 if H <= 4096 else 8, enable_fp_fusion=False, **launch_options(res.device),
+        GATED=gated is not None, num_warps=NORM_WARPS["fp4" if quant else "plain"] * (1 if H <= 4096 else 2),
+        enable_fp_fusion=False, **launch_options(res.device),
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from trace_hf import TraceFP4Config
 from trace_hf import testing as T
 from trace_hf.quant.quantizer import quantize_model
 from trace_hf.rollout import EngineRollout
+from trace_hf.rollout.engine import FastDecoder
 
 
 pytest.importorskip("trace_hf.kernels.sampling")
@@ -43,6 +44,7 @@ def batch_invariant(monkeypatch):
 
     monkeypatch.setattr(F, "linear", by_row)
     monkeypatch.setattr(decode_ops, "linear", by_row)
+    monkeypatch.setattr(FastDecoder, "_lm_head", lambda dec, xn: dec.logits.copy_(by_row(xn, dec.w.lm_head)))
 
 
 def _qwen3(fp4: bool):

@@ -62,6 +62,12 @@ class SamplingSettings:
         return not self.do_sample
 
     @property
+    def temperature_only(self) -> bool:
+        """Sampling that truncates nothing: the draw and the log-prob read the same ``logits / temperature``."""
+        truncating = (self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+        return self.do_sample and all(v is None for v in truncating)
+
+    @property
     def logprob_temperature(self) -> float:
         """The temperature TRL divides the training logits by (1 when decoding greedily)."""
         return self.temperature if self.temperature > 0 else 1.0
@@ -125,7 +131,7 @@ def process_logits(logits: torch.Tensor, s: SamplingSettings, seen: torch.Tensor
     if s.greedy:
         return x
     if s.temperature != 1.0:
-        x = x / s.temperature
+        x = x * (1.0 / s.temperature)  # what torch's CUDA division by a scalar computes, on every device
     ninf = float("-inf")
     if s.top_k is not None and s.top_k < x.shape[-1]:
         kth = torch.topk(x, s.top_k, dim=-1).values[:, -1:]
@@ -145,7 +151,7 @@ def process_logits(logits: torch.Tensor, s: SamplingSettings, seen: torch.Tensor
 
 def sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
     """log_softmax(raw logits / temperature) at the chosen tokens: what TRL's training forward computes."""
-    x = logits / s.logprob_temperature
+    x = logits.float() * (1.0 / s.logprob_temperature)
     return x.gather(-1, tokens.view(-1, 1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
@@ -160,3 +166,17 @@ def draw(x: torch.Tensor, s: SamplingSettings, seed: torch.Tensor, step: torch.T
     from trace_hf.kernels.sampling import gumbel_argmax
 
     return gumbel_argmax(x, seed, step, rows=rows)
+
+
+def sample(logits: torch.Tensor, s: SamplingSettings, seed: torch.Tensor, step: torch.Tensor,
+           rows: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(token ids [B] int64, their log-probs [B] fp32) from raw logits [B, V] (any float dtype): `process_logits`,
+    `draw` and `sampler_logprobs` (``rows`` and ``seen`` as there). Sampling with only a temperature runs them as one
+    read of the logits (`gumbel_sample`: the same tokens as `draw`, the log-probs to fp32 rounding)."""
+    if s.temperature_only:
+        from trace_hf.kernels.sampling import gumbel_sample
+
+        return gumbel_sample(logits, seed, step, 1.0 / s.temperature, rows=rows)
+    raw = logits.float()
+    tok = draw(process_logits(raw, s, seen), s, seed, step, rows)
+    return tok, sampler_logprobs(raw, tok, s)

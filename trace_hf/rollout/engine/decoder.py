@@ -62,7 +62,7 @@ class FastDecoder:
 
     `tokens` [B] (int64) holds the step's input tokens and receives the greedy next tokens; `positions` [B]
     (int32) the position each sequence writes (its cache length before the step), incremented by the step;
-    `logits` [B, V] the step's logits.
+    `logits` [B, V] the step's logits, in the model dtype (the lm_head's output).
     """
 
     #: The norms round the normalized value to the model dtype before the weight (Qwen3's RMSNorm; `add_rmsnorm`).
@@ -100,7 +100,7 @@ class FastDecoder:
         self.splits = self._splits(batch)
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.int32, device=self.device)
-        self.logits = torch.zeros(batch, d.vocab, dtype=torch.float32, device=self.device)
+        self.logits = torch.zeros(batch, d.vocab, dtype=weights.lm_head.dtype, device=self.device)
         self.hinted = self._hinted_at("experts_input")
         n_h, H = len(self.hinted), d.hidden
         self.hint_bits = torch.zeros(n_h, batch, H // 8, dtype=torch.uint8, device=self.device)
@@ -191,13 +191,16 @@ class FastDecoder:
     def _next_token(self, xn: torch.Tensor) -> None:
         """The step's tail, shared by every decoder: lm_head logits of the final-normed hidden ``xn``, the sampler
         (greedy without one), and the positions one further."""
-        logits = F.linear(xn, self.w.lm_head)
-        self.logits.copy_(logits)
+        self._lm_head(xn)
         if self.sample is None:
-            self.tokens.copy_(torch.argmax(logits, dim=-1))
+            self.tokens.copy_(torch.argmax(self.logits, dim=-1))
         else:
             self.sample(self)
         self.positions.add_(1)
+
+    def _lm_head(self, xn: torch.Tensor) -> None:
+        """The logits into `logits`, in the lm_head's dtype: no fp32 copy, the sampler reads them once."""
+        torch.mm(xn, self.w.lm_head.t(), out=self.logits)
 
     # -- graph ----------------------------------------------------------------------------------------------
 

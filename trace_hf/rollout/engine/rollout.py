@@ -59,7 +59,7 @@ from ...quant.freshness import no_prefill_refresh
 from ...quant.kv_cache import FP4KVLayer, fp4_cache
 from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from ..generate import check_sampling
-from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
+from ..sampling import SamplingSettings, sample
 from .decoder import FastDecoder
 from .layouts import layout_of
 from .qwen35 import HybridDecoder
@@ -306,11 +306,10 @@ class EngineRollout:
         if r.seen is not None:
             r.seen.zero_()
             r.seen[:B].scatter_(1, torch.where(mask.bool(), ids, ids[:, -1:]), True)  # pads: the last (real) id
-        x = process_logits(logits, s, None if r.seen is None else r.seen[:B])
-        tok0 = draw(x, s, r.seed, r.step)
+        tok0, lp0 = sample(logits, s, r.seed, r.step, seen=None if r.seen is None else r.seen[:B])
         r.out_tokens.zero_()
         r.out_tokens[:B, 0] = tok0
-        r.out_logps[:B, 0] = sampler_logprobs(logits, tok0, s)
+        r.out_logps[:B, 0] = lp0
         r.finished[:B] |= torch.isin(tok0, r.eos)
         if r.seen is not None:
             r.seen[:B].scatter_(1, tok0.unsqueeze(1), True)

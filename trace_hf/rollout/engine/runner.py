@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from ..sampling import SamplingSettings, draw, process_logits, sampler_logprobs
+from ..sampling import SamplingSettings, sample
 from .decoder import FastDecoder, swap_rows
 from .kernels import kernels
 from .recording import StepRecords
@@ -118,9 +118,7 @@ class Runner:
     def _sample(self, dec: FastDecoder) -> None:
         """End of a decode step (graph-safe): draw the next token, record it, its log-prob and the step's hints."""
         s = self.s
-        x = process_logits(dec.logits, s, self.seen)
-        tok = draw(x, s, self.seed, self.step, self.row_ids)
-        lp = sampler_logprobs(dec.logits, tok, s)
+        tok, lp = sample(dec.logits, s, self.seed, self.step, self.row_ids, self.seen)
         tok = torch.where(self.finished, torch.full_like(tok, s.pad_token_id), tok)
         at = self.row_ids * self.out_tokens.shape[1] + (self.step + 1)
         self.out_tokens.view(-1).index_copy_(0, at, tok)
