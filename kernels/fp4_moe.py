@@ -455,8 +455,9 @@ def experts_from_quantized(
     Weights are `FP4Tensor` (NVFP4, per-expert global scale: ``[E, 2I, H]`` and ``[E, H, I]``) or dense tensors
     of those shapes. ``topk_ids`` must be < E (checking would cost a host sync): `TraceFP4Experts` maps
     expert-parallel sentinels to weight 0 before calling. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
-    (token, expert) row. Returns fp32 ``[M, top_k, H]``: each slot's expert output times its routing weight; the
-    token's output is the sum over dim 1; with ``reduce``, that sum, fp32 ``[M, H]`` (fused into the grouped path's
+    (token, expert) row. Returns fp32 ``[M, top_k * s, H]``: each slot's expert output times its routing weight, as
+    ``s`` partial sums over slices of the intermediate dimension (``s = 1`` but where a `HOPPER` entry sets
+    ``split_k_down``: batch 1); the token's output is the sum over dim 1; with ``reduce``, that sum, fp32 ``[M, H]`` (fused into the grouped path's
     epilogue). With ``return_hidden`` (FP4 hidden only) also returns the `QuantizedHidden` the down projection
     read, for recording experts_hidden hints. ``bf16_sums=True`` lets a call of many tokens per expert take the
     grouped path (`GROUPED`: bf16 GEMMs, their sums rounded to bf16 before the epilogues, ~1.3x faster at a
@@ -616,12 +617,15 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
-    y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
+    split_down = cfg.get("split_k_down", 1)
+    while split_down > 1 and NI % (split_down * bk):
+        split_down -= 1
+    y = torch.empty(M, K * split_down, H, dtype=torch.float32, device=x.device)  # each slot's partial sums in a row
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    hop.down_kernel[(P // bt, H // cfg["block_n_down"])](
+    hop.down_kernel[(P // bt, H // cfg["block_n_down"], split_down)](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False),
-        STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
+        SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 

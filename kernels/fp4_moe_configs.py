@@ -71,6 +71,8 @@ CONFIG = {
 #: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``block_k``: a multiple of 128
 #: (16 code words, one MMA's K); ``split_k``: gate/up programs
 #: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
+#: ``split_k_down`` (default 1): down programs per tile over slices of K, whose partial sums the caller adds with the
+#: slots' (`experts_from_quantized` returns them side by side; the decode step's next add + RMSNorm sums them);
 #: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
@@ -81,7 +83,8 @@ _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256
 
 
 HOPPER = [
-    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4}),
+    (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4,
+         "split_k_down": 2}),
     (256, _WIDE),
     (1024, dict(_WIDE, block_n_down=128, stages=2)),
 ]

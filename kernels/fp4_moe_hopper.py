@@ -379,12 +379,13 @@ def down_kernel(
     ws_ptr,  # uint8 [E, H, I/16]
     wg_ptr,  # fp32 [E]
     tw_ptr,  # routing weights fp32 [num_slots]
-    y_ptr,  # out: fp32 [num_slots, H], weighted expert outputs by slot
+    y_ptr,  # out: fp32 [num_slots, SPLIT_K, H], weighted expert outputs by slot (with SPLIT_K > 1, partial sums)
     sorted_ptr,
     expert_ptr,
     num_slots,
     H: gl.constexpr,
     NI: gl.constexpr,
+    SPLIT_K: gl.constexpr,  # programs per tile over slices of K (batch 1: more loads in flight); the sums' reader adds them
     BLOCK_T: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -401,29 +402,35 @@ def down_kernel(
     lb1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=1)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
+    pid_k = gl.program_id(2)
     e = gl.load(expert_ptr + pid_m)
     if e < 0:
         return
     KW: gl.constexpr = BLOCK_K // 8
+    K_LEN: gl.constexpr = NI // SPLIT_K
+    k_off = pid_k * K_LEN
     w_rows = e.to(gl.int64) * H + pid_n * BLOCK_N
     n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la)).to(gl.int64)[:, None]
     n1 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, la1)).to(gl.int64)[:, None]
     w_ptrs = (
         w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-        + w_rows * (NI // 8)
+        + (w_rows * (NI // 8) + k_off // 8)
         + (n * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, la)).to(gl.int64)[None, :])
     )
     ws_ptrs = (
         ws_ptr
-        + w_rows * (NI // 16)
+        + (w_rows * (NI // 16) + k_off // 16)
         + (n1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(0, la1)).to(gl.int64)[None, :])
     )
     p0 = pid_m.to(gl.int64) * BLOCK_T
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
-    K_TILES: gl.constexpr = NI // BLOCK_K
+    K_TILES: gl.constexpr = K_LEN // BLOCK_K
     if STAGES > 0:  # the ring of `gate_up_kernel`
         srcs = (
-            (w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + w_rows * (NI // 8), ws_ptr + w_rows * (NI // 16)),
+            (
+                w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (w_rows * (NI // 8) + k_off // 8),
+                ws_ptr + (w_rows * (NI // 16) + k_off // 16),
+            ),
         )
         bufs = _ring_alloc(1, STAGES, BLOCK_N, KW)
         offs = _ring_offsets(NI // 8, BLOCK_N, KW, NUM_WARPS)
@@ -431,7 +438,7 @@ def down_kernel(
             _ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
-        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
+        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, NI // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()
@@ -444,7 +451,7 @@ def down_kernel(
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
-        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, 0, NI // 8, KW, K_TILES,
+        _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, NI // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
         cta_barrier()
         for kt in range(1, K_TILES):
@@ -458,16 +465,16 @@ def down_kernel(
         p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
         x_ptrs = (
             a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-            + p0 * (NI // 8)
+            + (p0 * (NI // 8) + k_off // 8)
             + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
         )
         xs_ptrs = (
             as_ptr
-            + p0 * (NI // 16)
+            + (p0 * (NI // 16) + k_off // 16)
             + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
         )
         x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
-        for k0 in range(BLOCK_K, NI, BLOCK_K):
+        for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
             w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
             x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
             acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
@@ -479,5 +486,5 @@ def down_kernel(
     scale = gl.load(ag_ptr + offs_p, mask=valid, other=0.0) * gl.load(tw_ptr + slot, mask=valid, other=0.0)
     acc = acc * (scale * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
     n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-    out = y_ptr + gl.where(valid, slot, 0).to(gl.int64)[None, :] * H + n_o[:, None]
+    out = y_ptr + (gl.where(valid, slot, 0).to(gl.int64) * SPLIT_K + pid_k)[None, :] * H + n_o[:, None]
     gl.store(out, acc, mask=valid[None, :])

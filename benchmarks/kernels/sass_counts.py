@@ -151,7 +151,8 @@ def gluon_counts() -> list[dict]:
         for name, fn, bn, sig, extra in (
             ("gluon gate/up", hop.gate_up_kernel, c["block_n_gate_up"], _signature("h_ptr", True),
              {"SPLIT_K": c.get("split_k", 1)}),
-            ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False), {}),
+            ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False),
+             {"SPLIT_K": c.get("split_k_down", 1)}),
         ):  # fmt: skip
             consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
                       "X_SHARED": c.get("x_shared", False), "STAGES": c.get("stages", 0), "PDL": False}  # fmt: skip
