@@ -87,7 +87,7 @@ HOPPER = [
          "split_k_down": 2}),
     (256, _WIDE),
     (1024, dict(_WIDE, block_n_down=128, stages=2)),
-]
+]  # fmt: skip
 
 
 #: Above the last `HOPPER` limit (prefill chunks) the Triton kernels run: 8-token blocks re-read each expert's
