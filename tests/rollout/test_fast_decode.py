@@ -196,6 +196,17 @@ def test_pdl_launch_options(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
     monkeypatch.setattr(pdl, "ENABLED", True)
+    # By the decode step's rows: past CONFIG["max_rows"] no PDL; outside a step, and with no cap, PDL.
+    monkeypatch.setitem(pdl.CONFIG, "max_rows", 128)
+    with pdl.for_rows(128):
+        assert pdl.launch_options(torch.device("cuda", 0))["PDL"]
+        with pdl.for_rows(256):
+            assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
+        assert pdl.launch_options(torch.device("cuda", 0))["PDL"]  # the outer step's again
+    assert pdl.launch_options(torch.device("cuda", 0))["PDL"]
+    monkeypatch.setitem(pdl.CONFIG, "max_rows", None)
+    with pdl.for_rows(512):
+        assert pdl.launch_options(torch.device("cuda", 0))["PDL"]
     cap["value"] = (8, 9)
     pdl._supported.cache_clear()
     assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}

@@ -211,12 +211,12 @@ class FastDecoder:
         tokens, positions = self.tokens.clone(), self.positions.clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        with torch.cuda.stream(s), kernels().pdl.for_rows(self.batch):
             for _ in range(warmup):
                 self.step()
         torch.cuda.current_stream().wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool), kernels().pdl.for_rows(self.batch):
             self.step()
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
@@ -227,7 +227,8 @@ class FastDecoder:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.step()
+            with kernels().pdl.for_rows(self.batch):
+                self.step()
 
     # -- rows -----------------------------------------------------------------------------------------------
 

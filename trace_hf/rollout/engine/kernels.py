@@ -20,16 +20,18 @@ class Kernels:
     attention: `fp4_attention`: the static KV cache, q/k norm + RoPE + cache write, split-K decode attention.
     moe: `fp4_moe`: the routed experts.
     gated_delta: `gated_delta`: Gated DeltaNet's decode step (Qwen3.5's linear attention).
+    pdl: `pdl`: programmatic dependent launch, by the decode step's rows (`pdl.for_rows`).
     """
 
     ops: ModuleType
     attention: ModuleType
     moe: ModuleType
     gated_delta: ModuleType
+    pdl: ModuleType
 
 
 @functools.cache
 def kernels() -> Kernels:
-    from trace_hf.kernels import decode_ops, fp4_attention, fp4_moe, gated_delta
+    from trace_hf.kernels import decode_ops, fp4_attention, fp4_moe, gated_delta, pdl
 
-    return Kernels(ops=decode_ops, attention=fp4_attention, moe=fp4_moe, gated_delta=gated_delta)
+    return Kernels(ops=decode_ops, attention=fp4_attention, moe=fp4_moe, gated_delta=gated_delta, pdl=pdl)
