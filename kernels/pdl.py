@@ -32,9 +32,11 @@ from trace_hf.kernels.common import INTERPRETED  # noqa: E402
 #: Switch for measurements (`benchmarks/rollout/rollout_decode.py --no-pdl`); the kernels are correct either way.
 ENABLED = True
 
-#: ``max_rows``: decode steps of more rows (`for_rows`) launch without PDL; None: every step with it. Without PDL,
-#: batch 256's step was 2.3% (FP4) and 3.4% (BF16) faster and batch 1's 10% slower (`h200_82`).
-CONFIG = {"max_rows": None}
+#: ``max_rows``: decode steps of more rows (`for_rows`) launch without PDL; None: every step with it. Where a step's
+#: kernels are long, an early-scheduled successor only takes SM slots from its producer's tail: without PDL from
+#: 128 rows on, the 48-layer step at 1K gained 0.5-0.8% at 128, 1.2% at 256 and 0.8-1.8% at 512 in both precisions
+#: (two rounds each, `h200_84`), while batch 1 is 10% slower without it (`h200_82`).
+CONFIG = {"max_rows": 64}
 
 #: The rows of the decode step whose kernels are being launched (`for_rows`); None outside one.
 _STEP_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("trace_hf_pdl_step_rows", default=None)
