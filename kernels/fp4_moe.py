@@ -590,13 +590,11 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
 
 
 def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
-    """The hidden activation [P, I] quantized per row as ``fp4.quantize(h, "nvfp4", "row")`` (padding rows, which
-    the down projection does not use, left unwritten), and its `QuantizedHidden` (codes with hints, in sorted
-    order) when ``return_hidden``, else None."""
-    live = (sorted_ids, num_slots)  # `moe_align`'s int32 ids
+    """The hidden activation [P, I] quantized per row as ``fp4.quantize(h, "nvfp4", "row")``, and its
+    `QuantizedHidden` (codes with hints, in sorted order) when ``return_hidden``, else None."""
     if not return_hidden:
-        return fp4_quant.quantize(h, "nvfp4", "row", live_rows=live), None
-    hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True, live_rows=live)
+        return fp4_quant.quantize(h, "nvfp4", "row"), None
+    hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
     return hq, QuantizedHidden(hq, hints, sorted_ids, num_slots)
 
 

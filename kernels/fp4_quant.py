@@ -215,8 +215,6 @@ def _fp4_kernel(
     hb_ptr,  # mantissa bits [M, K / 8]: written if WRITE_BITS, read in MODE_GUIDED
     q_ptr,  # packed codes [M, K / 2]
     out_ptr,  # dequantized values [M, K]
-    live_ptr,  # with LIVE_ROWS: int32 [M], a row is quantized where it is < num_live (the experts' sorted slot ids)
-    num_live,
     M,
     K,
     rows_per_g,
@@ -230,7 +228,6 @@ def _fp4_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BS: tl.constexpr,
-    LIVE_ROWS: tl.constexpr = False,
 ):
     # A [BLOCK_M, BLOCK_K] tile, seen as [BLOCK_M, NBT, BS]: rows x scale blocks x elements of a block. The loads
     # are 16-byte vectors along BS, so a thread holds whole half-blocks and every per-block reduction stays in
@@ -241,10 +238,7 @@ def _fp4_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
     row64 = rows.to(tl.int64)
-    row_ok = rows < M
-    if LIVE_ROWS:  # padding rows of the experts' token blocks: neither read nor written
-        row_ok = row_ok & (tl.load(live_ptr + rows, mask=row_ok, other=num_live) < num_live)
-    bmask = row_ok[:, None] & (blks < NB)[None, :]  # [BLOCK_M, NBT]
+    bmask = (rows < M)[:, None] & (blks < NB)[None, :]  # [BLOCK_M, NBT]
     mask = bmask[:, :, None]
     e = tl.arange(0, BS)[None, None, :]
     base = (row64 * K)[:, None, None]
@@ -271,7 +265,7 @@ def _fp4_kernel(
         if MODE == 0:
             g = _nvfp4_row_global(amax_i)
             if WRITE_Q:
-                tl.store(g_ptr + rows, g, mask=row_ok)
+                tl.store(g_ptr + rows, g, mask=rows < M)
             g = g[:, None]
         else:
             g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
@@ -438,8 +432,7 @@ def _global_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax / torch.full_like(amax, 6.0 * 448.0)
 
 
-def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, out_kind=0, write_q, write_bits,
-                live=None):  # fmt: skip
+def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, out_kind=0, write_q, write_bits):
     M, K = x2.shape
     bs = 16 if nvfp4 else 32
     block_m, block_k, n_col, warps = _tiles(M, K, bs, mode == _MODE_ROW and nvfp4, path)
@@ -451,8 +444,6 @@ def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, o
         hb if hb is not None else dummy,
         q if q is not None else dummy,
         out if out is not None else dummy,
-        live[0] if live is not None else dummy,
-        live[1] if live is not None else 0,
         M,
         K,
         rows_per_g,
@@ -466,7 +457,6 @@ def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, o
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         BS=bs,
-        LIVE_ROWS=live is not None,
         num_warps=warps,
         enable_fp_fusion=False,
     )
@@ -502,24 +492,14 @@ def _hint_tensors(x: torch.Tensor, hints: FP4Hints) -> tuple[torch.Tensor, torch
     return sb, hb, g
 
 
-def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hints: bool = False, *,
-             live_rows: tuple[torch.Tensor, int] | None = None):  # fmt: skip
+def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hints: bool = False):
     """`trace_hf.fp4.quantize` in one pass (plus a global amax pass for ``scale`` "tensor" / "expert").
 
     With ``return_hints`` also returns the `FP4Hints` of the result (mantissa bits written in the same pass).
-    ``live_rows`` (ids int32 [M], n; NVFP4 with row scales of a 2-D ``x``): only the rows whose id is < n are
-    quantized, the others' codes, scales and hints are left unwritten. The experts' hidden activation takes it: at a
-    decode step of 256 rows up to half its token-block rows are padding, which the down projection does not use.
     """
     f = check_input(x, fmt)
     check_scale(x, scale)
     check_device(x)
-    if live_rows is not None:
-        ids = live_rows[0]
-        if not (f.has_global_scale and scale == "row" and x.ndim == 2 and ids.shape == (x.shape[0],)
-                and ids.dtype == torch.int32 and ids.is_contiguous()):  # fmt: skip
-            raise ValueError(f"quantize: live_rows takes NVFP4 row scales of [M, K] and contiguous int32 [M] ids; "
-                             f"got {f.name}, scale {scale!r}, x {tuple(x.shape)}, ids {ids.dtype} {tuple(ids.shape)}.")  # fmt: skip
     if x.numel() == 0:
         q = fp4.quantize(x, f.name, scale, backend="torch")
         return (q, fp4.extract_hints(q)) if return_hints else q
@@ -532,11 +512,9 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
         mode, g, rows_per_g = _nvfp4_global(x, x2, kind, scale)
     else:
         mode, g, rows_per_g = _MODE_ROW, torch.ones(lead + (1,), dtype=torch.float32, device=x.device), 1
-    if live_rows is not None and mode != _MODE_ROW:
-        raise ValueError(f"quantize: live_rows needs rows of at most {CONFIG['max_row']} values, got {x.shape[-1]}.")
     _launch_fp4(
         x2, kind, g, sb, hb, packed, None, rows_per_g, path="quantize",
-        mode=mode, nvfp4=f.has_global_scale, write_q=True, write_bits=return_hints, live=live_rows,
+        mode=mode, nvfp4=f.has_global_scale, write_q=True, write_bits=return_hints,
     )  # fmt: skip
     q = FP4Tensor(packed, sb, g, f.name)
     return (q, FP4Hints(hb, sb, g, f.name)) if return_hints else q

@@ -351,25 +351,3 @@ def test_benchmark_smoke(tmp_path):
     assert set(data["kernels"]) == {"quantize_with_hints", "guided_fake_quantize", "fake_quantize"}
     for fmt in ("nvfp4", "mxfp4"):
         assert not any(v for k, v in data["bit_exact"][fmt]["mismatches"].items() if not k.startswith("vs_cpu"))
-
-
-def test_quantize_live_rows_writes_only_live_rows(device):
-    """`quantize(..., live_rows=(ids, n))`: the rows with id < n are `quantize`'s bit for bit (codes, scales, hints);
-    the others are skipped (the experts' padding rows, which nothing reads)."""
-    from trace_hf.kernels import fp4_quant
-
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(12, 96, generator=g) * 3).to(device)
-    x[4, 5] = float("nan")  # a poisoned live row keeps the policy
-    ids = torch.tensor([0, 9, 3, 12, 5, 12, 1, 2, 12, 7, 8, 4], dtype=torch.int32, device=device)  # 12: padding
-    live = ids < 12
-    want, want_hints = fp4_quant.quantize(x, "nvfp4", "row", return_hints=True)
-    got, hints = fp4_quant.quantize(x, "nvfp4", "row", return_hints=True, live_rows=(ids, 12))
-    for a, b in ((got.packed, want.packed), (got.block_scale, want.block_scale), (hints.mantissa_bits,
-                 want_hints.mantissa_bits)):  # fmt: skip
-        assert torch.equal(a[live], b[live])
-    assert torch.equal(got.global_scale[live].nan_to_num(-1), want.global_scale[live].nan_to_num(-1))
-    with pytest.raises(ValueError, match="live_rows takes NVFP4 row scales"):
-        fp4_quant.quantize(x, "nvfp4", "tensor", live_rows=(ids, 12))
-    with pytest.raises(ValueError, match="live_rows takes NVFP4 row scales"):
-        fp4_quant.quantize(x, "nvfp4", "row", live_rows=(ids.long(), 12))

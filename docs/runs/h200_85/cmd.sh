@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device call h200_85 (one H200), issue 31: the hidden activation's quantization skipping the experts' padding rows
-# (`fp4_quant.quantize(..., live_rows=)`): (1) the GPU tests of the expert kernels (Gluon, wgmma, Triton) and the
+# Device call h200_85 (one H200), issue 31, at commit 202b249: the hidden activation's quantization skipping the
+# experts' padding rows (`fp4_quant.quantize(..., live_rows=)`, reverted after this run: 3% of that kernel, docs/
+# benchmarks.md): (1) the GPU tests of the expert kernels (Gluon, wgmma, Triton) and the
 # quantization kernels; (2) decode at batch 256 and 512, 1K context, both precisions.
 #   OUT=$OUT bash docs/runs/h200_85/cmd.sh
 set -u
