@@ -58,21 +58,16 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def gluon_sass_counts() -> list[dict]:
-    """The Gluon kernels' sm_90 loop counts (`benchmarks/kernels/sass_counts.py --json`, run in a clean process), or a skip
-    where this Triton has no bundled ptxas or no Gluon MMA layouts."""
-    import importlib.util
-    from pathlib import Path
-
+    """The Gluon kernels' sm_90 loop counts (`sass_counts.gluon_counts`, run in a clean process), or a skip where this
+    Triton has no bundled ptxas or no Gluon MMA layouts."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this Triton has no bundled ptxas")
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
-    script = Path(__file__).parents[1] / "benchmarks" / "kernels" / "sass_counts.py"
-    spec = importlib.util.spec_from_file_location("sass_counts", script)
-    sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass)
-    return sass.run_clean(str(script))
+    from benchmarks.kernels import sass_counts
+
+    return sass_counts.run_clean()
 
 
 _ENGINE_GRPO_METRICS = (

@@ -174,9 +174,7 @@ def _top(ops: dict) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--json", action="store_true", help="print the Gluon kernels' records as JSON (what the tests read)"
-    )
+    p.add_argument("--json", action="store_true", help="print the Gluon kernels' records as JSON")
     args = p.parse_args(argv)
     records = gluon_counts()
     if args.json:
@@ -206,15 +204,25 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_clean(script: str) -> list[dict]:
-    """``gluon_counts()`` from a fresh Python without ``TRITON_INTERPRET``. Why: Triton's interpreter leaves some
-    of ``triton.language.core`` patched after it runs a kernel, and a Gluon compile in that process then fails; the
-    CPU tests run kernels in the interpreter before they compile these."""
+def clean_python(code: str, *args: str):
+    """What ``code`` prints last, as JSON, run with ``args`` in a fresh Python without ``TRITON_INTERPRET``, in the
+    repository root. Why: Triton's interpreter leaves some of ``triton.language`` patched after it runs a kernel,
+    and a Gluon compile in that process then fails; the CPU tests run kernels in the interpreter before they compile
+    these."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, script, "--json"], capture_output=True, text=True, env=env, check=False)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=root,
+                         check=False)  # fmt: skip
     if res.returncode != 0:
-        raise RuntimeError(f"{script} --json failed:\n{res.stderr[-4000:]}")
+        raise RuntimeError(f"sm_90 compile in a clean Python failed:\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run_clean() -> list[dict]:
+    """``gluon_counts()`` in a fresh Python (`clean_python`)."""
+    return clean_python(
+        "import json; from benchmarks.kernels import sass_counts as s; print(json.dumps(s.gluon_counts()))"
+    )
 
 
 if __name__ == "__main__":

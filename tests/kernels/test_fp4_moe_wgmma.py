@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -283,19 +281,12 @@ def _sass():
 
 
 def _loop_counts_clean(kernel: str, sig: dict, consts: dict, num_warps: int, options: dict) -> tuple[int, dict]:
-    """`sass_counts.loop_counts` of a `fp4_moe_wgmma` kernel in a fresh Python without ``TRITON_INTERPRET``: the
-    interpreter, once it has run a kernel in this process, leaves `triton.language` patched and a Gluon compile
-    here would fail (see `sass_counts.run_clean`)."""
+    """`sass_counts.loop_counts` of a `fp4_moe_wgmma` kernel in a fresh Python (`sass_counts.clean_python`: a Gluon
+    compile fails in a process where the interpreter has run kernels)."""
     code = ("import json, sys; from benchmarks.kernels import sass_counts as s; "
             "from trace_hf.kernels import fp4_moe_wgmma as wg; a = [json.loads(x) for x in sys.argv[1:]]; "
             f"print(json.dumps(s.loop_counts(getattr(wg, {kernel!r}), a[0], a[1], a[2], **a[3])))")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    args = [json.dumps(a) for a in (sig, consts, num_warps, options)]
-    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=root)
-    if res.returncode != 0:
-        raise RuntimeError(f"compiling {kernel} failed:\n{res.stderr[-4000:]}")
-    n, ops = json.loads(res.stdout.strip().splitlines()[-1])
+    n, ops = _sass().clean_python(code, *(json.dumps(a) for a in (sig, consts, num_warps, options)))
     return n, ops
 
 
