@@ -457,8 +457,8 @@ def experts_from_quantized(
     expert-parallel sentinels to weight 0 before calling. ``hidden_fp4`` (default: whether the weights are FP4) quantizes the hidden activation per
     (token, expert) row. Returns fp32 ``[M, top_k * s, H]``: each slot's expert output times its routing weight, as
     ``s`` partial sums over slices of the intermediate dimension (``s = 1`` but where a `HOPPER` entry sets
-    ``split_k_down``: batch 1); the token's output is the sum over dim 1; with ``reduce``, that sum, fp32 ``[M, H]`` (fused into the grouped path's
-    epilogue). With ``return_hidden`` (FP4 hidden only) also returns the `QuantizedHidden` the down projection
+    ``split_k_down``: batch 1); the token's output is the sum over dim 1; with ``reduce``, that sum, fp32
+    ``[M, H]`` (fused into the grouped path's epilogue). With ``return_hidden`` (FP4 hidden only) also returns the `QuantizedHidden` the down projection
     read, for recording experts_hidden hints. ``bf16_sums=True`` lets a call of many tokens per expert take the
     grouped path (`GROUPED`: bf16 GEMMs, their sums rounded to bf16 before the epilogues, ~1.3x faster at a
     16K-token prefill); otherwise every GEMM sum stays fp32, as decode's (`TraceFP4Config.prefill_bf16_gemms`).

@@ -385,7 +385,7 @@ def down_kernel(
     num_slots,
     H: gl.constexpr,
     NI: gl.constexpr,
-    SPLIT_K: gl.constexpr,  # programs per tile over slices of K (batch 1: more loads in flight); the sums' reader adds them
+    SPLIT_K: gl.constexpr,  # programs per tile over slices of K (batch 1); the outputs' reader adds the partial sums
     BLOCK_T: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,

@@ -4,9 +4,9 @@
 A draw is ``argmax_v(x_v + G_v)`` with ``G_v = -log(-log(u_v))`` and ``u_v`` Philox noise: output ``v % 4`` of
 `tl.rand4x` at counter ``row * ceil(V / 4) + v // 4`` and key seed + step * 1000003. The draw is bound by its
 arithmetic, not its bytes: one Philox evaluation per four tokens and one fast log make it 80 sm_90 instructions per
-token, against 139 with one Philox evaluation per token and two accurate logs. The same (seed, step) always gives the same
-tokens, nothing holds generator state, and the seed and step are read from device memory, so a captured CUDA graph
-replays with fresh draws. ``row``
+token, against 139 with one Philox evaluation per token and two accurate logs. The same (seed, step) always gives the
+same tokens, nothing holds generator state, and the seed and step are read from device memory, so a captured CUDA
+graph replays with fresh draws. ``row``
 is the row of ``x`` unless ``rows`` names each row's own (the rollout engine's compaction moves a sequence to
 another row of the batch; its draws stay those of its own row).
 

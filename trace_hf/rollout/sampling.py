@@ -169,7 +169,8 @@ def draw(x: torch.Tensor, s: SamplingSettings, seed: torch.Tensor, step: torch.T
 
 
 def sample(logits: torch.Tensor, s: SamplingSettings, seed: torch.Tensor, step: torch.Tensor,
-           rows: torch.Tensor | None = None, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+           rows: torch.Tensor | None = None,
+           seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(token ids [B] int64, their log-probs [B] fp32) from raw logits [B, V] (any float dtype): `process_logits`,
     `draw` and `sampler_logprobs` (``rows`` and ``seen`` as there). Sampling with only a temperature runs them as one
     read of the logits (`gumbel_sample`: the same tokens as `draw`, the log-probs to fp32 rounding)."""
