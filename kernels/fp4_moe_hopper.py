@@ -67,17 +67,36 @@ def nibbles_ptx(src: str, outs: list[str]) -> list[str]:
     return lines
 
 
-def _decode8_ptx() -> str:
+def nibbles_spread_ptx(src: str, outs: list[str]) -> list[str]:
+    """`nibbles_ptx` (the same fp16 pairs, bit for bit) in 3 integer instructions per pair instead of 4. Nibble
+    ``j``'s sign must end 6 bits above its magnitude's lowest bit, not 3; one bit-select (``lop3``) per two nibbles
+    builds a register where that holds for nibbles 0 and 2 (magnitudes in place, signs from ``src << 3``) or 1 and 3
+    (magnitudes from ``src >> 3``, signs in place), without collisions, so that each pair is one shift and one mask
+    of it. Needs ``.reg .b32 m, s;`` (``s``: the even register; ``m``, the odd one, is read by the pair of nibble 3
+    last)."""
+    sel = "0xE4"  # lop3's table for (a & c) | (b & ~c), the bit-select
+    lines = [f"shl.b32 m, {src}, 3;", f"lop3.b32 s, {src}, m, 0x07070707, {sel};",
+             f"shr.b32 m, {src}, 3;", f"lop3.b32 m, m, {src}, 0x0E0E0E0E, {sel};"]  # fmt: skip
+    for out, reg, shift in ((outs[0], "s", 9), (outs[2], "s", 1), (outs[1], "m", 8)):
+        lines += [f"shl.b32 {out}, {reg}, {shift};", f"and.b32 {out}, {out}, 0x8E008E00;"]
+        lines.append(f"mul.rn.f16x2 {out}, {out}, sc;")
+    return lines + ["and.b32 m, m, 0x8E008E00;", f"mul.rn.f16x2 {outs[3]}, m, sc;"]
+
+
+def _decode8_ptx(spread: bool = False) -> str:
     """PTX: a register pair of uint32 code words ($8, $9) and their E4M3 scale bytes ($10, $11) to eight fp16 pairs
     ($0..$7), pair j = (element j of word $8, element j of word $9) * (s_8, s_9) * 2^-14. One ``prmt`` puts the low
-    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7)."""
+    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7). ``spread``: the
+    nibbles by `nibbles_spread_ptx`."""
+    nibbles = nibbles_spread_ptx if spread else nibbles_ptx
     head = ["{", ".reg .b32 m, s, sc, p;", ".reg .b16 sl, sh;"] + scale_pair_ptx("$10", "$11")
-    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles_ptx("p", ["$0", "$1", "$2", "$3"])
-    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles_ptx("p", ["$4", "$5", "$6", "$7"])
+    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles("p", ["$0", "$1", "$2", "$3"])
+    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles("p", ["$4", "$5", "$6", "$7"])
     return "\n".join(head + lo + hi + ["}"])
 
 
 _DECODE8_PTX = gl.constexpr(_decode8_ptx())
+_DECODE8_SPREAD_PTX = gl.constexpr(_decode8_ptx(spread=True))
 #: `_stage_x`'s buffer: K-contiguous rows of 16-bit values, swizzled in 16-byte pieces so that the B-operand reads
 #: (8 rows of 16 bytes at a time) hit distinct banks.
 _X_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [0, 1]))
@@ -101,17 +120,18 @@ cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
-def decode8(words, scales):
+def decode8(words, scales, SPREAD: gl.constexpr = False):
     """uint32 code words and their uint8 block-scale bytes (same layout, consecutive pairs in one register pair of
-    the MMA operand) to the eight fp16 slices ``E2M1 * s * 2^-14`` (slice j: element j of each word)."""
+    the MMA operand) to the eight fp16 slices ``E2M1 * s * 2^-14`` (slice j: element j of each word). ``SPREAD``:
+    the same bits by `nibbles_spread_ptx`'s fewer instructions."""
+    if SPREAD:
+        ptx: gl.constexpr = _DECODE8_SPREAD_PTX
+    else:
+        ptx: gl.constexpr = _DECODE8_PTX
     return gl.inline_asm_elementwise(
-        _DECODE8_PTX,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-        [words, scales.to(gl.int32)],
-        dtype=(gl.float16,) * 8,
-        is_pure=True,
+        ptx, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [words, scales.to(gl.int32)], dtype=(gl.float16,) * 8, is_pure=True,
         pack=2,
-    )
+    )  # fmt: skip
 
 
 @gluon.jit

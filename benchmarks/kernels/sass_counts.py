@@ -110,16 +110,17 @@ CONFIG_NOTE = "Qwen3-30B-A3B heads (32 q / 4 KV of 128), fp4_attention.CONFIG['h
 
 
 def attention_counts(
-    block_t: int | None = None, prefetch: bool | None = None, stages: int | None = None
+    block_t: int | None = None, prefetch: bool | None = None, stages: int | None = None, spread: bool | None = None
 ) -> tuple[int, int, dict]:
     """(loop instructions, K and V elements per thread per iteration, opcodes) of the Gluon FP4-KV decode attention
-    at Qwen3-30B-A3B's head shapes (one warp per program)."""
+    at Qwen3-30B-A3B's head shapes (one warp per program); None: the committed ``CONFIG["hopper"]`` setting."""
     from trace_hf.kernels import fp4_attention as A
     from trace_hf.kernels import fp4_attention_hopper as hop
 
     bt = block_t or A.CONFIG["hopper"]["block_t"]
     prefetch = A.CONFIG["hopper"]["prefetch"] if prefetch is None else prefetch
     stages = A.CONFIG["hopper"]["stages"] if stages is None else stages
+    spread = A.CONFIG["hopper"]["spread_decode"] if spread is None else spread
     sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*u8", "kg_ptr": "*fp32", "v_ptr": "*u8", "vs_ptr": "*u8",
            "vg_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32", "T": "i32",
            "chunk": "i32"}  # fmt: skip
@@ -134,6 +135,7 @@ def attention_counts(
         "PREFETCH": prefetch,
         "STAGES": stages,
         "PDL": False,
+        "SPREAD": spread,
     }
     n, ops = loop_counts(hop.attn_split_kernel, sig, consts, 1)
     return n, bt * 2 * 128 // 32, ops
@@ -165,6 +167,9 @@ def gluon_counts() -> list[dict]:
     out.append(
         {"kernel": "gluon attention", "tile": CONFIG_NOTE, "instructions": n, "elements": per_thread, "ops": ops}
     )
+    n, per_thread, ops = attention_counts(spread=True)
+    out.append({"kernel": "gluon attention spread_decode", "tile": CONFIG_NOTE, "instructions": n,
+                "elements": per_thread, "ops": ops})  # fmt: skip
     return out
 
 

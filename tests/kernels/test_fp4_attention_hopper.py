@@ -145,6 +145,86 @@ def test_kernel_selection_without_gluon_or_gpu(monkeypatch):
     assert not A.uses_hopper_kernel(True, 128, "cuda")  # an empty config turns it off before any device query
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [128, 256])
+def test_spread_decode_gives_the_same_bits(D, pipeline, monkeypatch):
+    """``spread_decode`` decodes the same operand bits, so the output is bit for bit the default's, through NaN
+    scales past the lengths, several splits, both pipelines and both head sizes."""
+    _hopper()
+    torch.manual_seed(3)
+    B, HQ, HKV, T = 3, 16 if D == 256 else 32, 2 if D == 256 else 4, 1500
+    cache = A.allocate_kv_cache(B, HKV, T, D, True, device="cuda")
+    mag = 10 ** torch.empty(B, HKV, T, 1, device="cuda").uniform_(-4, 4)
+    A.fill_cache(cache, torch.randn(B, HKV, T, D, device="cuda") * mag.clamp(max=1.0),
+                 torch.randn(B, HKV, T, D, device="cuda") * mag.flip(2))  # fmt: skip
+    cache.v_scale[0, :, 700:] = 0x7F  # stale rows past sequence 0's length
+    q = torch.randn(B, HQ, D, device="cuda")
+    lengths = torch.tensor([700, 1, 1500], dtype=torch.int32, device="cuda")
+    cfg = A.CONFIG["hopper"]
+    for splits in (None, (1, 1536), (5, 320)):
+        outs = []
+        for spread in (False, True):
+            monkeypatch.setitem(A.CONFIG, "hopper", dict(cfg, spread_decode=spread))
+            outs.append(A.decode_attention(q, cache, lengths, splits=splits))
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), splits
+
+
+def test_spread_nibbles_give_the_same_operand_bits():
+    """`nibbles_spread_ptx` computes the fp16 pairs of `nibbles_ptx` (the registers its multiplies read), for every
+    16-bit pattern in either half: run on the CPU by a small interpreter of the integer PTX they use."""
+    np = pytest.importorskip("numpy")
+    hop = pytest.importorskip("trace_hf.kernels.fp4_moe_hopper")
+
+    def run(lines, p):
+        env = {"p": p, "sc": p}  # the scale pair: only passed to the multiplies
+        for line in lines:
+            op, args = line.rstrip(";").split(None, 1)
+            a = [x.strip() for x in args.split(",")]
+            v = [env[x] if x in env else np.uint32(int(x, 0)) for x in a[1:]]
+            if op == "shl.b32":
+                env[a[0]] = v[0] << np.uint32(int(a[2]))
+            elif op == "shr.b32":
+                env[a[0]] = v[0] >> np.uint32(int(a[2]))
+            elif op == "and.b32":
+                env[a[0]] = v[0] & v[1]
+            elif op == "or.b32":
+                env[a[0]] = v[0] | v[1]
+            elif op == "mov.b32":
+                env[a[0]] = v[0]
+            elif op == "lop3.b32":  # table bit (a << 2 | b << 1 | c) of each bit position
+                lut, out = int(a[4], 0), np.zeros_like(p)
+                for i in range(8):
+                    if lut >> i & 1:
+                        out |= (v[0] if i & 4 else ~v[0]) & (v[1] if i & 2 else ~v[1]) & (v[2] if i & 1 else ~v[2])
+                env[a[0]] = out
+            elif op == "mul.rn.f16x2":  # the operand bits, before the scale
+                env[a[0]] = v[0]
+            else:
+                raise AssertionError(f"unexpected PTX {line}")
+        return env
+
+    every = np.arange(1 << 16, dtype=np.uint32)
+    rest = np.random.default_rng(0).integers(0, 1 << 16, 1 << 16, dtype=np.uint32)
+    outs = ["o0", "o1", "o2", "o3"]
+    for p in (every | rest << np.uint32(16), rest | every << np.uint32(16)):
+        ref, new = run(hop.nibbles_ptx("p", outs), p), run(hop.nibbles_spread_ptx("p", outs), p)
+        for o in outs:
+            np.testing.assert_array_equal(new[o], ref[o], err_msg=o)
+    assert len(hop.nibbles_spread_ptx("p", outs)) < len(hop.nibbles_ptx("p", outs))
+
+
+def test_spread_decode_has_fewer_instructions(gluon_sass_counts):
+    """The spread decoding's loop builds for sm_90 without spills and is shorter than the current decoding's."""
+    recs = {r["kernel"]: r for r in gluon_sass_counts}
+    base = recs["gluon attention"]
+    spread = recs["gluon attention spread_decode"]
+    assert "LDL" not in spread["ops"] and "STL" not in spread["ops"], f"spills: {spread['ops']}"
+    assert spread["ops"]["HMMA"] == base["ops"]["HMMA"]
+    if not A.CONFIG["hopper"]["spread_decode"]:
+        assert spread["instructions"] < 0.92 * base["instructions"], (spread["instructions"], base["instructions"])
+
+
 def test_kernel_compiles_for_sm90_without_spills(gluon_sass_counts):
     """The Gluon attention builds for sm_90 with a loop under 5 instructions per K/V element (the Triton kernel's:
     ~7), tensor-core MMAs in it, and no register spills."""
