@@ -421,9 +421,10 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: settings for heads of ``min_head_dim`` or more (`hopper_config`; a 256-wide tile of codes per token holds twice
 #: the registers); ``spread_decode``: `fp4_moe_hopper.nibbles_spread_ptx`'s decoding (the same operand bits, 3
 #: integer instructions per fp16 pair instead of 4: sm_90 loop of 1,823 against 2,073 instructions at the 64-token
-#: tile, 168 registers both, Triton 3.6; off until timed on the H200). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads docs/lab-notes.md 2d;
-#: ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us a layer at 384 x
-#: 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel everywhere.
+#: tile, 168 registers both, Triton 3.6; off until timed on the H200). From `fp4_attention_tune.py --hopper` on the
+#: H200: 128-wide heads docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256
+#: (`h200_66`: 2,639 against 4,008 us a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and
+#: 384 rows). Empty: the Triton kernel everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
