@@ -28,9 +28,10 @@ per expert (prefill, training forwards, decode from batch 129 at top-8 of 128 ex
 (`WGMMA`: wide token blocks, each weight decoded once per block). Calls that ask for it (``bf16_sums=True``, the
 opt-in `TraceFP4Config.prefill_bf16_gemms`) with hundreds of tokens per expert take `_experts_grouped` (`GROUPED`):
 weights decoded once to exact bf16, torch's grouped GEMM, the same epilogues, GEMM sums rounded to bf16
-(`moe_experts_reference(..., gemm_dtype=torch.bfloat16)`). The Triton kernels also take dense
-(BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
-the same code and differs only in the bytes it reads.
+(`moe_experts_reference(..., gemm_dtype=torch.bfloat16)`). With ``GROUPED["fp32_sums"]`` the other calls of that size
+take it too, through Triton's grouped GEMM (`_grouped_gemm_kernel`) with fp32 sums: the wgmma kernels' function.
+The Triton kernels also take dense (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16
+baseline of the rollout benchmark runs the same code and differs only in the bytes it reads.
 
 Dot operands: for W4A4 on the GPU, fp16 from the inline-PTX decoding `fp4_halves_f16` (exact; both operands
 carry 2^-14, taken off the accumulator); otherwise bf16 on the GPU, and fp32 under ``TRITON_INTERPRET=1``, where
@@ -523,7 +524,8 @@ def experts_from_quantized(
     ``[M, H]`` (fused into the grouped path's epilogue). With ``return_hidden`` (FP4 hidden only) also returns the `QuantizedHidden` the down projection
     read, for recording experts_hidden hints. ``bf16_sums=True`` lets a call of many tokens per expert take the
     grouped path (`GROUPED`: bf16 GEMMs, their sums rounded to bf16 before the epilogues, ~1.3x faster at a
-    16K-token prefill); otherwise every GEMM sum stays fp32, as decode's (`TraceFP4Config.prefill_bf16_gemms`).
+    16K-token prefill); otherwise every GEMM sum stays fp32, as decode's (`TraceFP4Config.prefill_bf16_gemms`),
+    on the grouped path too where ``GROUPED["fp32_sums"]`` is on (Triton's GEMMs on its decoded operands).
     """
     y, hidden = _experts(xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_fp4, align_backend, return_hidden,
                          reduce, bf16_sums)  # fmt: skip
@@ -871,8 +873,9 @@ def moe_experts_reference(
 ) -> torch.Tensor:
     """The torch fallback and reference: the math of `TraceFP4Experts._routed` (eval path), computed in fp32 by
     gathering each slot's expert weights (fine for tests and small batches, not fast). As in the kernels, a GEMM
-    sums ``E2M1 * s`` products and its operands' global scales multiply the sum. ``gemm_dtype=torch.bfloat16``:
-    each GEMM's sum is rounded to bf16 before the scales, the function of the grouped path (`GROUPED`)."""
+    sums ``E2M1 * s`` products and its operands' global scales multiply the sum: the function of every kernel path
+    with fp32 sums (the grouped one with ``GROUPED["fp32_sums"]`` included). ``gemm_dtype=torch.bfloat16``: each
+    GEMM's sum is rounded to bf16 before the scales, the function of the grouped path with ``bf16_sums=True``."""
     xf = x.float()
     xg = 1.0
     if activations == "fp4":
