@@ -188,12 +188,14 @@ def main(argv=None) -> int:
             ) / len(weights)
 
         # The baseline is the BF16 decode step's own call: BF16 input, BF16 weights, a BF16 hidden activation; from
-        # 64 slots per expert on (prefill), the better of its 16-row blocks and 64-row ones.
-        t_bf16 = timed(dense, bf16_w, x) * 1e-3
-        if M * K >= 64 * E:
-            t_bf16 = min(t_bf16, timed(dict(dense, block_m=64), bf16_w, x) * 1e-3)
-        if hf_experts is not None:  # the prefill's BF16 experts: transformers' own grouped_mm forward
+        # 64 slots per expert on (prefill), the better of its 16-row blocks and 64-row ones. With --grouped, the
+        # prefill's BF16 experts instead: transformers' own grouped_mm forward.
+        if hf_experts is not None:
             t_bf16 = triton.testing.do_bench_cudagraph(lambda: hf_experts(x, ids, tw), rep=50) * 1e-3
+        else:
+            t_bf16 = timed(dense, bf16_w, x) * 1e-3
+            if M * K >= 64 * E:
+                t_bf16 = min(t_bf16, timed(dict(dense, block_m=64), bf16_w, x) * 1e-3)
         bf16_frac = (distinct * bf16_expert_bytes + x.nbytes + M * K * H * 4) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
         configs.CONFIG["by_slots"], configs.HOPPER, configs.WGMMA = by_slots, hopper, wgmma
