@@ -330,7 +330,7 @@ def _down_kernel(
 
 @triton.jit
 def _grouped_combine_kernel(
-    out_ptr,  # bf16 or fp32 [P, H]: the grouped down GEMM of the decoded hidden (``E2M1 * s``), by sorted position
+    out_ptr,  # bf16 [P, H]: the grouped down GEMM of the decoded hidden (``E2M1 * s`` operands), by sorted position
     hg_ptr,  # [P] fp32 row scales of the hidden
     wg_ptr,  # [E] fp32
     tw_ptr,  # routing weights [M * K] fp32
@@ -732,7 +732,7 @@ def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_b
     if not bf16_sums:
         return _experts_grouped_fp32(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden)
     M, K = topk_ids.shape
-    n, E = M * K, w_gate_up.shape[0]
+    n, E, H = M * K, w_gate_up.shape[0], w_gate_up.shape[2]
     bm = cfg["block_m"]
     # Grouped GEMM segments must come in expert order: the one-token layout of "auto" (row block k = slot k) is not.
     sorted_ids, expert_ids = moe_align(
@@ -755,7 +755,14 @@ def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_b
     h = _exact_bf16(hq.packed, hq.block_scale, dr)
     out = _grouped_mm(h, _exact_bf16(w_down.packed, w_down.block_scale, dr), offsets)
     del h
-    return _grouped_combine(out, hq, w_down, topk_ids, topk_weights, sorted_ids, reduce), hidden
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    wdg = w_down.global_scale.reshape(-1).float().contiguous()
+    y = torch.empty((M, H) if reduce else (M, K, H), dtype=torch.float32, device=out.device)
+    _grouped_combine_kernel[(triton.cdiv(M, 16), triton.cdiv(H, 128))](
+        out, hq.global_scale.reshape(-1), wdg, tw, topk_ids.reshape(-1), _slot_rows(sorted_ids, n), y, M, H,
+        K=K, REDUCE=reduce, BLOCK_T=16, BLOCK_N=128, num_warps=4,
+    )  # fmt: skip
+    return y, hidden
 
 
 def _experts_grouped_fp32(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden):
@@ -796,20 +803,6 @@ def _grouped_gemm(t, a, w, ag, tw, out, sorted_ids, expert_ids, num_slots, top_k
         GATE_UP=gate_up, DOT_BF16=DOT_BF16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=t["block_k"], GROUP_M=t["group_m"],
         num_warps=t["num_warps"], num_stages=t["num_stages"], enable_fp_fusion=False,
     )  # fmt: skip
-
-
-def _grouped_combine(out, hq, w_down, topk_ids, topk_weights, sorted_ids, reduce):
-    """`_grouped_combine_kernel` on the down GEMM's output ``out`` [P, H] (bf16 or fp32): [M, H] or [M, K, H]."""
-    M, K = topk_ids.shape
-    H = out.shape[1]
-    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    wdg = w_down.global_scale.reshape(-1).float().contiguous()
-    y = torch.empty((M, H) if reduce else (M, K, H), dtype=torch.float32, device=out.device)
-    _grouped_combine_kernel[(triton.cdiv(M, 16), triton.cdiv(H, 128))](
-        out, hq.global_scale.reshape(-1), wdg, tw, topk_ids.reshape(-1), _slot_rows(sorted_ids, M * K), y, M, H,
-        K=K, REDUCE=reduce, BLOCK_T=16, BLOCK_N=128, num_warps=4,
-    )  # fmt: skip
-    return y
 
 
 def _exact_bf16(packed: torch.Tensor, block_scale: torch.Tensor, rows: int) -> torch.Tensor:
