@@ -1,7 +1,8 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Small fused kernels of the decode step: residual add + RMSNorm (optionally with the NVFP4 quantization of its
 output, the experts' input, and a gated shared expert's output in the sum), the router's softmax + top-k, a dense
-MLP's SiLU-and-multiply, and a one-row GEMV for batch 1's projections.
+MLP's SiLU-and-multiply, a one-row GEMV for batch 1's projections, and the prefill's FP4 K/V copied into the decode
+cache in one launch per layer (`load_fp4_kv`).
 
 At decode sizes every elementwise torch op is its own launch that moves a few KB; a 48-layer step would be made
 of thousands of them. These two kernels replace the ~15 launches per layer the plain torch code needs for the
@@ -269,3 +270,46 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tup
         **launch_options(logits.device),
     )  # fmt: skip
     return ids, w
+
+
+@triton.jit
+def _copy_rows(src_ptr, dst_ptr, src, dst, ok, W: tl.constexpr):
+    cols = tl.arange(0, W)[None, :]
+    v = tl.load(src_ptr + src[:, None] * W + cols, mask=ok[:, None])
+    tl.store(dst_ptr + dst[:, None] * W + cols, v, mask=ok[:, None])
+
+
+@triton.jit
+def _load_kv_kernel(kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, dkc_ptr, dks_ptr, dkg_ptr, dvc_ptr, dvs_ptr,
+                    dvg_ptr, len_ptr, H, P, T, WC: tl.constexpr, WS: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """Tokens ``j`` < P of one (row, head) of the six FP4 K/V fields: dst[b, h, j] = src[b, h, min(j + P - len_b,
+    P - 1)] (left padding removed, as `EngineRollout._load_cache`'s gathers); sources [B, H, P, W], destinations
+    [B_max, H, T, W], contiguous."""
+    bh = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = j < P
+    s = tl.minimum(j + P - tl.load(len_ptr + bh // H), P - 1)
+    src = bh.to(tl.int64) * P + s
+    dst = bh.to(tl.int64) * T + j
+    _copy_rows(kc_ptr, dkc_ptr, src, dst, ok, WC)
+    _copy_rows(vc_ptr, dvc_ptr, src, dst, ok, WC)
+    _copy_rows(ks_ptr, dks_ptr, src, dst, ok, WS)
+    _copy_rows(vs_ptr, dvs_ptr, src, dst, ok, WS)
+    _copy_rows(kg_ptr, dkg_ptr, src, dst, ok, 1)
+    _copy_rows(vg_ptr, dvg_ptr, src, dst, ok, 1)
+
+
+def load_fp4_kv(dst: tuple, keys: FP4Tensor, values: FP4Tensor, lengths: torch.Tensor) -> None:
+    """Copy a prefill's FP4 K and V ([B, H, P, ...] codes, block scales, row scales [B, H, P, 1]) into a decode cache's
+    fields ``dst`` = (k, k_scale, k_g, v, v_scale, v_g) ([B_max, H, T, ...], row scales [B_max, H, T]) at slots
+    0 .. P - 1, each row's left padding (P - ``lengths[b]`` tokens) removed: one launch for the six copies."""
+    B, H, P, wc = keys.packed.shape
+    ws = keys.block_scale.shape[-1]
+    T = dst[0].shape[2]
+    if any(not t.is_contiguous() for t in dst) or wc & (wc - 1) or ws & (ws - 1):
+        raise ValueError("load_fp4_kv: contiguous destinations and power-of-two code and scale widths.")
+    src = [f.contiguous() for q in (keys, values) for f in (q.packed, q.block_scale, q.global_scale)]
+    block_t = 64
+    _load_kv_kernel[(B * H, triton.cdiv(P, block_t))](
+        *src[0:3], *src[3:6], *dst, lengths.contiguous(), H, P, T, WC=wc, WS=ws, BLOCK_T=block_t, num_warps=4
+    )

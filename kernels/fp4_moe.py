@@ -28,9 +28,10 @@ per expert (prefill, training forwards, decode from batch 129 at top-8 of 128 ex
 (`WGMMA`: wide token blocks, each weight decoded once per block). Calls that ask for it (``bf16_sums=True``, the
 opt-in `TraceFP4Config.prefill_bf16_gemms`) with hundreds of tokens per expert take `_experts_grouped` (`GROUPED`):
 weights decoded once to exact bf16, torch's grouped GEMM, the same epilogues, GEMM sums rounded to bf16
-(`moe_experts_reference(..., gemm_dtype=torch.bfloat16)`). The Triton kernels also take dense
-(BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16 baseline of the rollout benchmark runs
-the same code and differs only in the bytes it reads.
+(`moe_experts_reference(..., gemm_dtype=torch.bfloat16)`). With ``GROUPED["fp32_sums"]`` the other calls of that size
+take it too, through Triton's grouped GEMM (`_grouped_gemm_kernel`) with fp32 sums: the wgmma kernels' function.
+The Triton kernels also take dense (BF16) weights and activations (``W_FP4=False`` / ``A_FP4=False``): the BF16
+baseline of the rollout benchmark runs the same code and differs only in the bytes it reads.
 
 Dot operands: for W4A4 on the GPU, fp16 from the inline-PTX decoding `fp4_halves_f16` (exact; both operands
 carry 2^-14, taken off the accumulator); otherwise bf16 on the GPU, and fp32 under ``TRITON_INTERPRET=1``, where
@@ -65,6 +66,7 @@ from trace_hf.kernels.common import (  # noqa: E402
 from trace_hf.kernels.fp4_moe_configs import (  # noqa: E402
     CONFIG,
     HIDDEN_LAUNCH,
+    check_grouped_fp32,
     check_hopper_entry,
     check_wgmma_entry,
     grouped_config,
@@ -364,6 +366,67 @@ def _grouped_combine_kernel(
 
 
 @triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # bf16 exact operand rows [*, KD]: x [M, H] (GATE_UP: row = slot // top_k) or the hidden [P, I] by position
+    w_ptr,  # bf16 exact weights [E, N or 2N (GATE_UP: gate rows, then up rows), KD]
+    ag_ptr,  # fp32 row scales of the rows of a: x [M] or the hidden [P]
+    wg_ptr,  # [E] fp32
+    tw_ptr,  # down: routing weights [num_slots] fp32
+    out_ptr,  # GATE_UP: fp32 [P, N] SiLU(gate) * up by sorted position (padding rows 0); down: fp32 [num_slots, N]
+    sorted_ptr,
+    expert_ptr,
+    num_slots,
+    top_k,
+    N,
+    KD,
+    num_pid_m,
+    GATE_UP: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """A tile of the grouped path's GEMMs with fp32 sums (what torch's grouped GEMM rounds to bf16) and the epilogues
+    of `_gate_up_kernel` / `_down_kernel`, in their order. Tiles run GROUP_M row blocks at a time across all of N, so
+    an expert's rows and weights come from L2. The host checks that the tiles divide N and KD: no load is masked
+    (padding rows read a real row; they are stored as zeros (gate/up) or not at all (down))."""
+    pid = tl.program_id(0)
+    width = GROUP_M * (N // BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_p, slot, valid = _row_block(sorted_ptr, pid_m, num_slots, BLOCK_M)
+    if GATE_UP:
+        row = tl.where(valid, slot // top_k, 0)
+    else:
+        row = offs_p
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)[None, :]
+    a_rows = a_ptr + row.to(tl.int64)[:, None] * KD + kk
+    w_rows = w_ptr + (e.to(tl.int64) * (2 * N if GATE_UP else N) + offs_n)[:, None] * KD + kk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):
+        a = tl.load(a_rows + k0)
+        acc = _dot_nt(a, tl.load(w_rows + k0), acc, DOT_BF16)
+        if GATE_UP:
+            acc_u = _dot_nt(a, tl.load(w_rows + N * KD + k0), acc_u, DOT_BF16)
+    if GATE_UP:
+        _silu_mul_store(acc, acc_u, ag_ptr, wg_ptr, out_ptr, e, row, valid, offs_p, offs_n, offs_n < N, N, True, True)
+    else:
+        acc = acc * tl.load(ag_ptr + offs_p, mask=valid, other=0.0)[:, None]
+        acc = acc * tl.load(wg_ptr + e)
+        acc = acc * tl.load(tw_ptr + slot, mask=valid, other=0.0)[:, None]
+        out = out_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out, acc, mask=valid[:, None])
+
+
+@triton.jit
 def _decode_rows_kernel(q_ptr, s_ptr, out_ptr, R, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``E2M1(code) * s`` of packed NVFP4 rows [R, K] as bf16, the grouped GEMMs' operands: exact (at most 6
     significant bits), so the conversion never rounds, on the GPU or in the interpreter. The decoding is
@@ -461,7 +524,8 @@ def experts_from_quantized(
     ``[M, H]`` (fused into the grouped path's epilogue). With ``return_hidden`` (FP4 hidden only) also returns the `QuantizedHidden` the down projection
     read, for recording experts_hidden hints. ``bf16_sums=True`` lets a call of many tokens per expert take the
     grouped path (`GROUPED`: bf16 GEMMs, their sums rounded to bf16 before the epilogues, ~1.3x faster at a
-    16K-token prefill); otherwise every GEMM sum stays fp32, as decode's (`TraceFP4Config.prefill_bf16_gemms`).
+    16K-token prefill); otherwise every GEMM sum stays fp32, as decode's (`TraceFP4Config.prefill_bf16_gemms`),
+    on the grouped path too where ``GROUPED["fp32_sums"]`` is on (Triton's GEMMs on its decoded operands).
     """
     y, hidden = _experts(xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_fp4, align_backend, return_hidden,
                          reduce, bf16_sums)  # fmt: skip
@@ -488,10 +552,10 @@ def _experts(xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_fp4, align_ba
     n = M * K
     dev = x_arg.device
     w4a4 = a_fp4 and w_fp4 and hidden_fp4
-    grouped = grouped_config(n, E, dev) if w4a4 and bf16_sums else None
-    if grouped is not None:
+    grouped = grouped_config(n, E, dev) if w4a4 else None
+    if grouped is not None and (bf16_sums or (grouped.get("fp32_sums") and check_grouped_fp32(grouped, H, NI))):
         return _experts_grouped(
-            grouped, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden, reduce
+            grouped, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden, reduce, bf16_sums
         )
     wgmma = wgmma_config(n, E, dev) if w4a4 else None
     if wgmma is not None and not check_wgmma_entry(wgmma, H, NI):
@@ -658,12 +722,15 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     return y, hidden
 
 
-def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden, reduce):
+def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden, reduce,
+                     bf16_sums):  # fmt: skip
     """`experts_from_quantized` for W4A4 with many tokens per expert (`GROUPED`): the weights, the input and the
-    hidden are decoded to bf16 as ``E2M1 * s`` (exact) and multiplied by torch's grouped GEMM over `moe_align`'s
-    segments; the global scales, SiLU * up, the hidden's quantization (and hints) and the routing weights are the
-    other kernels' epilogues. Same outputs up to the GEMMs' bf16 results: gate/up and down are rounded to bf16
-    (a relative 2^-9) before their fp32 epilogues, where the other kernels keep fp32 accumulators."""
+    hidden are decoded to bf16 as ``E2M1 * s`` (exact), once per call, and multiplied over `moe_align`'s segments; the
+    global scales, SiLU * up, the hidden's quantization (and hints) and the routing weights are the other kernels'
+    epilogues. ``bf16_sums``: torch's grouped GEMM, whose sums are rounded to bf16 (a relative 2^-9) before the fp32
+    epilogues; else `_grouped_gemm_kernel`, fp32 sums as the other kernels (``GROUPED["fp32_sums"]``)."""
+    if not bf16_sums:
+        return _experts_grouped_fp32(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden)
     M, K = topk_ids.shape
     n, E, H = M * K, w_gate_up.shape[0], w_gate_up.shape[2]
     bm = cfg["block_m"]
@@ -696,6 +763,46 @@ def _experts_grouped(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_b
         K=K, REDUCE=reduce, BLOCK_T=16, BLOCK_N=128, num_warps=4,
     )  # fmt: skip
     return y, hidden
+
+
+def _experts_grouped_fp32(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden):
+    """The grouped path with fp32 GEMM sums (`_grouped_gemm_kernel`): the function of the wgmma kernels, and their
+    outputs' layout, the weighted slots side by side [M, K, H], which the caller sums as it sums theirs (so a training
+    forward, which sums outside, gets the bits of the eval forward). The input is decoded once per token (the kernel
+    gathers the rows); SiLU * up and the down epilogue run in the GEMMs; the hidden is quantized as theirs."""
+    t = cfg["fp32"]
+    M, K = topk_ids.shape
+    n, E, H, NI = M * K, w_gate_up.shape[0], w_gate_up.shape[2], w_gate_up.shape[1] // 2
+    bm, dr, dev = t["block_m"], cfg["decode_rows"], xq.packed.device
+    sorted_ids, expert_ids = moe_align(topk_ids, E, bm, align_backend)
+    P = sorted_ids.numel()
+    xg = xq.global_scale.reshape(-1).float().contiguous()
+    wgug = w_gate_up.global_scale.reshape(-1).float().contiguous()
+    h = torch.empty(P, NI, dtype=torch.float32, device=dev)
+    _grouped_gemm(t, _exact_bf16(xq.packed, xq.block_scale, dr), w_gate_up, xg, xg, h, sorted_ids, expert_ids, n, K,
+                  dr, gate_up=True)  # fmt: skip
+    hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bm, True, True, True, return_hidden)
+    del h
+    y = torch.empty(M, K, H, dtype=torch.float32, device=dev)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _grouped_gemm(t, _exact_bf16(hq.packed, hq.block_scale, dr), w_down, hq.global_scale.reshape(-1), tw, y,
+                  sorted_ids, expert_ids, n, K, dr, gate_up=False)  # fmt: skip
+    return y, hidden
+
+
+def _grouped_gemm(t, a, w, ag, tw, out, sorted_ids, expert_ids, num_slots, top_k, decode_rows, gate_up):
+    """`_grouped_gemm_kernel` of the decoded rows ``a`` [*, KD] times ``w`` (`FP4Tensor` [E, N (gate/up: 2N), KD],
+    decoded here) into ``out`` (its last dimension N), ``t``: ``GROUPED["fp32"]``."""
+    wb = _exact_bf16(w.packed, w.block_scale, decode_rows)
+    wg = w.global_scale.reshape(-1).float().contiguous()
+    N, KD, bm = out.shape[-1], a.shape[1], t["block_m"]
+    bn = t["block_n_gate_up" if gate_up else "block_n_down"]
+    num_pid_m = sorted_ids.numel() // bm
+    _grouped_gemm_kernel[(num_pid_m * (N // bn),)](
+        a, wb, ag, wg, tw, out, sorted_ids, expert_ids, num_slots, top_k, N, KD, num_pid_m,
+        GATE_UP=gate_up, DOT_BF16=DOT_BF16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=t["block_k"], GROUP_M=t["group_m"],
+        num_warps=t["num_warps"], num_stages=t["num_stages"], enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def _exact_bf16(packed: torch.Tensor, block_scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -759,8 +866,9 @@ def moe_experts_reference(
 ) -> torch.Tensor:
     """The torch fallback and reference: the math of `TraceFP4Experts._routed` (eval path), computed in fp32 by
     gathering each slot's expert weights (fine for tests and small batches, not fast). As in the kernels, a GEMM
-    sums ``E2M1 * s`` products and its operands' global scales multiply the sum. ``gemm_dtype=torch.bfloat16``:
-    each GEMM's sum is rounded to bf16 before the scales, the function of the grouped path (`GROUPED`)."""
+    sums ``E2M1 * s`` products and its operands' global scales multiply the sum: the function of every kernel path
+    with fp32 sums (the grouped one with ``GROUPED["fp32_sums"]`` included). ``gemm_dtype=torch.bfloat16``: each
+    GEMM's sum is rounded to bf16 before the scales, the function of the grouped path with ``bf16_sums=True``."""
     xf = x.float()
     xg = 1.0
     if activations == "fp4":

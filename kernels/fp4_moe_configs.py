@@ -166,7 +166,21 @@ def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict
 #: expert (4,096 tokens) 1.67 ms against the wgmma kernels' 1.54-1.55, 512 (8,192) 2.45 ms, 1,024 (16,384) 3.97-4.02
 #: against 5.18 ms (transformers' BF16 grouped_mm experts: 1.49, 2.66 and 4.87-4.96 ms); the crossover, interpolated,
 #: near 335. Empty: never.
-GROUPED = {"from": 384, "block_m": 16, "decode_rows": 16}
+#: ``fp32_sums`` (off until measured on the H200): calls that do not ask for bf16 sums (the default forward) take the
+#: grouped path too, with Triton's grouped GEMMs (`fp4_moe._grouped_gemm_kernel`) on the same decoded operands in place
+#: of torch's: fp32 accumulators to the epilogues, the function of the wgmma kernels (`moe_experts_reference` without
+#: ``gemm_dtype``), sums in another order. torch's grouped GEMM cannot do that: with an fp32 ``out_dtype`` it falls
+#: back to one ``mm`` per expert after a host sync (aten GroupedBlas.cpp, torch 2.11). ``fp32``: that GEMM's tiles
+#: (``block_m``: rows of `moe_align`'s segments and of a tile; ``group_m``: row tiles that run next to each other, so
+#: an expert's rows and weights stay in L2); `check_grouped_fp32` says which shapes they divide. Not yet timed.
+GROUPED = {
+    "from": 384,
+    "block_m": 16,
+    "decode_rows": 16,
+    "fp32_sums": False,
+    "fp32": {"block_m": 128, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 64, "group_m": 8,
+             "num_warps": 8, "num_stages": 3},
+}  # fmt: skip
 
 
 def grouped_config(num_slots: int, num_experts: int, device: torch.device) -> dict | None:
@@ -176,6 +190,14 @@ def grouped_config(num_slots: int, num_experts: int, device: torch.device) -> di
     if INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return None
     return GROUPED
+
+
+def check_grouped_fp32(cfg: dict, hidden: int, width: int) -> bool:
+    """Whether ``GROUPED["fp32"]``'s tiles divide the expert shapes (``hidden`` H, ``width`` I): the Triton grouped
+    GEMMs load no masked tiles. Else the call takes the wgmma kernels."""
+    t = cfg["fp32"]
+    bk = t["block_k"]
+    return not (hidden % bk or width % bk or width % t["block_n_gate_up"] or hidden % t["block_n_down"])
 
 
 def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:

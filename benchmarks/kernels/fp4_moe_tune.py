@@ -59,6 +59,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--decode-rows", default="16", help="--grouped: rows per program of the bf16 decoding")
     p.add_argument(
+        "--grouped-fp32",
+        default="",
+        help="--grouped: also the grouped path with fp32 sums (`GROUPED['fp32_sums']`, Triton's grouped GEMMs) at "
+        "these tiles, comma-separated block_m:block_n_gate_up:block_n_down:block_k:group_m:num_warps:num_stages",
+    )
+    p.add_argument(
         "--copies",
         type=int,
         default=8,
@@ -130,9 +136,16 @@ def main(argv=None) -> int:
         )
         if bn % (16 * w) == 0
     ]
-    grouped_grid = [{"grouped": True, "from": 0, "block_m": 16, "decode_rows": r} for r in _ints(args.decode_rows)] + [
-        dict(configs.WGMMA[-1][1], wgmma=True)
-    ]
+    tile_keys = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "group_m", "num_warps", "num_stages")
+    grouped_grid = (
+        [{"grouped": True, "from": 0, "block_m": 16, "decode_rows": r} for r in _ints(args.decode_rows)]
+        + [dict(configs.WGMMA[-1][1], wgmma=True)]
+        + [
+            {"grouped": True, "from": 0, "block_m": 16, "decode_rows": 16, "fp32_sums": True,
+             "fp32": dict(zip(tile_keys, (int(v) for v in t.split(":")), strict=True))}
+            for t in args.grouped_fp32.split(",") if t
+        ]
+    )  # fmt: skip
     grid = [
         {"block_m": bm, "block_n_gate_up": bn, "block_n_down": 2 * bn, "block_k": bk, "num_warps": w,
          "num_stages": st, "halves": hv[0], "ptx": hv[1], "split_k": sk}
@@ -166,19 +179,23 @@ def main(argv=None) -> int:
                 configs.CONFIG["dense"] = cfg
             return triton.testing.do_bench_cudagraph(
                 lambda: [
-                    moe.experts_from_quantized(x_in, ids, tw, w_gu, w_dn, bf16_sums=bool(cfg.get("grouped")))
+                    moe.experts_from_quantized(
+                        x_in, ids, tw, w_gu, w_dn, bf16_sums=bool(cfg.get("grouped")) and not cfg.get("fp32_sums")
+                    )
                     for w_gu, w_dn in weights
                 ],
                 rep=50,
             ) / len(weights)
 
         # The baseline is the BF16 decode step's own call: BF16 input, BF16 weights, a BF16 hidden activation; from
-        # 64 slots per expert on (prefill), the better of its 16-row blocks and 64-row ones.
-        t_bf16 = timed(dense, bf16_w, x) * 1e-3
-        if M * K >= 64 * E:
-            t_bf16 = min(t_bf16, timed(dict(dense, block_m=64), bf16_w, x) * 1e-3)
-        if hf_experts is not None:  # the prefill's BF16 experts: transformers' own grouped_mm forward
+        # 64 slots per expert on (prefill), the better of its 16-row blocks and 64-row ones. With --grouped, the
+        # prefill's BF16 experts instead: transformers' own grouped_mm forward.
+        if hf_experts is not None:
             t_bf16 = triton.testing.do_bench_cudagraph(lambda: hf_experts(x, ids, tw), rep=50) * 1e-3
+        else:
+            t_bf16 = timed(dense, bf16_w, x) * 1e-3
+            if M * K >= 64 * E:
+                t_bf16 = min(t_bf16, timed(dict(dense, block_m=64), bf16_w, x) * 1e-3)
         bf16_frac = (distinct * bf16_expert_bytes + x.nbytes + M * K * H * 4) / t_bf16 / copy_bw
         need = distinct * fp4_expert_bytes + io_bytes
         configs.CONFIG["by_slots"], configs.HOPPER, configs.WGMMA = by_slots, hopper, wgmma

@@ -490,6 +490,80 @@ def test_grouped_path_nan_input_row_poisons_only_its_token(monkeypatch):
     assert _rel(out[keep], ref[keep]) < 1e-6
 
 
+#: Tiles of the fp32-sum grouped GEMMs that the interpreter's small shapes divide (H 64, I 32); ``group_m`` 2 over an
+#: odd number of row blocks covers the last, partial group of the tile order.
+FP32_TILES = {"block_m": 16, "block_n_gate_up": 16, "block_n_down": 32, "block_k": 16, "group_m": 2, "num_warps": 4,
+              "num_stages": 2}  # fmt: skip
+
+
+def _grouped_fp32(monkeypatch, tiles=FP32_TILES):
+    """`_grouped` with ``GROUPED["fp32_sums"]`` on: calls that do not ask for bf16 sums take the grouped path too.
+    Returns the list of the fp32-sum calls made (their ``M``)."""
+    monkeypatch.setattr(moe, "grouped_config", lambda n, e, dev: dict(configs.GROUPED, fp32_sums=True, fp32=tiles))
+    calls, inner = [], moe._experts_grouped_fp32
+
+    def spy(cfg, xq, topk_ids, *a):
+        calls.append(topk_ids.shape[0])
+        return inner(cfg, xq, topk_ids, *a)
+
+    monkeypatch.setattr(moe, "_experts_grouped_fp32", spy)
+    return calls
+
+
+@pytest.mark.parametrize("M,E,K", [(40, 4, 2), (37, 8, 3), (1, 4, 4)])
+def test_grouped_path_with_fp32_sums_computes_the_reference(M, E, K, monkeypatch):
+    """With ``GROUPED["fp32_sums"]`` the grouped path computes the fp32-sum function of the other kernels (not the
+    bf16-sum one, which ``bf16_sums=True`` still gets), returns their [M, K, H] layout (so ``reduce`` sums the slots
+    as their callers do, bit for bit), and its hidden is the one its down GEMM read."""
+    mod = _experts(E, 64, 32, seed=13)
+    ids, w = _routing(M, E, K, seed=14)
+    x = torch.randn(M, 64, generator=torch.Generator().manual_seed(15))
+    gu, d = mod.packed_weights()
+    xq = fp4.quantize(x, "nvfp4", "row")
+    kernels = moe.experts_from_quantized(xq, ids, w, gu, d)  # the Triton kernels (the interpreter has no GROUPED)
+    calls = _grouped_fp32(monkeypatch)
+    y, hidden = moe.experts_from_quantized(xq, ids, w, gu, d, return_hidden=True)
+    assert y.shape == (M, K, 64) and calls == [M]
+    ref = moe.moe_experts_reference(x, ids, w, gu, d)
+    assert _rel(y.sum(1), ref) < 1e-5 and _rel(y.sum(1), kernels.sum(1)) < 1e-5
+    assert _rel(y.sum(1), moe.moe_experts_reference(x, ids, w, gu, d, gemm_dtype=torch.bfloat16)) > 1e-5
+    pos = hidden.positions()
+    h, hg = moe._exact_and_global(fp4.FP4Tensor(*(f[pos] for f in (hidden.q.packed, hidden.q.block_scale,
+                                                                    hidden.q.global_scale)), "nvfp4"))  # fmt: skip
+    dq, dg = moe._exact_and_global(d)
+    e = ids.reshape(-1).long()
+    slot_out = torch.einsum("si,shi->sh", h, dq[e]) * hg * dg[e] * w.reshape(-1, 1)
+    assert _rel(y.reshape(M * K, -1), slot_out) < 1e-6
+    assert torch.equal(moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True), y.sum(1))
+    bf16 = moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True, bf16_sums=True)
+    assert _rel(bf16, moe.moe_experts_reference(x, ids, w, gu, d, gemm_dtype=torch.bfloat16)) < 1e-6
+
+
+def test_grouped_path_with_fp32_sums_needs_tiles_that_divide_the_shapes(monkeypatch):
+    """Tiles that do not divide the expert shapes: the call takes the other kernels (the same function)."""
+    mod = _experts(4, 64, 32, seed=3)
+    ids, w = _routing(40, 4, 2, seed=4)
+    xq = fp4.quantize(torch.randn(40, 64, generator=torch.Generator().manual_seed(5)), "nvfp4", "row")
+    want = moe.experts_from_quantized(xq, ids, w, *mod.packed_weights())
+    calls = _grouped_fp32(monkeypatch, dict(FP32_TILES, block_n_gate_up=64))  # I = 32
+    assert not configs.check_grouped_fp32(moe.grouped_config(80, 4, None), 64, 32)
+    assert torch.equal(moe.experts_from_quantized(xq, ids, w, *mod.packed_weights()), want) and not calls
+
+
+def test_grouped_path_with_fp32_sums_nan_input_row_poisons_only_its_token(monkeypatch):
+    mod = _experts(4, 64, 32, seed=8)
+    ids, w = _routing(9, 4, 2, seed=9)
+    x = torch.randn(9, 64)
+    x[2, 17] = float("nan")
+    calls = _grouped_fp32(monkeypatch)
+    out = moe.experts_from_quantized(fp4.quantize(x, "nvfp4", "row"), ids, w, *mod.packed_weights(), reduce=True)
+    assert calls == [9]
+    assert torch.isnan(out[2]).all()
+    keep = torch.arange(9) != 2
+    assert torch.isfinite(out[keep]).all()
+    assert _rel(out[keep], moe.moe_experts_reference(x, ids, w, *mod.packed_weights())[keep]) < 1e-5
+
+
 def test_grouped_config_takes_many_slots_per_expert_on_hopper_only(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(configs, "INTERPRETED", False)
@@ -526,6 +600,33 @@ def test_grouped_path_gpu_qwen3_shapes():
     assert _rel(summed, y.sum(1)) < 1e-6
     y_wgmma = moe.experts_from_quantized(xq, ids, w, gu, d)  # not asked: the wgmma kernels, fp32 sums
     assert _rel(y.sum(1), y_wgmma.sum(1)) < 5e-2
+
+
+@pytest.mark.gpu
+def test_grouped_path_with_fp32_sums_gpu_qwen3_shapes(monkeypatch):
+    """A 6,144-token prefill call at Qwen3-30B-A3B's expert shapes with ``GROUPED["fp32_sums"]`` and the table's fp32
+    tiles: the fp32-sum function (the reference on its first 512 tokens), and the wgmma kernels' outputs up to the
+    order of the sums (a rare hidden code flips), far closer than the bf16-sum path."""
+    dev = torch.device("cuda")
+    E, H, NI, K, M = 128, 2048, 768, 8, 6144
+    cfg = configs.grouped_config(M * K, E, dev)
+    assert cfg is not None and configs.check_grouped_fp32(cfg, H, NI)
+    mod = _experts(E, H, NI, device=dev)
+    gu, d = mod.packed_weights()
+    ids, w = _routing(M, E, K, seed=16, device=dev)
+    x = torch.randn(M, H, device=dev).bfloat16()
+    xq = fp4.quantize(x, "nvfp4", "row")
+    y_wgmma = moe.experts_from_quantized(xq, ids, w, gu, d)  # fp32_sums off (the table's default): the wgmma kernels
+    bf16 = moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True, bf16_sums=True)
+    monkeypatch.setitem(configs.GROUPED, "fp32_sums", True)
+    y, hidden = moe.experts_from_quantized(xq, ids, w, gu, d, return_hidden=True)
+    assert y.shape == (M, K, H) and hidden.hints.mantissa_bits.shape[0] == hidden.slots.numel()
+    ref = torch.cat([moe.moe_experts_reference(x[i : i + 128].float(), ids[i : i + 128], w[i : i + 128], gu, d)
+                     for i in range(0, 512, 128)])  # fmt: skip
+    assert _rel(y[:512].sum(1), ref) < 1e-3
+    assert torch.equal(moe.experts_from_quantized(xq, ids, w, gu, d, reduce=True), y.sum(1))
+    close, far = _rel(y.sum(1), y_wgmma.sum(1)), _rel(bf16, y_wgmma.sum(1))
+    assert close < 1e-3 and close < far / 4, (close, far)
 
 
 @pytest.mark.parametrize("opt_in", [False, True])

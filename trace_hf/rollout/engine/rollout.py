@@ -61,12 +61,20 @@ from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, 
 from ..generate import check_sampling
 from ..sampling import SamplingSettings, sample
 from .decoder import FastDecoder
+from .kernels import kernels
 from .layouts import layout_of
 from .qwen35 import HybridDecoder
 from .recording import cat_hints
 from .runner import Runner, bytes_per_row, largest_bucket, row_bucket
 from .support import kv_format, unsupported_reason
 from .weights import DecodeWeights, EngineWeights, ShardedWeights, engine_weights
+
+
+#: `EngineRollout._load_cache` copies each FP4 KV layer's six fields (codes, block and row scales of K and V) in one
+#: Triton launch (`decode_ops.load_fp4_kv`) instead of twelve torch ones (a gather and a copy per field), the same
+#: bits. At a 16K-token prefill the FP4 load took 17.5 ms against BF16's 6.7 (h200_72), its launches' time. Off until
+#: timed on the H200 (`benchmarks/rollout/prefill.py`, setup ``fp4_grouped_fp32``).
+LOAD_KV_KERNEL = False
 
 
 def _cache_kwarg(lm) -> str:
@@ -393,7 +401,10 @@ class EngineRollout:
         for c, layer in zip(dec.caches, cache.layers, strict=True):
             if c is None:  # linear attention: its states were loaded above
                 continue
-            if isinstance(layer, FP4KVLayer):
+            if isinstance(layer, FP4KVLayer) and LOAD_KV_KERNEL:
+                kernels().ops.load_fp4_kv((c.k, c.k_scale, c.k_g, c.v, c.v_scale, c.v_g), layer.fp4_keys,
+                                          layer.fp4_values, lengths)  # fmt: skip
+            elif isinstance(layer, FP4KVLayer):
                 for q, (codes, scale, g) in ((layer.fp4_keys, (c.k, c.k_scale, c.k_g)),
                                              (layer.fp4_values, (c.v, c.v_scale, c.v_g))):  # fmt: skip
                     put(codes, q.packed)
