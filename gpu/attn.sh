@@ -91,9 +91,9 @@ PYEOF
 
 echo "== hopper_ab: decode step, 384 rows, 8K" | tee -a "$LOG"
 AB=$(mktemp -d)
-OUT="$AB" AB_ARGS="--setups fast_fp4 --batches 384 --contexts 8192" \
+OUT="$AB" AB_ARGS="--setups fast_fp4 --batches 384 --contexts 8192 --steps 10 --budget-s 30" \
   VARIANTS='{"spread": {"fp4_attention.CONFIG": {"hopper": {"spread_decode": true}}}}' \
-  timeout 300 $PY -m benchmarks.kernels.hopper_ab > "$AB/ab.log" 2>&1
+  timeout 200 $PY -m benchmarks.kernels.hopper_ab > "$AB/ab.log" 2>&1
 echo "rc=$?" | tee -a "$LOG"
 grep -iE "error|Traceback" "$AB/ab.log" | tail -n 5 | tee -a "$LOG"
 if cp "$AB/hopper_ab.json" "$OUT/attn/hopper_ab.json"; then
