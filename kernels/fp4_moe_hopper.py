@@ -371,6 +371,53 @@ def gate_up_kernel(
 
 
 @gluon.jit
+def _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI: gl.constexpr, BLOCK_T: gl.constexpr, KW: gl.constexpr,
+                 lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """Pointers to the first K tile of the down program's hidden rows (from ``p0``): code words in the B operand
+    layout, scale bytes in its k_width=1 layout (`pair_scales_t` doubles them)."""
+    p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
+    p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
+    x_ptrs = (
+        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + (p0 * (NI // 8) + k_off // 8)
+        + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    )
+    xs_ptrs = (
+        as_ptr
+        + (p0 * (NI // 16) + k_off // 16)
+        + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    )
+    return x_ptrs, xs_ptrs
+
+
+@gluon.jit
+def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.constexpr, K_TILES: gl.constexpr,
+                        BLOCK_T: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr, la: gl.constexpr,
+                        lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """`down_kernel`'s main loop with every weight tile of the program loaded before its PDL wait, then the same
+    MMAs in the same order (the same bits). Why: at batch 1 the down programs are latency chains of a few K tiles
+    and the SiLU + quantization kernel before them runs on a nearly idle GPU; launched early under PDL, they fetch
+    their weights meanwhile. Safe: the weights are constant, and the expert ids were written before the gate/up
+    kernel ran, which has finished once this kernel runs at all (its predecessor, like every PDL kernel here, lets
+    it be scheduled only after its own wait, i.e. after the gate/up kernel ended). The activations (the hidden,
+    written by the predecessor) are read after the wait (ptxas places those loads next to their MMAs, as in the
+    loop of the other path)."""
+    tiles = ()
+    for kt in gl.static_range(K_TILES):
+        tiles = tiles + ((gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))),)
+    gdc_wait_for_producer(PDL)
+    x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
+    xt = ()
+    for kt in gl.static_range(K_TILES):
+        xt = xt + ((gl.load(x_ptrs + kt * KW), gl.load(xs_ptrs + kt * (KW // 2))),)
+    for kt in gl.static_range(K_TILES):
+        w, ws = tiles[kt]
+        x, xs = xt[kt]
+        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+    return acc
+
+
+@gluon.jit
 def down_kernel(
     a_ptr,  # h codes: uint8 [P, I/2] by sorted position
     as_ptr,  # uint8 [P, I/16]
@@ -393,8 +440,10 @@ def down_kernel(
     X_SHARED: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
+    EARLY_WEIGHTS: gl.constexpr = False,  # all weight tiles loaded before the PDL wait (`_down_early_weights`)
 ):
-    gdc_wait_for_producer(PDL)
+    if not EARLY_WEIGHTS:
+        gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -425,7 +474,10 @@ def down_kernel(
     p0 = pid_m.to(gl.int64) * BLOCK_T
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     K_TILES: gl.constexpr = K_LEN // BLOCK_K
-    if STAGES > 0:  # the ring of `gate_up_kernel`
+    if EARLY_WEIGHTS:
+        acc = _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI, K_TILES, BLOCK_T, KW, PDL, la,
+                                  lb, lb1)  # fmt: skip
+    elif STAGES > 0:  # the ring of `gate_up_kernel`
         srcs = (
             (
                 w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (w_rows * (NI // 8) + k_off // 8),
@@ -461,18 +513,7 @@ def down_kernel(
         acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
     else:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
-        p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
-        p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
-        x_ptrs = (
-            a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-            + (p0 * (NI // 8) + k_off // 8)
-            + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-        )
-        xs_ptrs = (
-            as_ptr
-            + (p0 * (NI // 16) + k_off // 16)
-            + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
-        )
+        x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
         x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
         for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
             w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)

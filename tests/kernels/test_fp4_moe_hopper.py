@@ -115,11 +115,13 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
-        # or through a cp.async ring) give the same bits.
+        # or through a cp.async ring, or all of a down program's weights loaded before its PDL wait) give the same
+        # bits.
         for other in (
             {"x_shared": False, "stages": 0},
             {"x_shared": True, "stages": 0},
             {"x_shared": True, "stages": 3},
+            {"x_shared": False, "stages": 0, "early_weights": True},
         ):
             monkeypatch.setattr(configs, "HOPPER", [(1 << 62, cfg | other)])
             y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
@@ -197,3 +199,25 @@ def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
         assert per_element < 6.0, f"{r['kernel']} {r['tile']}: {per_element:.2f} instructions per element"
         if r["x_shared"]:  # the loop decodes weights only (one HMUL2 per fp16 pair) and reads x from shared memory
             assert ops.get("HMUL2") == r["elements"] // 2 and ops.get("LDSM", 0) > 0, f"{r['tile']}: {ops}"
+
+
+def test_early_down_weights_load_before_the_pdl_wait():
+    """``early_weights`` (batch 1's down programs): every weight and scale-byte load is issued ahead of the PDL
+    wait in the sm_90 code, with no spills, and the MMAs are the loop path's (8 per K tile and 16 weight rows)."""
+    import os
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from benchmarks.kernels import sass_counts
+
+    r = sass_counts.clean_python(
+        "import json; from benchmarks.kernels import sass_counts as s; print(json.dumps(s.early_weights_counts()))"
+    )
+    words = r["k_tiles"] * r["rows_per_warp"] * r["words"] // 32  # uint32 code words per thread, in 8-byte pairs
+    assert r["before_wait"].get("LDG.E.64") == words // 2, r["before_wait"]
+    assert r["before_wait"].get("LDG.E.U8") == words // 2, r["before_wait"]  # one scale byte per pair
+    assert "LDL" not in r["ops"] and "STL" not in r["ops"], r["ops"]
+    assert r["ops"].get("HMMA") == r["k_tiles"] * 8 * r["rows_per_warp"] // 16, r["ops"]
