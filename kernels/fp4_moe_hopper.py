@@ -392,28 +392,46 @@ def _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI: gl.constexpr, BLOCK_T: gl.constex
 
 @gluon.jit
 def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.constexpr, K_TILES: gl.constexpr,
-                        BLOCK_T: gl.constexpr, KW: gl.constexpr, PDL: gl.constexpr, la: gl.constexpr,
-                        lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
-    """`down_kernel`'s main loop with every weight tile of the program loaded before its PDL wait, then the same
-    MMAs in the same order (the same bits). Why: at batch 1 the down programs are latency chains of a few K tiles
-    and the SiLU + quantization kernel before them runs on a nearly idle GPU; launched early under PDL, they fetch
-    their weights meanwhile. Safe: the weights are constant, and the expert ids were written before the gate/up
-    kernel ran, which has finished once this kernel runs at all (its predecessor, like every PDL kernel here, lets
-    it be scheduled only after its own wait, i.e. after the gate/up kernel ended). The activations (the hidden,
-    written by the predecessor) are read after the wait (ptxas places those loads next to their MMAs, as in the
-    loop of the other path)."""
+                        BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, KW: gl.constexpr, EARLY: gl.constexpr,
+                        PDL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """`down_kernel`'s main loop with every weight tile of the program loaded (``EARLY`` 1), or loaded and decoded
+    into its MMA operands (2), before its PDL wait; then the same MMAs in the same order (the same bits). Why: at
+    batch 1 the down programs are short latency chains and the SiLU + quantization kernel before them runs on a
+    nearly idle GPU; launched early under PDL, they fetch (and decode: 2/3 of their instructions) their weights
+    meanwhile. Safe: the weights are constant, and the expert ids were written before the gate/up kernel ran, which
+    has finished once this kernel runs at all (its predecessor, like every PDL kernel here, lets it be scheduled
+    only after its own wait, i.e. after the gate/up kernel ended). The activations (the hidden, written by the
+    predecessor) are read after the wait (ptxas places those loads next to their MMAs, as in the loop)."""
     tiles = ()
     for kt in gl.static_range(K_TILES):
         tiles = tiles + ((gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))),)
+    wds = ()
+    if EARLY == 2:
+        # The decoding too: a folded copy of every decoded slice goes to shared memory ahead of the wait (no memory
+        # operation crosses it), else ptxas would schedule the decoding after the wait, next to the MMAs.
+        pin = gl.zeros([BLOCK_N, KW], gl.int16, layout=la)
+        for kt in gl.static_range(K_TILES):
+            w, ws = tiles[kt]
+            wd = decode8(w, pair_scales(ws, la))
+            wds = wds + (wd,)
+            for j in gl.static_range(8):
+                pin = pin ^ wd[j].to(gl.int16, bitcast=True)
+        gl.allocate_shared_memory(gl.int16, [BLOCK_N, KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(pin)
     gdc_wait_for_producer(PDL)
     x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
     xt = ()
     for kt in gl.static_range(K_TILES):
         xt = xt + ((gl.load(x_ptrs + kt * KW), gl.load(xs_ptrs + kt * (KW // 2))),)
     for kt in gl.static_range(K_TILES):
-        w, ws = tiles[kt]
         x, xs = xt[kt]
-        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+        if EARLY == 2:
+            xd = decode8(x, pair_scales_t(xs, lb))
+            wd = wds[kt]
+            for j in gl.static_range(8):
+                acc = mma_v2(wd[j], xd[j], acc)
+        else:
+            w, ws = tiles[kt]
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     return acc
 
 
@@ -440,7 +458,7 @@ def down_kernel(
     X_SHARED: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
-    EARLY_WEIGHTS: gl.constexpr = False,  # all weight tiles loaded before the PDL wait (`_down_early_weights`)
+    EARLY_WEIGHTS: gl.constexpr = 0,  # 1: weights loaded before the PDL wait, 2: also decoded (`_down_early_weights`)
 ):
     if not EARLY_WEIGHTS:
         gdc_wait_for_producer(PDL)
@@ -475,8 +493,8 @@ def down_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     K_TILES: gl.constexpr = K_LEN // BLOCK_K
     if EARLY_WEIGHTS:
-        acc = _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI, K_TILES, BLOCK_T, KW, PDL, la,
-                                  lb, lb1)  # fmt: skip
+        acc = _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI, K_TILES, BLOCK_N, BLOCK_T, KW,
+                                  EARLY_WEIGHTS, PDL, la, lb, lb1)  # fmt: skip
     elif STAGES > 0:  # the ring of `gate_up_kernel`
         srcs = (
             (

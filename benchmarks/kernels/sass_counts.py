@@ -168,23 +168,25 @@ def gluon_counts() -> list[dict]:
     return out
 
 
-def early_weights_counts() -> dict:
-    """The down kernel of `HOPPER[0]` (batch 1) with ``early_weights`` and PDL, compiled for sm_90: the full opcodes
-    (``LDG.E.64``, ...) ahead of the PDL wait (``ACQBULK``), the whole kernel's opcodes, and the tile's K tiles,
-    weight rows per warp and code words per row of a tile. Why: ptxas could sink loads below the wait, which
-    would undo the point."""
+def early_weights_counts(early: int) -> dict:
+    """The down kernel of `HOPPER[0]` (batch 1) with ``early_weights`` ``early`` and PDL, compiled for sm_90: the
+    full opcodes (``LDG.E.64``, ...) ahead of the PDL wait (``ACQBULK``), the instructions after it, the whole
+    kernel's opcodes, and the tile's K tiles, weight rows per warp and code words per row of a tile. Why: ptxas
+    could sink loads or the decoding below the wait, which would undo the point."""
     from trace_hf.kernels import fp4_moe_configs as configs
     from trace_hf.kernels import fp4_moe_hopper as hop
 
     c = configs.HOPPER[0][1]
     bn, bk, nw, split = c["block_n_down"], c["block_k"], c["num_warps"], c.get("split_k_down", 1)
     consts = {"H": 2048, "NI": 768, "SPLIT_K": split, "BLOCK_T": c["block_t"], "BLOCK_N": bn, "BLOCK_K": bk,
-              "NUM_WARPS": nw, "X_SHARED": False, "STAGES": 0, "PDL": True, "EARLY_WEIGHTS": True}  # fmt: skip
+              "NUM_WARPS": nw, "X_SHARED": False, "STAGES": 0, "PDL": True, "EARLY_WEIGHTS": early}  # fmt: skip
     lines = [t for _, t in compile_sass(hop.down_kernel, _signature("y_ptr", False), consts, nw)]
     full = [re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for t in lines]
+    full = [op for op in full if op != "NOP"]
     wait = full.index("ACQBULK")
     return {
         "before_wait": dict(collections.Counter(full[:wait])),
+        "after_wait": len(full) - wait - 1,
         "ops": _opcodes(lines),
         "k_tiles": 768 // split // bk,
         "rows_per_warp": bn // nw,

@@ -115,13 +115,14 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
-        # or through a cp.async ring, or all of a down program's weights loaded before its PDL wait) give the same
-        # bits.
+        # or through a cp.async ring, or all of a down program's weights loaded, or also decoded, before its PDL
+        # wait) give the same bits.
         for other in (
             {"x_shared": False, "stages": 0},
             {"x_shared": True, "stages": 0},
             {"x_shared": True, "stages": 3},
-            {"x_shared": False, "stages": 0, "early_weights": True},
+            {"x_shared": False, "stages": 0, "early_weights": 1},
+            {"x_shared": False, "stages": 0, "early_weights": 2},
         ):
             monkeypatch.setattr(configs, "HOPPER", [(1 << 62, cfg | other)])
             y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
@@ -203,7 +204,8 @@ def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
 
 def test_early_down_weights_load_before_the_pdl_wait():
     """``early_weights`` (batch 1's down programs): every weight and scale-byte load is issued ahead of the PDL
-    wait in the sm_90 code, with no spills, and the MMAs are the loop path's (8 per K tile and 16 weight rows)."""
+    wait in the sm_90 code (with 2, every weight decoding multiply too, and half the instructions are left after
+    it), with no spills, and the MMAs are the loop path's (8 per K tile and 16 weight rows)."""
     import os
 
     import triton
@@ -213,11 +215,17 @@ def test_early_down_weights_load_before_the_pdl_wait():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     from benchmarks.kernels import sass_counts
 
-    r = sass_counts.clean_python(
-        "import json; from benchmarks.kernels import sass_counts as s; print(json.dumps(s.early_weights_counts()))"
+    one, two = sass_counts.clean_python(
+        "import json; from benchmarks.kernels import sass_counts as s; "
+        "print(json.dumps([s.early_weights_counts(1), s.early_weights_counts(2)]))"
     )
-    words = r["k_tiles"] * r["rows_per_warp"] * r["words"] // 32  # uint32 code words per thread, in 8-byte pairs
-    assert r["before_wait"].get("LDG.E.64") == words // 2, r["before_wait"]
-    assert r["before_wait"].get("LDG.E.U8") == words // 2, r["before_wait"]  # one scale byte per pair
-    assert "LDL" not in r["ops"] and "STL" not in r["ops"], r["ops"]
-    assert r["ops"].get("HMMA") == r["k_tiles"] * 8 * r["rows_per_warp"] // 16, r["ops"]
+    for r in (one, two):
+        words = r["k_tiles"] * r["rows_per_warp"] * r["words"] // 32  # uint32 code words per thread, 8-byte pairs
+        assert r["before_wait"].get("LDG.E.64") == words // 2, r["before_wait"]
+        assert r["before_wait"].get("LDG.E.U8") == words // 2, r["before_wait"]  # one scale byte per pair
+        assert "LDL" not in r["ops"] and "STL" not in r["ops"], r["ops"]
+        assert r["ops"].get("HMMA") == r["k_tiles"] * 8 * r["rows_per_warp"] // 16, r["ops"]
+    # 2: one HMUL2 per weight fp16 pair (a word pair gives 8), all ahead of the wait; the rest after it halves.
+    assert two["before_wait"].get("HMUL2") == words // 2 * 8, two["before_wait"]
+    assert "HMUL2" not in one["before_wait"]
+    assert two["after_wait"] < one["after_wait"] * 0.6, (one["after_wait"], two["after_wait"])
