@@ -24,7 +24,8 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   or (``STAGES`` >= 2, with the activations staged in shared memory) through a ``cp.async`` ring in shared memory,
   read from there into the same operand layouts: ``STAGES - 1`` tiles in flight without holding registers. The
   ring wins at batch 64 and loses at 16, where its shared memory leaves fewer programs per SM (docs/lab-notes.md
-  2g).
+  2g). For batch 1's short programs two more (`HOPPER` keys ``hoist`` and ``early_weights``): all of a gate/up
+  program's loads ahead of its MMAs, and a down program's weights loaded (and decoded) before its PDL wait.
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
 smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
@@ -220,6 +221,72 @@ def _ring_read(bufs, i: gl.constexpr, slot, la: gl.constexpr, la1: gl.constexpr)
 
 
 @gluon.jit
+def _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H: gl.constexpr,
+                    BLOCK_T: gl.constexpr, KW: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """Pointers to the first K tile of the gate/up program's activation rows (its token block's tokens; padding
+    reads row 0): code words in the B operand layout, scale bytes in its k_width=1 layout."""
+    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+    tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
+    offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
+    tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
+    x_ptrs = (
+        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + k_off // 8
+        + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    )
+    xs_ptrs = (
+        as_ptr
+        + k_off // 16
+        + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    )
+    return x_ptrs, xs_ptrs
+
+
+@gluon.jit
+def pin_to_shared(t):
+    """Store ``t`` to a scratch buffer of shared memory that nothing reads. Why: ptxas moves no memory operation
+    across the PDL wait and issues a load before its value is stored, so values folded into a pinned tensor are
+    loaded (computed) before that point; otherwise it would schedule them next to their first use."""
+    gl.allocate_shared_memory(t.dtype, t.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(t)
+
+
+@gluon.jit
+def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES: gl.constexpr,
+                     KW: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):  # fmt: skip
+    """`gate_up_kernel`'s register path with every K tile's loads (weights, activations) issued before the first
+    MMA: one memory round trip per program instead of one per tile or two (batch 1: 4 tiles, no loop). The same
+    MMAs in the same order (the same bits). ptxas would sink the loads next to their MMAs; each kind of operand is
+    folded (xor) into a `pin_to_shared` store, which the MMAs wait behind."""
+    ts = ()
+    for kt in gl.static_range(K_TILES):
+        ts = ts + ((gl.load(g_ptrs + kt * KW), gl.load(gs_ptrs + kt * (KW // 2)), gl.load(g_ptrs + (u_off + kt * KW)),
+                    gl.load(gs_ptrs + (us_off + kt * (KW // 2))), gl.load(x_ptrs + kt * KW),
+                    gl.load(xs_ptrs + kt * (KW // 2))),)  # fmt: skip
+    g, gs, u, us, x, xs = ts[0]
+    pw, ps, px, pxs = g ^ u, gs ^ us, x, xs
+    for kt in gl.static_range(1, K_TILES):
+        g, gs, u, us, x, xs = ts[kt]
+        pw, ps, px, pxs = pw ^ g ^ u, ps ^ gs ^ us, px ^ x, pxs ^ xs
+    pin_to_shared(pw)
+    pin_to_shared(ps)
+    pin_to_shared(px)
+    pin_to_shared(pxs)
+    # The accumulators' zeros come back through shared memory after a barrier, which no memory operation crosses:
+    # the pins (so every load) before it, the MMAs after it.
+    zeros = gl.allocate_shared_memory(acc_g.dtype, acc_g.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    zeros.store(acc_g)
+    cta_barrier()
+    acc_g = zeros.load(acc_g.type.layout)
+    acc_u = acc_g
+    for kt in gl.static_range(K_TILES):
+        g, gs, u, us, x, xs = ts[kt]
+        xs2 = pair_scales_t(xs, lb)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+    return acc_g, acc_u
+
+
+@gluon.jit
 def gate_up_kernel(
     a_ptr,  # x codes: uint8 [M, H/2]
     as_ptr,  # x block scales: uint8 [M, H/16]
@@ -243,6 +310,7 @@ def gate_up_kernel(
     X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
     STAGES: gl.constexpr,  # > 0: weights through a cp.async ring of this many K tiles (needs X_SHARED); 0: registers
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
+    HOIST: gl.constexpr = False,  # every K tile's loads issued before the first MMA (`_gate_up_hoisted`)
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
@@ -320,23 +388,16 @@ def gate_up_kernel(
             g, gs, u, us = g_n, gs_n, u_n, us_n
         acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
         acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
+    elif HOIST:
+        x_ptrs, xs_ptrs = _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H, BLOCK_T, KW,
+                                          lb, lb1)  # fmt: skip
+        acc_g, acc_u = _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES, KW,
+                                        la, lb)  # fmt: skip
     else:
         g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
         u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
-        offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
-        tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
-        offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
-        tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
-        x_ptrs = (
-            a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-            + k_off // 8
-            + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-        )
-        xs_ptrs = (
-            as_ptr
-            + k_off // 16
-            + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
-        )
+        x_ptrs, xs_ptrs = _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H, BLOCK_T, KW,
+                                          lb, lb1)  # fmt: skip
         x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
         for k0 in range(BLOCK_K, k_len, BLOCK_K):
             g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
