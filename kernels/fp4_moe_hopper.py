@@ -243,10 +243,10 @@ def _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H
 
 
 @gluon.jit
-def pin_to_shared(t):
+def _pin_to_shared(t):
     """Store ``t`` to a scratch buffer of shared memory that nothing reads. Why: ptxas moves no memory operation
-    across the PDL wait and issues a load before its value is stored, so values folded into a pinned tensor are
-    loaded (computed) before that point; otherwise it would schedule them next to their first use."""
+    across the PDL wait or a barrier, so the loads (and the math) folded into ``t`` happen before that point;
+    otherwise it would schedule them next to their first use."""
     gl.allocate_shared_memory(t.dtype, t.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(t)
 
 
@@ -256,7 +256,7 @@ def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc
     """`gate_up_kernel`'s register path with every K tile's loads (weights, activations) issued before the first
     MMA: one memory round trip per program instead of one per tile or two (batch 1: 4 tiles, no loop). The same
     MMAs in the same order (the same bits). ptxas would sink the loads next to their MMAs; each kind of operand is
-    folded (xor) into a `pin_to_shared` store, which the MMAs wait behind."""
+    folded (xor) into a `_pin_to_shared` store, which the MMAs wait behind."""
     ts = ()
     for kt in gl.static_range(K_TILES):
         ts = ts + ((gl.load(g_ptrs + kt * KW), gl.load(gs_ptrs + kt * (KW // 2)), gl.load(g_ptrs + (u_off + kt * KW)),
@@ -267,10 +267,10 @@ def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc
     for kt in gl.static_range(1, K_TILES):
         g, gs, u, us, x, xs = ts[kt]
         pw, ps, px, pxs = pw ^ g ^ u, ps ^ gs ^ us, px ^ x, pxs ^ xs
-    pin_to_shared(pw)
-    pin_to_shared(ps)
-    pin_to_shared(px)
-    pin_to_shared(pxs)
+    _pin_to_shared(pw)
+    _pin_to_shared(ps)
+    _pin_to_shared(px)
+    _pin_to_shared(pxs)
     # The accumulators' zeros come back through shared memory after a barrier, which no memory operation crosses:
     # the pins (so every load) before it, the MMAs after it.
     zeros = gl.allocate_shared_memory(acc_g.dtype, acc_g.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -468,8 +468,7 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
         tiles = tiles + ((gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))),)
     wds = ()
     if EARLY == 2:
-        # The decoding too: a folded copy of every decoded slice goes to shared memory ahead of the wait (no memory
-        # operation crosses it), else ptxas would schedule the decoding after the wait, next to the MMAs.
+        # The decoding too, folded into a `_pin_to_shared` store ahead of the wait.
         pin = gl.zeros([BLOCK_N, KW], gl.int16, layout=la)
         for kt in gl.static_range(K_TILES):
             w, ws = tiles[kt]
@@ -477,7 +476,7 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
             wds = wds + (wd,)
             for j in gl.static_range(8):
                 pin = pin ^ wd[j].to(gl.int16, bitcast=True)
-        gl.allocate_shared_memory(gl.int16, [BLOCK_N, KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(pin)
+        _pin_to_shared(pin)
     gdc_wait_for_producer(PDL)
     x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
     xt = ()
