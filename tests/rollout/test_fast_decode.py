@@ -238,7 +238,9 @@ def test_pdl_changes_no_bits_gpu(B, fp4, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", [{"early_weights": 1}, {"early_weights": 2}, {"early_weights": 2, "hoist": True}])
+@pytest.mark.parametrize(
+    "setting", [{"early_weights": 1}, {"early_weights": 2, "maxnreg_down": 120}, {"early_weights": 2, "hoist": True}]
+)
 @pytest.mark.parametrize("fp4_hidden_hints", [True, False])
 def test_early_down_weights_change_no_bits_gpu(setting, fp4_hidden_hints, monkeypatch):
     """Batch 1's down programs with ``early_weights`` read their expert ids and weights before their PDL wait: graph
