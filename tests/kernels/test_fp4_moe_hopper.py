@@ -122,7 +122,7 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
             {"x_shared": True, "stages": 0},
             {"x_shared": True, "stages": 3},
             {"x_shared": False, "stages": 0, "early_weights": 1},
-            {"x_shared": False, "stages": 0, "early_weights": 2},
+            {"x_shared": False, "stages": 0, "early_weights": 2, "maxnreg_down": 120},
             {"x_shared": False, "stages": 0, "hoist": True},
         ):
             monkeypatch.setattr(configs, "HOPPER", [(1 << 62, cfg | other)])
