@@ -674,11 +674,13 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         split //= 2
     part = _gate_up_out(split, P, NI, x.device)
     stages = check_hopper_entry(cfg)
-    regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
+    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, HOIST=bool(cfg.get("hoist", False)), num_warps=nw,
+        **regs, **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     split_down = cfg.get("split_k_down", 1)
@@ -689,7 +691,8 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"], split_down)](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, EARLY_WEIGHTS=int(cfg.get("early_weights", 0)),
+        num_warps=nw, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 

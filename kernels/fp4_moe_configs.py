@@ -78,7 +78,20 @@ CONFIG = {
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
-#: h200_75, so no entry has one). From
+#: h200_75, so no entry has one); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap;
+#: ``early_weights`` (default 0; needs ``x_shared`` off and no ring): 1, each down
+#: program loads all of its weight tiles (fully unrolled) before its PDL wait, so that under PDL they stream while
+#: the SiLU + quantization kernel before it runs; 2, it also decodes them into MMA operands there, so that after the
+#: wait it only decodes the hidden and multiplies (`fp4_moe_hopper._down_early_weights`; the same MMAs in the same
+#: order, the same bits). sm_90 code of the batch-1 entry (`sass_counts.early_weights_counts`), no spills: 1, 80
+#: registers, its 12 weight and 12 scale-byte loads ahead of the wait, 970 instructions after it (the loop path:
+#: ~1,160 run after it); 2, 127 registers (120 under ``maxnreg_down`` 120 without spills: then 17 one-warp programs
+#: fit an SM instead of 16, and batch 1's 2,048 down programs fit the GPU beside the SiLU kernel's 64 programs of
+#: 8 warps, which 16 a SM would not), also the weights' 96 HMUL2 ahead of it, 478 after it. ``hoist`` (default
+#: False; the same needs): each gate/up program issues all of its K tiles' loads before its first MMA (one memory
+#: round trip instead of one per tile or two; `fp4_moe_hopper._gate_up_hoisted`; same bits): batch 1, 168
+#: registers with Triton 3.6 (242 with 3.9), no spills, all 82 loads ahead of the 64 MMAs. Neither is measured on
+#: the H200 yet, so both are off. From
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
@@ -236,6 +249,10 @@ def check_hopper_entry(cfg: dict) -> int:
     stages = cfg.get("stages", 0)
     if stages and (stages < 2 or not cfg.get("x_shared")):
         raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")
+    early = cfg.get("early_weights", 0)
+    if early not in (0, 1, 2) or (early or cfg.get("hoist")) and (stages or cfg.get("x_shared")):
+        raise ValueError(f"HOPPER entry {cfg}: 'early_weights' is 0, 1 or 2; it and 'hoist' hold the weights in "
+                         "registers: set 'x_shared': False and 'stages': 0 with them.")  # fmt: skip
     return stages
 
 

@@ -24,7 +24,8 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   or (``STAGES`` >= 2, with the activations staged in shared memory) through a ``cp.async`` ring in shared memory,
   read from there into the same operand layouts: ``STAGES - 1`` tiles in flight without holding registers. The
   ring wins at batch 64 and loses at 16, where its shared memory leaves fewer programs per SM (docs/lab-notes.md
-  2g).
+  2g). For batch 1's short programs two more (`HOPPER` keys ``hoist`` and ``early_weights``): all of a gate/up
+  program's loads ahead of its MMAs, and a down program's weights loaded (and decoded) before its PDL wait.
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
 smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
@@ -240,6 +241,72 @@ def _ring_read(bufs, i: gl.constexpr, slot, la: gl.constexpr, la1: gl.constexpr)
 
 
 @gluon.jit
+def _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H: gl.constexpr,
+                    BLOCK_T: gl.constexpr, KW: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """Pointers to the first K tile of the gate/up program's activation rows (its token block's tokens; padding
+    reads row 0): code words in the B operand layout, scale bytes in its k_width=1 layout."""
+    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+    tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
+    offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
+    tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
+    x_ptrs = (
+        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + k_off // 8
+        + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    )
+    xs_ptrs = (
+        as_ptr
+        + k_off // 16
+        + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    )
+    return x_ptrs, xs_ptrs
+
+
+@gluon.jit
+def _pin_to_shared(t):
+    """Store ``t`` to a scratch buffer of shared memory that nothing reads. Why: ptxas moves no memory operation
+    across the PDL wait or a barrier, so the loads (and the math) folded into ``t`` happen before that point;
+    otherwise it would schedule them next to their first use."""
+    gl.allocate_shared_memory(t.dtype, t.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(t)
+
+
+@gluon.jit
+def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES: gl.constexpr,
+                     KW: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):  # fmt: skip
+    """`gate_up_kernel`'s register path with every K tile's loads (weights, activations) issued before the first
+    MMA: one memory round trip per program instead of one per tile or two (batch 1: 4 tiles, no loop). The same
+    MMAs in the same order (the same bits). ptxas would sink the loads next to their MMAs; each kind of operand is
+    folded (xor) into a `_pin_to_shared` store, which the MMAs wait behind."""
+    ts = ()
+    for kt in gl.static_range(K_TILES):
+        ts = ts + ((gl.load(g_ptrs + kt * KW), gl.load(gs_ptrs + kt * (KW // 2)), gl.load(g_ptrs + (u_off + kt * KW)),
+                    gl.load(gs_ptrs + (us_off + kt * (KW // 2))), gl.load(x_ptrs + kt * KW),
+                    gl.load(xs_ptrs + kt * (KW // 2))),)  # fmt: skip
+    g, gs, u, us, x, xs = ts[0]
+    pw, ps, px, pxs = g ^ u, gs ^ us, x, xs
+    for kt in gl.static_range(1, K_TILES):
+        g, gs, u, us, x, xs = ts[kt]
+        pw, ps, px, pxs = pw ^ g ^ u, ps ^ gs ^ us, px ^ x, pxs ^ xs
+    _pin_to_shared(pw)
+    _pin_to_shared(ps)
+    _pin_to_shared(px)
+    _pin_to_shared(pxs)
+    # The accumulators' zeros come back through shared memory after a barrier, which no memory operation crosses:
+    # the pins (so every load) before it, the MMAs after it.
+    zeros = gl.allocate_shared_memory(acc_g.dtype, acc_g.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    zeros.store(acc_g)
+    cta_barrier()
+    acc_g = zeros.load(acc_g.type.layout)
+    acc_u = acc_g
+    for kt in gl.static_range(K_TILES):
+        g, gs, u, us, x, xs = ts[kt]
+        xs2 = pair_scales_t(xs, lb)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+    return acc_g, acc_u
+
+
+@gluon.jit
 def gate_up_kernel(
     a_ptr,  # x codes: uint8 [M, H/2]
     as_ptr,  # x block scales: uint8 [M, H/16]
@@ -263,6 +330,7 @@ def gate_up_kernel(
     X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
     STAGES: gl.constexpr,  # > 0: weights through a cp.async ring of this many K tiles (needs X_SHARED); 0: registers
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
+    HOIST: gl.constexpr = False,  # every K tile's loads issued before the first MMA (`_gate_up_hoisted`)
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
@@ -340,23 +408,16 @@ def gate_up_kernel(
             g, gs, u, us = g_n, gs_n, u_n, us_n
         acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
         acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
+    elif HOIST:
+        x_ptrs, xs_ptrs = _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H, BLOCK_T, KW,
+                                          lb, lb1)  # fmt: skip
+        acc_g, acc_u = _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES, KW,
+                                        la, lb)  # fmt: skip
     else:
         g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
         u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
-        offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
-        tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
-        offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
-        tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
-        x_ptrs = (
-            a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-            + k_off // 8
-            + (tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-        )
-        xs_ptrs = (
-            as_ptr
-            + k_off // 16
-            + (tok1 * (H // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
-        )
+        x_ptrs, xs_ptrs = _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H, BLOCK_T, KW,
+                                          lb, lb1)  # fmt: skip
         x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
         for k0 in range(BLOCK_K, k_len, BLOCK_K):
             g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
@@ -391,6 +452,70 @@ def gate_up_kernel(
 
 
 @gluon.jit
+def _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI: gl.constexpr, BLOCK_T: gl.constexpr, KW: gl.constexpr,
+                 lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """Pointers to the first K tile of the down program's hidden rows (from ``p0``): code words in the B operand
+    layout, scale bytes in its k_width=1 layout (`pair_scales_t` doubles them)."""
+    p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
+    p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
+    x_ptrs = (
+        a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+        + (p0 * (NI // 8) + k_off // 8)
+        + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
+    )
+    xs_ptrs = (
+        as_ptr
+        + (p0 * (NI // 16) + k_off // 16)
+        + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
+    )
+    return x_ptrs, xs_ptrs
+
+
+@gluon.jit
+def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.constexpr, K_TILES: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, KW: gl.constexpr, EARLY: gl.constexpr,
+                        PDL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+    """`down_kernel`'s main loop with every weight tile of the program loaded (``EARLY`` 1), or loaded and decoded
+    into its MMA operands (2), before its PDL wait; then the same MMAs in the same order (the same bits). Why: at
+    batch 1 the down programs are short latency chains and the SiLU + quantization kernel before them runs on a
+    nearly idle GPU; launched early under PDL, they fetch (and decode: 2/3 of their instructions) their weights
+    meanwhile. Safe: the weights are constant, and the expert ids were written before the gate/up kernel ran, which
+    has finished once this kernel runs at all (its predecessor, like every PDL kernel here, lets it be scheduled
+    only after its own wait, i.e. after the gate/up kernel ended). The activations (the hidden, written by the
+    predecessor) are read after the wait (ptxas places those loads next to their MMAs, as in the loop)."""
+    tiles = ()
+    for kt in gl.static_range(K_TILES):
+        tiles = tiles + ((gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))),)
+    wds = ()
+    if EARLY == 2:
+        # The decoding too, folded into a `_pin_to_shared` store ahead of the wait.
+        pin = gl.zeros([BLOCK_N, KW], gl.int16, layout=la)
+        for kt in gl.static_range(K_TILES):
+            w, ws = tiles[kt]
+            wd = decode8(w, pair_scales(ws, la))
+            wds = wds + (wd,)
+            for j in gl.static_range(8):
+                pin = pin ^ wd[j].to(gl.int16, bitcast=True)
+        _pin_to_shared(pin)
+    gdc_wait_for_producer(PDL)
+    x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
+    xt = ()
+    for kt in gl.static_range(K_TILES):
+        xt = xt + ((gl.load(x_ptrs + kt * KW), gl.load(xs_ptrs + kt * (KW // 2))),)
+    for kt in gl.static_range(K_TILES):
+        x, xs = xt[kt]
+        if EARLY == 2:
+            xd = decode8(x, pair_scales_t(xs, lb))
+            wd = wds[kt]
+            for j in gl.static_range(8):
+                acc = mma_v2(wd[j], xd[j], acc)
+        else:
+            w, ws = tiles[kt]
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+    return acc
+
+
+@gluon.jit
 def down_kernel(
     a_ptr,  # h codes: uint8 [P, I/2] by sorted position
     as_ptr,  # uint8 [P, I/16]
@@ -413,8 +538,10 @@ def down_kernel(
     X_SHARED: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
+    EARLY_WEIGHTS: gl.constexpr = 0,  # 1: weights loaded before the PDL wait, 2: also decoded (`_down_early_weights`)
 ):
-    gdc_wait_for_producer(PDL)
+    if not EARLY_WEIGHTS:
+        gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -445,7 +572,10 @@ def down_kernel(
     p0 = pid_m.to(gl.int64) * BLOCK_T
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     K_TILES: gl.constexpr = K_LEN // BLOCK_K
-    if STAGES > 0:  # the ring of `gate_up_kernel`
+    if EARLY_WEIGHTS:
+        acc = _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI, K_TILES, BLOCK_N, BLOCK_T, KW,
+                                  EARLY_WEIGHTS, PDL, la, lb, lb1)  # fmt: skip
+    elif STAGES > 0:  # the ring of `gate_up_kernel`
         srcs = (
             (
                 w_ptr.to(gl.pointer_type(gl.uint32), bitcast=True) + (w_rows * (NI // 8) + k_off // 8),
@@ -481,18 +611,7 @@ def down_kernel(
         acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
     else:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
-        p = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)[None, :]
-        p1 = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb1)).to(gl.int64)[None, :]
-        x_ptrs = (
-            a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
-            + (p0 * (NI // 8) + k_off // 8)
-            + (p * (NI // 8) + gl.arange(0, KW, layout=gl.SliceLayout(1, lb)).to(gl.int64)[:, None])
-        )
-        xs_ptrs = (
-            as_ptr
-            + (p0 * (NI // 16) + k_off // 16)
-            + (p1 * (NI // 16) + gl.arange(0, KW // 2, layout=gl.SliceLayout(1, lb1)).to(gl.int64)[:, None])
-        )
+        x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
         x, xs = gl.load(x_ptrs), gl.load(xs_ptrs)
         for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
             w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)

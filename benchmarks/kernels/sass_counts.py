@@ -152,9 +152,9 @@ def gluon_counts() -> list[dict]:
         bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
         for name, fn, bn, sig, extra in (
             ("gluon gate/up", hop.gate_up_kernel, c["block_n_gate_up"], _signature("h_ptr", True),
-             {"SPLIT_K": c.get("split_k", 1)}),
+             {"SPLIT_K": c.get("split_k", 1), "HOIST": False}),  # its loop (`hoist_counts`: none)
             ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False),
-             {"SPLIT_K": c.get("split_k_down", 1)}),
+             {"SPLIT_K": c.get("split_k_down", 1), "EARLY_WEIGHTS": False}),  # its loop (`early_weights_counts`)
         ):  # fmt: skip
             consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
                       "X_SHARED": c.get("x_shared", False), "STAGES": c.get("stages", 0), "PDL": False}  # fmt: skip
@@ -171,6 +171,55 @@ def gluon_counts() -> list[dict]:
     out.append({"kernel": "gluon attention spread_decode", "tile": CONFIG_NOTE, "instructions": n,
                 "elements": per_thread, "ops": ops})  # fmt: skip
     return out
+
+
+def early_weights_counts(early: int) -> dict:
+    """The down kernel of `HOPPER[0]` (batch 1) with ``early_weights`` ``early`` and PDL, compiled for sm_90: the
+    full opcodes (``LDG.E.64``, ...) ahead of the PDL wait (``ACQBULK``), the instructions after it, the whole
+    kernel's opcodes, and the tile's K tiles, weight rows per warp and code words per row of a tile. Why: ptxas
+    could sink loads or the decoding below the wait, which would undo the point."""
+    from trace_hf.kernels import fp4_moe_configs as configs
+    from trace_hf.kernels import fp4_moe_hopper as hop
+
+    c = configs.HOPPER[0][1]
+    bn, bk, nw, split = c["block_n_down"], c["block_k"], c["num_warps"], c.get("split_k_down", 1)
+    consts = {"H": 2048, "NI": 768, "SPLIT_K": split, "BLOCK_T": c["block_t"], "BLOCK_N": bn, "BLOCK_K": bk,
+              "NUM_WARPS": nw, "X_SHARED": False, "STAGES": 0, "PDL": True, "EARLY_WEIGHTS": early}  # fmt: skip
+    lines = [t for _, t in compile_sass(hop.down_kernel, _signature("y_ptr", False), consts, nw)]
+    full = [re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for t in lines]
+    full = [op for op in full if op != "NOP"]
+    wait = full.index("ACQBULK")
+    return {
+        "before_wait": dict(collections.Counter(full[:wait])),
+        "after_wait": len(full) - wait - 1,
+        "ops": _opcodes(lines),
+        "k_tiles": 768 // split // bk,
+        "rows_per_warp": bn // nw,
+        "words": bk // 8,
+    }
+
+
+def hoist_counts() -> dict:
+    """The gate/up kernel of `HOPPER[0]` (batch 1) with ``hoist``, compiled for sm_90: the full opcodes ahead of its
+    first MMA, the whole kernel's opcodes, its K tiles and weight rows per warp."""
+    from trace_hf.kernels import fp4_moe_configs as configs
+    from trace_hf.kernels import fp4_moe_hopper as hop
+
+    c = configs.HOPPER[0][1]
+    bn, bk, nw, split = c["block_n_gate_up"], c["block_k"], c["num_warps"], c.get("split_k", 1)
+    consts = {"H": 2048, "NI": 768, "SPLIT_K": split, "BLOCK_T": c["block_t"], "BLOCK_N": bn, "BLOCK_K": bk,
+              "NUM_WARPS": nw, "X_SHARED": False, "STAGES": 0, "PDL": True, "HOIST": True}  # fmt: skip
+    lines = [t for _, t in compile_sass(hop.gate_up_kernel, _signature("h_ptr", True), consts, nw)]
+    full = [re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for t in lines]
+    first = next(i for i, op in enumerate(full) if op.startswith("HMMA"))
+    return {
+        "before_mma": dict(collections.Counter(full[:first])),
+        "ops": _opcodes(lines),
+        "k_tiles": 2048 // split // bk,
+        "rows_per_warp": bn // nw,
+        "words": bk // 8,
+        "block_t": c["block_t"],
+    }
 
 
 def _top(ops: dict) -> dict:

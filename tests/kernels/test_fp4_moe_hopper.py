@@ -115,11 +115,15 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
-        # or through a cp.async ring) give the same bits.
+        # or through a cp.async ring, or all of a down program's weights loaded, or also decoded, before its PDL
+        # wait, or all of a gate/up program's loads ahead of its MMAs) give the same bits.
         for other in (
             {"x_shared": False, "stages": 0},
             {"x_shared": True, "stages": 0},
             {"x_shared": True, "stages": 3},
+            {"x_shared": False, "stages": 0, "early_weights": 1},
+            {"x_shared": False, "stages": 0, "early_weights": 2, "maxnreg_down": 120},
+            {"x_shared": False, "stages": 0, "hoist": True},
         ):
             monkeypatch.setattr(configs, "HOPPER", [(1 << 62, cfg | other)])
             y_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
@@ -197,3 +201,49 @@ def test_kernels_compile_for_sm90_without_spills(gluon_sass_counts):
         assert per_element < 6.0, f"{r['kernel']} {r['tile']}: {per_element:.2f} instructions per element"
         if r["x_shared"]:  # the loop decodes weights only (one HMUL2 per fp16 pair) and reads x from shared memory
             assert ops.get("HMUL2") == r["elements"] // 2 and ops.get("LDSM", 0) > 0, f"{r['tile']}: {ops}"
+
+
+def _sm90_counts(fn: str):
+    """``sass_counts.<fn>()`` in a clean Python, or a skip where this Triton has no ptxas or Gluon MMA layouts."""
+    import os
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from benchmarks.kernels import sass_counts
+
+    return sass_counts.clean_python(
+        f"import json; from benchmarks.kernels import sass_counts as s; print(json.dumps({fn}))"
+    )
+
+
+def test_hoisted_gate_up_loads_before_its_first_mma():
+    """``hoist`` (batch 1's gate/up programs): every K tile's weight, activation and scale-byte loads are issued
+    ahead of the first MMA in the sm_90 code, with no spills, and the MMAs are the loop path's."""
+    r = _sm90_counts("s.hoist_counts()")
+    kt, rows, words, bt = r["k_tiles"], r["rows_per_warp"], r["words"], r["block_t"]
+    code_words = kt * (2 * rows * words + words * bt) // 32  # per thread: gate and up rows, the activations
+    scale_bytes = kt * (2 * rows * words // 2 + words // 2 * bt) // 32  # one per code-word pair
+    assert r["before_mma"].get("LDG.E.64") == code_words // 2, r["before_mma"]
+    assert r["before_mma"].get("LDG.E.U8") == scale_bytes, r["before_mma"]
+    assert "LDL" not in r["ops"] and "STL" not in r["ops"], r["ops"]
+    assert r["ops"].get("HMMA") == kt * 2 * 8 * rows // 16, r["ops"]
+
+
+def test_early_down_weights_load_before_the_pdl_wait():
+    """``early_weights`` (batch 1's down programs): every weight and scale-byte load is issued ahead of the PDL
+    wait in the sm_90 code (with 2, every weight decoding multiply too, and half the instructions are left after
+    it), with no spills, and the MMAs are the loop path's (8 per K tile and 16 weight rows)."""
+    one, two = _sm90_counts("[s.early_weights_counts(1), s.early_weights_counts(2)]")
+    for r in (one, two):
+        words = r["k_tiles"] * r["rows_per_warp"] * r["words"] // 32  # uint32 code words per thread, 8-byte pairs
+        assert r["before_wait"].get("LDG.E.64") == words // 2, r["before_wait"]
+        assert r["before_wait"].get("LDG.E.U8") == words // 2, r["before_wait"]  # one scale byte per pair
+        assert "LDL" not in r["ops"] and "STL" not in r["ops"], r["ops"]
+        assert r["ops"].get("HMMA") == r["k_tiles"] * 8 * r["rows_per_warp"] // 16, r["ops"]
+    # 2: one HMUL2 per weight fp16 pair (a word pair gives 8), all ahead of the wait; the rest after it halves.
+    assert two["before_wait"].get("HMUL2") == words // 2 * 8, two["before_wait"]
+    assert "HMUL2" not in one["before_wait"]
+    assert two["after_wait"] < one["after_wait"] * 0.6, (one["after_wait"], two["after_wait"])
