@@ -78,7 +78,10 @@ CONFIG = {
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
-#: h200_75, so no entry has one). From
+#: h200_75, so no entry has one); ``fused_hidden`` (default False; with ``split_k`` 1): the hidden activation's
+#: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
+#: quantize_token_block`, the same bits on every real slot's row; not with hints), instead of `fp4_quant.quantize`'s
+#: launch over all [P, I] rows (~10-20 us a layer at batch 128-512, h200_82), not yet measured on the H200. From
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
@@ -129,7 +132,8 @@ HOPPER = [
 #: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
 #: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
 #: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
-#: by its MMAs.
+#: by its MMAs. ``fused_hidden`` (default False): as in `HOPPER`, the hidden's quantization inside the gate/up launch;
+#: not yet measured on the H200.
 WGMMA = [
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
           "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
