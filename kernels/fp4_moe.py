@@ -601,7 +601,6 @@ def _fused_hidden(cfg, off, P, NI, block_t, block_n, device) -> tuple[dict, tupl
         "hs_ptr": torch.empty(P, NI // 16, dtype=torch.uint8, device=device),
         "hg_ptr": torch.empty(P, 1, dtype=torch.float32, device=device),
         "cnt_ptr": torch.zeros(P // block_t, dtype=torch.int32, device=device),
-        "enable_fp_fusion": False,  # `fp4_quant.nvfp4_row_codes`' exact division
     }
     return args, (NI // block_n, P // block_t)
 

@@ -142,7 +142,9 @@ def quantize_token_block(h_ptr, q_ptr, sb_ptr, g_ptr, cnt_ptr, sorted_ptr, num_s
     blocks past the last segment) are left unwritten, and nothing reads them as numbers (the down kernels' padding
     columns are dropped, each MMA column is its own token's). Why: the separate launch over all [P, I] fp32 rows
     runs at ~4x its bytes' time (a short dependent chain per program), and rows are whole only once every column
-    tile is done. Launch with ``enable_fp_fusion=False``."""
+    tile is done. The kernels keep FMA contraction on (so the gate/up epilogue is that of the unfused launch, bit for
+    bit): the quantization's float arithmetic has no multiply feeding an add (its FMAs are explicit, its divisions
+    correctly rounded), so contraction leaves it as `fp4_quant._fp4_kernel` computes it."""
     cta_barrier()  # every warp's stores of the tile come before the release of the counter
     done = gl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu")
     if done == n_progs - 1:

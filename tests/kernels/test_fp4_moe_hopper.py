@@ -231,7 +231,7 @@ def test_fused_hidden_compiles_for_sm90():
                   "STAGES": c.get("stages", 0), "PDL": False}  # fmt: skip
         (plain, plain_loops), (fused, fused_loops) = (
             sass.clean_python(code, *(json.dumps(a) for a in (sig, dict(consts, FUSED_HIDDEN=f), c["num_warps"],
-                                                                {"enable_fp_fusion": not f})))
+                                                                {})))
             for f in (False, True)
         )  # fmt: skip
         assert fused.get("HMMA") == plain.get("HMMA"), (c, plain, fused)

@@ -387,7 +387,7 @@ def test_fused_hidden_compiles_for_sm90(cfg):
     opts = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     plain, fused = (
         sass.clean_python(code, *(json.dumps(a) for a in (sig, dict(consts, FUSED_HIDDEN=f), cfg["num_warps"],
-                                                            dict(opts, enable_fp_fusion=not f))))
+                                                            opts)))
         for f in (False, True)
     )  # fmt: skip
     assert len(plain) == len(fused) == 1 and plain == fused, (plain, fused)
