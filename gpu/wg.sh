@@ -7,7 +7,9 @@
 # [P, 768] fp32 rows, 19.6 us a layer at 256 rows in h200_82's no-PDL profile (4x its bytes' time), and its padding
 # rows. The gate/up main loops are unchanged (sm_90, Triton 3.6: 570 instructions a K tile at 32-token wgmma blocks,
 # the same opcodes, no new spills; the HOPPER kernels keep their MMAs and spill nothing).
-# Run from the repository root on the H200; writes $OUT/wg/wg.log and $OUT/wg/hopper_ab.json. ~150 s of GPU.
+# Run from the repository root on the H200; writes $OUT/wg/wg.log and $OUT/wg/hopper_ab.json. ~150 s of GPU
+# (tests ~60 s; two one-layer sweeps ~40 s each, 4 weight copies: at 128-256 rows every expert is hit, ~340 MB a
+# copy, past L2 anyway; the A/B: 2 variants x 2 rounds of rollout_decode at 128 and 256 rows).
 #
 # Expect: (1) GPU tests pass: test_fused_hidden_gives_the_same_bits in test_fp4_moe_wgmma.py (192, 256, 512 rows)
 # and test_fp4_moe_hopper.py (20, 128 rows): outputs bit for bit with and without it, the fused codes / scales / row
@@ -38,18 +40,18 @@ PY=${PY:-python3}
 } 2>&1 | tee "$LOG"
 
 echo "== GPU tests" | tee -a "$LOG"
-(cd "$PKG" && timeout 180 $PY -m pytest -q -m gpu -p no:cacheprovider --rootdir="$ROOT" \
+(cd "$PKG" && timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider --rootdir="$ROOT" \
   "$ROOT/tests/kernels/test_fp4_moe_wgmma.py" "$ROOT/tests/kernels/test_fp4_moe_hopper.py" \
   -k "fused" 2>&1) | tail -n 25 | tee -a "$LOG"
 
 echo "== fp4_moe_tune: one layer, committed entry vs fused_hidden" | tee -a "$LOG"
 TUNE=$(mktemp -d)
-timeout 150 $PY -m benchmarks.kernels.fp4_moe_tune --hopper --batches 128 --block-t 8 --block-n 64 --block-k 256 \
-  --warps 4 --x-shared 1 --ring 2 --fused-hidden 0,1 --budget-s 90 --out "$TUNE/hopper.json" 2>&1 \
+timeout 120 $PY -m benchmarks.kernels.fp4_moe_tune --hopper --batches 128 --block-t 8 --block-n 64 --block-k 256 \
+  --warps 4 --x-shared 1 --ring 2 --fused-hidden 0,1 --copies 4 --budget-s 45 --out "$TUNE/hopper.json" 2>&1 \
   | tail -n 4 | tee -a "$LOG"
-timeout 150 $PY -m benchmarks.kernels.fp4_moe_tune --wgmma --batches 256 --wg-block-t 32 --wg-block-n 64 \
+timeout 120 $PY -m benchmarks.kernels.fp4_moe_tune --wgmma --batches 256 --wg-block-t 32 --wg-block-n 64 \
   --wg-warps 4 --wg-slice-buffers 1 --wg-gate-first 1 --wg-maxnreg 96 --wg-maxnreg-down 72 --fused-hidden 0,1 \
-  --budget-s 90 --out "$TUNE/wgmma.json" 2>&1 | tail -n 4 | tee -a "$LOG"
+  --copies 4 --budget-s 45 --out "$TUNE/wgmma.json" 2>&1 | tail -n 4 | tee -a "$LOG"
 $PY - "$TUNE/hopper.json" "$TUNE/wgmma.json" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json
 import sys
