@@ -653,6 +653,22 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
     return hq, QuantizedHidden(hq, fp4.FP4Hints(bits, scale, g, "nvfp4"), sorted_ids, num_slots)
 
 
+def _fused_hidden(cfg, off, P, NI, block_t, block_n, device) -> tuple[dict, tuple]:
+    """(launch arguments, grid) of a Gluon gate/up launch: with the entry's ``fused_hidden``, unless ``off`` (hints
+    asked for, which the fused quantization does not record; split-K partial sums) the kernel also quantizes the hidden activation (`fp4_moe_hopper.quantize_token_block`), its outputs
+    allocated here, on a (column tiles, token blocks) grid; else nothing and the (token blocks, column tiles) grid."""
+    if not cfg.get("fused_hidden") or off:
+        return {}, (P // block_t, NI // block_n)
+    args = {
+        "FUSED_HIDDEN": True,
+        "hq_ptr": torch.empty(P, NI // 2, dtype=torch.uint8, device=device),
+        "hs_ptr": torch.empty(P, NI // 16, dtype=torch.uint8, device=device),
+        "hg_ptr": torch.empty(P, 1, dtype=torch.float32, device=device),
+        "cnt_ptr": torch.zeros(P // block_t, dtype=torch.int32, device=device),
+    }
+    return args, (NI // block_n, P // block_t)
+
+
 def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
     """The hidden activation [P, I] quantized per row as ``fp4.quantize(h, "nvfp4", "row")``, and its
     `QuantizedHidden` (codes with hints, in sorted order) when ``return_hidden``, else None."""
@@ -676,13 +692,17 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     stages = check_hopper_entry(cfg)
     cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
     regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
-    hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
+    fused, grid = _fused_hidden(cfg, return_hidden or split > 1, P, NI, bt, cfg["block_n_gate_up"], x.device)
+    hop.gate_up_kernel[grid + (split,)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
         X_SHARED=cfg.get("x_shared", False), STAGES=stages, HOIST=bool(cfg.get("hoist", False)), num_warps=nw,
-        **regs, **launch_options(x.device),
+        **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
-    hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    if fused:
+        hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
+    else:
+        hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     split_down = cfg.get("split_k_down", 1)
     while split_down > 1 and NI % (split_down * bk):
         split_down -= 1
@@ -709,12 +729,16 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
     P = sorted_ids.numel()
     h = _gate_up_out(1, P, NI, x.device)
-    wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
+    fused, grid = _fused_hidden(cfg, return_hidden, P, NI, bt, cfg["block_n_gate_up"], x.device)
+    wg.gate_up_kernel[grid](
         x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
-        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **regs, **launch_options(x.device),
+        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
-    hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    if fused:
+        hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
+    else:
+        hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     wg.down_kernel[(P // bt, H // cfg["block_n_down"])](

@@ -91,7 +91,11 @@ CONFIG = {
 #: False; the same needs): each gate/up program issues all of its K tiles' loads before its first MMA (one memory
 #: round trip instead of one per tile or two; `fp4_moe_hopper._gate_up_hoisted`; same bits): batch 1, 168
 #: registers with Triton 3.6 (242 with 3.9), no spills, all 82 loads ahead of the 64 MMAs. Neither is measured on
-#: the H200 yet, so both are off. From
+#: the H200 yet, so both are off.
+#: ``fused_hidden`` (default False; with ``split_k`` 1): the hidden activation's
+#: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
+#: quantize_token_block`, the same bits on every real slot's row; not with hints), instead of `fp4_quant.quantize`'s
+#: launch over all [P, I] rows (~10-20 us a layer at batch 128-512, h200_82), not yet measured on the H200. From
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
@@ -142,7 +146,8 @@ HOPPER = [
 #: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
 #: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
 #: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
-#: by its MMAs.
+#: by its MMAs. ``fused_hidden`` (default False): as in `HOPPER`, the hidden's quantization inside the gate/up launch;
+#: not yet measured on the H200.
 WGMMA = [
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
           "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),

@@ -40,11 +40,14 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe_hopper (see kernels/README.md), not kernels.fp4_moe_hopper.")
 
+from triton import next_power_of_2  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
+
+from trace_hf.kernels.fp4_quant import nvfp4_row_codes  # noqa: E402
 
 
 def scale_pair_ptx(lo: str, hi: str) -> list[str]:
@@ -147,6 +150,63 @@ def pair_scales(s, layout: gl.constexpr):
 def pair_scales_t(s, layout: gl.constexpr):
     """`pair_scales` along the rows: [R, C] to [2R, C] (the B operand, whose K runs down the rows)."""
     return gl.convert_layout(gl.reshape(gl.permute(gl.join(s, s), [0, 2, 1]), [2 * s.shape[0], s.shape[1]]), layout)
+
+
+@gluon.jit
+def quantize_token_block(h_ptr, q_ptr, sb_ptr, g_ptr, cnt_ptr, sorted_ptr, num_slots, block, n_progs,
+                         BLOCK_T: gl.constexpr, NI: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+    """The hidden activation's quantization inside the gate/up launch (``fused_hidden``): called by every program
+    after it stored its fp32 tile of token block ``block``; the last of the block's ``n_progs`` programs to get
+    here (a counter per block, ``cnt_ptr``, zero before the launch) reads the block's rows back (from L2) and writes
+    them as ``fp4_quant.quantize(h, "nvfp4", "row")`` would (codes, scale bytes, row scales, by
+    `fp4_quant.nvfp4_row_codes`: the same bits). Only the rows of real slots: a block's padding rows (and the rows of
+    blocks past the last segment) are left unwritten, and nothing reads them as numbers (the down kernels' padding
+    columns are dropped, each MMA column is its own token's). Why: the separate launch over all [P, I] fp32 rows
+    runs at ~4x its bytes' time (a short dependent chain per program), and rows are whole only once every column
+    tile is done. The kernels keep FMA contraction on (so the gate/up epilogue is that of the unfused launch, bit for
+    bit): the quantization's float arithmetic has no multiply feeding an add (its FMAs are explicit, its divisions
+    correctly rounded), so contraction leaves it as `fp4_quant._fp4_kernel` computes it."""
+    cta_barrier()  # every warp's stores of the tile come before the release of the counter
+    done = gl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu")
+    if done == n_progs - 1:
+        NB: gl.constexpr = NI // 16
+        NBT: gl.constexpr = next_power_of_2(NB)  # (a constexpr function in Triton)
+        # A thread holds one NVFP4 block (16 values); lanes, then warps, along a row's blocks; R rows at a time.
+        TB: gl.constexpr = min(32, NBT)
+        WB: gl.constexpr = min(NUM_WARPS, max(1, NBT // 32))
+        R: gl.constexpr = (32 // TB) * (NUM_WARPS // WB)
+        l3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // TB, TB, 1], [NUM_WARPS // WB, WB, 1], [2, 1, 0])
+        lr: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l3))
+        r = gl.arange(0, R, layout=lr)
+        b = gl.arange(0, NBT, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+        e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+        # Real slots come first in a block (`moe_align`): rows 0 .. n - 1.
+        t = block * BLOCK_T + gl.arange(0, BLOCK_T, layout=lr)
+        n = gl.sum((gl.load(sorted_ptr + t) < num_slots).to(gl.int32), axis=0)
+        col = b[None, :, None] * 16 + e[None, None, :]
+        byte = b[None, :, None] * 8 + e[None, None, :] // 2
+        base = block.to(gl.int64) * BLOCK_T
+        # .cg: the peers' rows come from L2, never from a line this SM's L1 kept from an earlier call. The next
+        # rows' load goes out before this one's arithmetic.
+        bmask = (b < NB)[None, :] & (r < n)[:, None]
+        x = gl.load(h_ptr + ((base + r)[:, None, None] * NI + col), mask=bmask[:, :, None] & (e >= 0)[None, None, :],
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        for r0 in range(0, n, R):
+            rows = base + r0 + r
+            bmask = (b < NB)[None, :] & (r0 + r < n)[:, None]
+            mask = bmask[:, :, None] & (e >= 0)[None, None, :]
+            nmask = ((b < NB)[None, :] & (r0 + R + r < n)[:, None])[:, :, None] & (e >= 0)[None, None, :]
+            x_next = gl.load(h_ptr + ((rows + R)[:, None, None] * NI + col), mask=nmask, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+            code, sbyte, g = nvfp4_row_codes(x)
+            gl.store(g_ptr + rows, g, mask=r0 + r < n)
+            gl.store(sb_ptr + (rows[:, None] * NB + b[None, :]), sbyte.to(gl.uint8), mask=bmask)
+            # Element 2i in the low nibble, 2i + 1 in the high one (`fp4_quant._store_codes`).
+            lo, hi = gl.split(gl.reshape(code, [R, NBT, 8, 2]))
+            offs, _ = gl.split(gl.reshape(rows[:, None, None] * (NI // 2) + byte, [R, NBT, 8, 2]))
+            m, _ = gl.split(gl.reshape(mask, [R, NBT, 8, 2]))
+            gl.store(q_ptr + offs, (lo | (hi << 4)).to(gl.uint8), mask=m)
+            x = x_next
 
 
 @gluon.jit
@@ -331,6 +391,13 @@ def gate_up_kernel(
     STAGES: gl.constexpr,  # > 0: weights through a cp.async ring of this many K tiles (needs X_SHARED); 0: registers
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
     HOIST: gl.constexpr = False,  # every K tile's loads issued before the first MMA (`_gate_up_hoisted`)
+    # With SPLIT_K 1: the hidden's quantization in this launch (`quantize_token_block`) on a (column tiles, token
+    # blocks) grid, a block's tiles side by side, so that its last one is not in the launch's last wave.
+    FUSED_HIDDEN: gl.constexpr = False,
+    hq_ptr=None,  # with FUSED_HIDDEN, out: codes uint8 [P, I/2], scale bytes [P, I/16], row scales fp32 [P]
+    hs_ptr=None,
+    hg_ptr=None,
+    cnt_ptr=None,  # int32 [P / BLOCK_T], zeros
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
@@ -338,8 +405,8 @@ def gate_up_kernel(
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     la1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
     lb1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=1)
-    pid_m = gl.program_id(0)
-    pid_n = gl.program_id(1)
+    pid_m = gl.program_id(1 if FUSED_HIDDEN else 0)
+    pid_n = gl.program_id(0 if FUSED_HIDDEN else 1)
     pid_k = gl.program_id(2)
     e = gl.load(expert_ptr + pid_m)
     if e < 0:
@@ -449,6 +516,9 @@ def gate_up_kernel(
     h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
     h = gl.where(valid[None, :], h, 0.0)
     gl.store(h_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h)
+    if FUSED_HIDDEN:
+        quantize_token_block(h_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr, num_slots, pid_m, NI // BLOCK_N,
+                             BLOCK_T, NI, NUM_WARPS)  # fmt: skip
 
 
 @gluon.jit

@@ -34,7 +34,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from trace_hf.kernels.fp4_moe_hopper import cta_barrier, decode8, gdc_wait_for_producer, pair_scales  # noqa: E402
+from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
+    cta_barrier,
+    decode8,
+    gdc_wait_for_producer,
+    pair_scales,
+    quantize_token_block,
+)
 
 
 @gluon.jit
@@ -129,6 +135,13 @@ def gate_up_kernel(
     SLICE_BUFFERS: gl.constexpr,  # one shared-memory allocation per activation K-slice (`_x_smem`)
     GATE_FIRST: gl.constexpr,  # wait for gate's MMAs before decoding up's weights (fewer registers)
     PDL: gl.constexpr,
+    # The hidden's quantization in this launch (`fp4_moe_hopper.quantize_token_block`): the grid is then (column
+    # tiles, token blocks), a block's tiles side by side, so that its last one is not in the launch's last wave.
+    FUSED_HIDDEN: gl.constexpr = False,
+    hq_ptr=None,  # with FUSED_HIDDEN, out: codes uint8 [P, I/2], scale bytes [P, I/16], row scales fp32 [P]
+    hs_ptr=None,
+    hg_ptr=None,
+    cnt_ptr=None,  # int32 [P / BLOCK_T], zeros
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -136,8 +149,8 @@ def gate_up_kernel(
     )
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     la1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
-    pid_m = gl.program_id(0)
-    pid_n = gl.program_id(1)
+    pid_m = gl.program_id(1 if FUSED_HIDDEN else 0)
+    pid_n = gl.program_id(0 if FUSED_HIDDEN else 1)
     e = gl.load(expert_ptr + pid_m)
     if e < 0:
         return
@@ -219,6 +232,9 @@ def gate_up_kernel(
     h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
     h = gl.where(valid[None, :], h, 0.0)
     gl.store(h_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h)
+    if FUSED_HIDDEN:
+        quantize_token_block(h_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr, num_slots, pid_m, NI // BLOCK_N,
+                             BLOCK_T, NI, NUM_WARPS)  # fmt: skip
 
 
 @gluon.jit

@@ -160,6 +160,21 @@ def _store_bits(hb_ptr, code, row64, blks, K, mask, BLOCK_M: tl.constexpr, NBT: 
 
 
 @triton.jit
+def nvfp4_row_codes(x):
+    """The arithmetic of ``fp4.quantize(x, "nvfp4", "row")`` for whole rows ``x`` fp32 [rows, blocks, 16] (zeros
+    past the row's end): (codes [rows, blocks, 16] int32, sign in bit 3; block-scale bytes [rows, blocks] int32;
+    row scales [rows]), the pieces of `_fp4_kernel`. No stores and no new tensors, so a Gluon kernel can call it on
+    its own layouts (`fp4_moe_hopper.quantize_token_block`). Its float arithmetic has no multiply feeding an add
+    (explicit FMAs, correctly rounded divisions), so FMA contraction does not change it."""
+    xb = bits_of(x)
+    amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)
+    g = _nvfp4_row_global(amax_i)
+    sbyte, _, sg, ok = nvfp4_block_scale(float_of(amax_i), g[:, None])
+    a, _ = _scaled_magnitude(x, sg, ok)
+    return tl.where(ok[:, :, None], e2m1_nearest(a), 0) | ((xb >> 28) & 8), sbyte, g
+
+
+@triton.jit
 def quantize_rows_nvfp4(x, row64, row_ok, blks, K, q_ptr, sb_ptr, g_ptr, hb_ptr, WRITE_BITS: tl.constexpr,
                         BLOCK_M: tl.constexpr, NBT: tl.constexpr):  # fmt: skip
     """``fp4.quantize(x, "nvfp4", "row")`` of whole rows held by one program, for kernels that fuse it into the
@@ -169,13 +184,8 @@ def quantize_rows_nvfp4(x, row64, row_ok, blks, K, q_ptr, sb_ptr, g_ptr, hb_ptr,
     BS: tl.constexpr = 16
     bmask = row_ok[:, None] & (blks < K // BS)[None, :]
     mask = bmask[:, :, None]
-    xb = bits_of(x)
-    amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)
-    g = _nvfp4_row_global(amax_i)
+    code, sbyte, g = nvfp4_row_codes(x)
     tl.store(g_ptr + row64, g, mask=row_ok)
-    sbyte, _, sg, ok = nvfp4_block_scale(float_of(amax_i), g[:, None])
-    a, _ = _scaled_magnitude(x, sg, ok)
-    code = tl.where(ok[:, :, None], e2m1_nearest(a), 0) | ((xb >> 28) & 8)
     _store_codes(q_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
     tl.store(sb_ptr + (row64 * (K // BS))[:, None] + blks[None, :], sbyte.to(tl.uint8), mask=bmask)
     if WRITE_BITS:

@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--ring", default="0", help="--hopper: cp.async ring depth for the weights (0: registers; needs x_shared)"
     )
+    p.add_argument(
+        "--fused-hidden", default="0", help="--hopper, --wgmma: the hidden's quantization in the gate/up launch (1)"
+    )
     p.add_argument("--wgmma", action="store_true", help="sweep the wgmma kernels (`WGMMA`, sm_90+) instead")
     p.add_argument("--wg-block-t", default="32,64", help="--wgmma: token rows per expert block")
     p.add_argument("--wg-block-n", default="64,128", help="--wgmma: weight rows per program (both GEMMs)")
@@ -112,9 +115,10 @@ def main(argv=None) -> int:
 
     hopper_grid = [
         {"block_t": bt, "block_n_gate_up": bn, "block_n_down": dn * bn, "block_k": bk, "num_warps": w, "split_k": sk,
-         "x_shared": bool(xs), "stages": st}
-        for bt, bn, dn, bk, w, sk, xs, st in itertools.product(*(_ints(a) for a in (
-            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.ring)))
+         "x_shared": bool(xs), "stages": st, "fused_hidden": bool(fh)}
+        for bt, bn, dn, bk, w, sk, xs, st, fh in itertools.product(*(_ints(a) for a in (
+            args.block_t, args.block_n, "1,2", args.block_k, args.warps, args.split_k, args.x_shared, args.ring,
+            args.fused_hidden)))
         if bn >= 16 * w and bk % 128 == 0 and (st == 0 or xs)  # the Gluon K tile: 16 code words per MMA
     ]  # fmt: skip
     wgmma_grid = [
@@ -129,10 +133,12 @@ def main(argv=None) -> int:
             "gate_first": bool(gf),
             "maxnreg": mr,
             "maxnreg_down": md,
+            "fused_hidden": bool(fh),
         }
-        for bt, bn, w, sb, gf, mr, md in itertools.product(
+        for bt, bn, w, sb, gf, mr, md, fh in itertools.product(
             *(_ints(a) for a in (args.wg_block_t, args.wg_block_n, args.wg_warps)),
             *(_ints(a) for a in (args.wg_slice_buffers, args.wg_gate_first, args.wg_maxnreg, args.wg_maxnreg_down)),
+            _ints(args.fused_hidden),
         )
         if bn % (16 * w) == 0
     ]

@@ -43,6 +43,9 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # Arguments with a default that the caller leaves out (the fused hidden's, off) compile with it, as constexprs.
+    constexprs = {p.name: p._param.default for p in fn.params
+                  if p.name not in signature and p._param.default is not p._param.empty} | dict(constexprs)  # fmt: skip
     sig = dict(signature) | dict.fromkeys(constexprs, "constexpr")
     sig = {a: sig[a] for a in fn.arg_names}  # in the kernel's argument order
     names = list(sig)
@@ -74,13 +77,18 @@ def loop_counts(
     """(instructions, opcode counts) of the longest loop of ``fn`` compiled for sm_90 (``options``: compiler options
     such as ``maxnreg``)."""
     lines = compile_sass(fn, signature, constexprs, num_warps, num_stages, **options)
-    best = (0, {})
+    return max(all_loops(lines), default=(0, {}), key=lambda b: b[0])
+
+
+def all_loops(lines: list) -> list:
+    """[(instructions, opcode counts)] of every loop (backward branch) of `compile_sass`'s ``lines``."""
+    out = []
     for addr, text in lines:
         br = re.search(r"BRA (0x[0-9a-f]+)", text)
         if br and int(br.group(1), 16) < addr:
             body = [t for a, t in lines if int(br.group(1), 16) <= a <= addr]
-            best = max(best, (len(body), _opcodes(body)), key=lambda b: b[0])
-    return best
+            out.append((len(body), _opcodes(body)))
+    return out
 
 
 def quant_counts(K: int = 2048) -> list[dict]:

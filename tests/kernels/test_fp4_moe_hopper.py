@@ -162,6 +162,87 @@ def test_module_uses_the_hopper_kernels_and_matches_its_torch_path():
     assert ((out[keep] - ref[keep]).norm() / ref[keep].norm()).item() < 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("M", [20, 128])
+def test_fused_hidden_gives_the_same_bits(M, monkeypatch):
+    """``fused_hidden`` on the entry of batch 20 and 128 (the hidden's quantization inside the gate/up launch, by the
+    last program of each token block): on every real slot's row the codes, scale bytes and row scale that
+    `fp4_quant.quantize` gives the launch's own fp32 hidden (a zero row and a NaN row among them), and the experts'
+    output bit for bit against the entry without it, in two calls in a row."""
+    from trace_hf.kernels import fp4_moe_hopper as hop
+    from trace_hf.kernels import fp4_quant
+
+    E, H, NI, K = 128, 2048, 768, 8
+    wgu, wdn = _packed(E, 2 * NI, H, seed=2), _packed(E, H, NI, seed=3)
+    x = torch.randn(M, H, device="cuda")
+    x[1] = 0.0
+    x[3, 5] = float("nan")
+    xq = fp4_quant.quantize(x, "nvfp4", "row")
+    ids, tw = _routing(M, E, K, seed=10 + M)
+    cfg = configs.hopper_config(M * K, x.device)
+    assert cfg.get("split_k", 1) == 1
+    y = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+    assert torch.isnan(y[3]).all() and not torch.isnan(y[4]).any()
+    monkeypatch.setattr(configs, "HOPPER", [(1 << 62, dict(cfg, fused_hidden=True))])
+    for _ in range(2):
+        got = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+        assert torch.equal(got.view(torch.int32), y.view(torch.int32)), "fused_hidden changed the result"
+    bt, bn, nw = cfg["block_t"], cfg["block_n_gate_up"], cfg["num_warps"]
+    sorted_ids, expert_ids = moe_align.moe_align(ids, E, bt)
+    P = sorted_ids.numel()
+    h = torch.zeros(P, NI, device="cuda")  # rows no program writes (blocks past the last segment) stay finite
+    fused, grid = moe._fused_hidden(dict(cfg, fused_hidden=True), False, P, NI, bt, bn, x.device)
+    hop.gate_up_kernel[grid + (1,)](
+        xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+        wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1, BLOCK_T=bt, BLOCK_N=bn,
+        BLOCK_K=cfg["block_k"], NUM_WARPS=nw, X_SHARED=cfg.get("x_shared", False), STAGES=cfg.get("stages", 0),
+        PDL=False, num_warps=nw, **fused,
+    )  # fmt: skip
+    want = fp4_quant.quantize(h, "nvfp4", "row")
+    real = sorted_ids < M * K
+    assert torch.isnan(want.global_scale.reshape(-1)[real]).any()  # token 3's slots
+    assert torch.equal(fused["hq_ptr"][real], want.packed[real])
+    assert torch.equal(fused["hs_ptr"][real], want.block_scale[real])
+    assert torch.equal(fused["hg_ptr"].reshape(-1)[real].view(torch.int32),
+                       want.global_scale.reshape(-1)[real].view(torch.int32))  # fmt: skip
+
+
+def test_fused_hidden_compiles_for_sm90():
+    """The gate/up kernel of each one-slice `HOPPER` entry with ``fused_hidden`` builds for sm_90, its main loop (the
+    one with the MMAs) with the same MMAs and no spills."""
+    import json
+    import os
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from benchmarks.kernels import sass_counts as sass
+
+    code = ("import json, sys; from benchmarks.kernels import sass_counts as s; "
+            "from trace_hf.kernels import fp4_moe_hopper as hop; a = [json.loads(x) for x in sys.argv[1:]]; "
+            "lines = s.compile_sass(hop.gate_up_kernel, a[0], a[1], a[2], **a[3]); "
+            "print(json.dumps([s._opcodes([t for _, t in lines]), "
+            "[ops for _, ops in s.all_loops(lines) if 'HMMA' in ops]]))")  # fmt: skip
+    sig = sass._signature("h_ptr", True) | {"hq_ptr": "*u8", "hs_ptr": "*u8", "hg_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for _, c in configs.HOPPER:
+        if c.get("split_k", 1) != 1:
+            continue
+        consts = {"H": 2048, "NI": 768, "SPLIT_K": 1, "BLOCK_T": c["block_t"], "BLOCK_N": c["block_n_gate_up"],
+                  "BLOCK_K": c["block_k"], "NUM_WARPS": c["num_warps"], "X_SHARED": c.get("x_shared", False),
+                  "STAGES": c.get("stages", 0), "PDL": False}  # fmt: skip
+        (plain, plain_loops), (fused, fused_loops) = (
+            sass.clean_python(code, *(json.dumps(a) for a in (sig, dict(consts, FUSED_HIDDEN=f), c["num_warps"],
+                                                                {})))
+            for f in (False, True)
+        )  # fmt: skip
+        assert fused.get("HMMA") == plain.get("HMMA"), (c, plain, fused)
+        assert "STL" not in fused and "LDL" not in fused, f"{c}: spills {fused}"
+        assert [o.get("HMMA") for o in fused_loops] == [o.get("HMMA") for o in plain_loops], c
+
+
 def test_table_lookup_and_fallbacks(monkeypatch):
     """`hopper_config`: decode sizes get their `HOPPER` entry, prefill sizes and GPUs before sm_90 the Triton
     kernels (None); a Triton without Gluon's layouts falls back with a warning instead of failing."""

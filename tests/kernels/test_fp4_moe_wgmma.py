@@ -191,6 +191,52 @@ def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
+@pytest.mark.parametrize("M", [192, 256, 512])
+def test_fused_hidden_gives_the_same_bits(M, monkeypatch):
+    """``fused_hidden`` (the hidden's quantization inside the gate/up launch, by the last program of each token
+    block): on every real slot's row the codes, scale bytes and row scale that `fp4_quant.quantize` gives the
+    launch's own fp32 hidden (a zero row, a row of ties, a NaN row among them), and the experts' output bit for bit
+    against the entry without it, in two calls in a row (the block counters start from zero in each)."""
+    from trace_hf.kernels import fp4_moe_wgmma as wg
+    from trace_hf.kernels import fp4_quant
+    from trace_hf.kernels.moe_align import moe_align
+
+    E, H, NI, K = 128, 2048, 768, 8
+    wgu, wdn = _packed(E, 2 * NI, H, seed=3), _packed(E, H, NI, seed=4)
+    x = _input(M, H, seed=M)
+    x[3, 5] = float("nan")
+    xq = fp4_quant.quantize(x, "nvfp4", "row")
+    ids, tw = _routing(M, E, K, seed=10 + M)
+    cfg = configs.wgmma_config(M * K, E, x.device)
+    _with_table(monkeypatch, cfg)
+    y = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+    assert torch.isnan(y[3]).all() and not torch.isnan(y[4]).any()
+    _with_table(monkeypatch, dict(cfg, fused_hidden=True))
+    for _ in range(2):
+        got = moe.experts_from_quantized(xq, ids, tw, wgu, wdn)
+        assert torch.equal(got.view(torch.int32), y.view(torch.int32)), "fused_hidden changed the result"
+    bt, bn, nw = cfg["block_t"], cfg["block_n_gate_up"], cfg["num_warps"]
+    sorted_ids, expert_ids = moe_align(ids, E, bt)
+    P = sorted_ids.numel()
+    h = torch.zeros(P, NI, device="cuda")  # rows no program writes (blocks past the last segment) stay finite
+    fused, grid = moe._fused_hidden(dict(cfg, fused_hidden=True), False, P, NI, bt, bn, x.device)
+    wg.gate_up_kernel[grid](
+        xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
+        wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt, BLOCK_N=bn,
+        BLOCK_K=cfg["block_k"], NUM_WARPS=nw, SLICE_BUFFERS=bool(cfg.get("slice_buffers")),
+        GATE_FIRST=bool(cfg.get("gate_first")), PDL=False, num_warps=nw, maxnreg=cfg.get("maxnreg"), **fused,
+    )  # fmt: skip
+    want = fp4_quant.quantize(h, "nvfp4", "row")
+    real = sorted_ids < M * K
+    assert torch.isnan(want.global_scale.reshape(-1)[real]).any()  # token 3's slots
+    assert torch.equal(fused["hq_ptr"][real], want.packed[real])
+    assert torch.equal(fused["hs_ptr"][real], want.block_scale[real])
+    assert torch.equal(fused["hg_ptr"].reshape(-1)[real].view(torch.int32),
+                       want.global_scale.reshape(-1)[real].view(torch.int32))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs an sm_90+ GPU")
 def test_module_uses_the_wgmma_kernels_and_matches_its_torch_path():
     """`TraceFP4Experts` (kernel="triton") at a size the table sends to wgmma: equal to its torch path, a NaN input
     row poisons exactly its own output row."""
@@ -323,6 +369,28 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
         assert n / elements < 4.5, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
         if slices:  # the eight slice stores of a tile need no barrier between them: one before, one after
             assert ops.get("BAR", 0) <= 2, f"{fn.__name__} {cfg}: {ops}"
+
+
+@pytest.mark.parametrize("cfg", _entries()[:2], ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
+def test_fused_hidden_compiles_for_sm90(cfg):
+    """The decode entries' gate/up with ``fused_hidden`` builds for sm_90 with their register caps, its main loop
+    (the one with the wgmma instructions) the same as without it, opcode for opcode."""
+    sass = _sass()
+    code = ("import json, sys; from benchmarks.kernels import sass_counts as s; "
+            "from trace_hf.kernels import fp4_moe_wgmma as wg; a = [json.loads(x) for x in sys.argv[1:]]; "
+            "lines = s.compile_sass(wg.gate_up_kernel, a[0], a[1], a[2], **a[3]); "
+            "print(json.dumps([ops for _, ops in s.all_loops(lines) if 'HGMMA' in ops]))")  # fmt: skip
+    sig = sass._signature("h_ptr", True) | {"hq_ptr": "*u8", "hs_ptr": "*u8", "hg_ptr": "*fp32", "cnt_ptr": "*i32"}
+    consts = {"H": 2048, "NI": 768, "BLOCK_T": cfg["block_t"], "BLOCK_N": cfg["block_n_gate_up"],
+              "BLOCK_K": cfg["block_k"], "NUM_WARPS": cfg["num_warps"], "SLICE_BUFFERS": bool(cfg.get("slice_buffers")),
+              "GATE_FIRST": bool(cfg.get("gate_first")), "PDL": False}  # fmt: skip
+    opts = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    plain, fused = (
+        sass.clean_python(code, *(json.dumps(a) for a in (sig, dict(consts, FUSED_HIDDEN=f), cfg["num_warps"],
+                                                            opts)))
+        for f in (False, True)
+    )  # fmt: skip
+    assert len(plain) == len(fused) == 1 and plain == fused, (plain, fused)
 
 
 def test_hopper_ab_patches_the_wgmma_table():
