@@ -195,8 +195,8 @@ GROUPED = {
     "from": 384,
     "block_m": 16,
     "decode_rows": 16,
-    "fp32_sums": False,
-    "fp32": {"block_m": 128, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 64, "group_m": 8,
+    "fp32_sums": True,
+    "fp32": {"block_m": 128, "block_n_gate_up": 128, "block_n_down": 256, "block_k": 64, "group_m": 8,
              "num_warps": 8, "num_stages": 3},
 }  # fmt: skip
 

@@ -74,7 +74,7 @@ from .weights import DecodeWeights, EngineWeights, ShardedWeights, engine_weight
 #: Triton launch (`decode_ops.load_fp4_kv`) instead of twelve torch ones (a gather and a copy per field), the same
 #: bits. At a 16K-token prefill the FP4 load took 17.5 ms against BF16's 6.7 (h200_72), its launches' time. Off until
 #: timed on the H200 (`benchmarks/rollout/prefill.py`, setup ``fp4_grouped_fp32``).
-LOAD_KV_KERNEL = False
+LOAD_KV_KERNEL = True
 
 
 def _cache_kwarg(lm) -> str:
