@@ -610,11 +610,13 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         split //= 2
     part = _gate_up_out(split, P, NI, x.device)
     stages = check_hopper_entry(cfg)
+    spread = bool(cfg.get("spread", False))
     regs = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     hop.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"], split)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, SPREAD=spread, num_warps=nw, **regs,
+        **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     split_down = cfg.get("split_k_down", 1)
@@ -625,7 +627,8 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"], split_down)](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw, **regs, **launch_options(x.device),
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, SPREAD=spread, num_warps=nw, **regs,
+        **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 
@@ -638,6 +641,7 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     slices = bool(cfg.get("slice_buffers", False))
+    spread = bool(cfg.get("spread", False))
     cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
     regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
     P = sorted_ids.numel()
@@ -645,15 +649,16 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
         x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
-        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **regs, **launch_options(x.device),
+        GATE_FIRST=bool(cfg.get("gate_first", False)), SPREAD=spread, num_warps=nw, **regs,
+        **launch_options(x.device),
     )  # fmt: skip
     hq, hidden = _hidden(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, num_warps=nw,
-        **regs_down, **launch_options(x.device),
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, SPREAD=spread,
+        num_warps=nw, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
 
