@@ -82,8 +82,8 @@ CONFIG = {
 #: same operand bits in 3 integer instructions per fp16 pair instead of 4 (sm_90 loops, Triton 3.6's ptxas, gate/up
 #: then down, instructions and registers off -> on: batch 1's entry 517 -> 437 (96 -> 96) and 310 -> 263 (79 -> 64);
 #: 256: 793 -> 665 but 124 -> 136 registers, 3 programs per SM instead of 4, so it wants ``maxnreg`` 128 with it
-#: (674 at 128, no spills; down 424 -> 360 at 96, 96 uncapped); 1024: 804 -> 676 (108 -> 96) and 809 -> 681
-#: (123 -> 122); no spills; off until timed on the H200). From
+#: (674 instructions at 128, no spills), and 424 -> 345 (96 -> 74; under that cap 360 at 96); 1024: 804 -> 676
+#: (108 -> 96) and 809 -> 681 (123 -> 122); no spills; off until timed on the H200). From
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
