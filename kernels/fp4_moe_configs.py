@@ -96,6 +96,12 @@ CONFIG = {
 #: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
 #: quantize_token_block`, the same bits on every real slot's row; not with hints), instead of `fp4_quant.quantize`'s
 #: launch over all [P, I] rows (~10-20 us a layer at batch 128-512, h200_82), not yet measured on the H200. From
+#: ``spread`` (default False): `decode8` by `fp4_moe_hopper.nibbles_spread_ptx`, the
+#: same operand bits in 3 integer instructions per fp16 pair instead of 4 (sm_90 loops, Triton 3.6's ptxas, gate/up
+#: then down, instructions and registers off -> on: batch 1's entry 517 -> 437 (96 -> 96) and 310 -> 263 (79 -> 64);
+#: 256: 793 -> 665 but 124 -> 136 registers, 3 programs per SM instead of 4, so it wants ``maxnreg`` 128 with it
+#: (674 instructions at 128, no spills), and 424 -> 345 (96 -> 74; under that cap 360 at 96); 1024: 804 -> 676
+#: (108 -> 96) and 809 -> 681 (123 -> 122); no spills; off until timed on the H200). From
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
@@ -148,6 +154,10 @@ HOPPER = [
 #: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
 #: by its MMAs. ``fused_hidden`` (default False): as in `HOPPER`, the hidden's quantization inside the gate/up launch;
 #: not yet measured on the H200.
+#: ``spread`` (default False): `HOPPER`'s, in both kernels (sm_90 loops with the entries' caps, Triton
+#: 3.6's ptxas, gate/up then down, off -> on): 16-token 520 -> 448 (80 registers) and 315 -> 275 (63 -> 64 of 64);
+#: 32-token 570 -> 488 (96; gate/up's 2 reloads a K tile gone) and 359 -> 311 (72); prefill 1,088 -> 928 and
+#: 652 -> 556 (255); no spills; off until timed on the H200.
 WGMMA = [
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
           "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
@@ -225,10 +235,11 @@ def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     rows = 16 * nw
     caps = [cfg.get(k) or 0 for k in ("maxnreg", "maxnreg_down")]
     if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
-            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps):  # fmt: skip
+            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps) \
+            or not isinstance(cfg.get("spread", False), bool):  # fmt: skip
         raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
                          f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), maxnreg and "
-                         f"maxnreg_down 0 (none) or 56-255.")  # fmt: skip
+                         f"maxnreg_down 0 (none) or 56-255, spread True or False.")  # fmt: skip
     return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 
@@ -251,6 +262,8 @@ def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
 
 def check_hopper_entry(cfg: dict) -> int:
     """The weight ring depth of a `HOPPER` entry (0: none), or a ValueError naming the fix."""
+    if not isinstance(cfg.get("spread", False), bool):
+        raise ValueError(f"HOPPER entry {cfg}: set 'spread' to True or False.")
     stages = cfg.get("stages", 0)
     if stages and (stages < 2 or not cfg.get("x_shared")):
         raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")

@@ -210,9 +210,9 @@ def quantize_token_block(h_ptr, q_ptr, sb_ptr, g_ptr, cnt_ptr, sorted_ptr, num_s
 
 
 @gluon.jit
-def _mma8(w, ws, x, xs, acc):
-    wd = decode8(w, ws)
-    xd = decode8(x, xs)
+def _mma8(w, ws, x, xs, acc, SPREAD: gl.constexpr):
+    wd = decode8(w, ws, SPREAD)
+    xd = decode8(x, xs, SPREAD)
     for j in gl.static_range(8):
         acc = mma_v2(wd[j], xd[j], acc)
     return acc
@@ -227,7 +227,7 @@ def _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl
 
 @gluon.jit
 def _stage_x(xsm, words_ptr, scale_ptr, rows, k_off, ROW_W: gl.constexpr, KW: gl.constexpr, K_TILES: gl.constexpr,
-             NUM_WARPS: gl.constexpr):  # fmt: skip
+             NUM_WARPS: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
     """Decode a program's activation rows ``rows`` ([T] int64, uint32 words from ``k_off // 8``, ``ROW_W`` words
     per row) once, all warps together, into ``xsm`` [K_TILES * 8, KW, T] fp16: entry ``8 * kt + j`` is slice ``j`` of
     K tile ``kt``, the B operand that `decode8` would give each warp."""
@@ -236,15 +236,17 @@ def _stage_x(xsm, words_ptr, scale_ptr, rows, k_off, ROW_W: gl.constexpr, KW: gl
     rows = gl.convert_layout(rows, gl.SliceLayout(0, ld))[None, :]
     for kt in gl.static_range(K_TILES):
         kw = k_off // 8 + kt * KW + w
-        xd = decode8(gl.load(words_ptr + (rows * ROW_W + kw)), gl.load(scale_ptr + (rows * (ROW_W // 2) + kw // 2)))
+        xd = decode8(
+            gl.load(words_ptr + (rows * ROW_W + kw)), gl.load(scale_ptr + (rows * (ROW_W // 2) + kw // 2)), SPREAD
+        )
         for j in gl.static_range(8):
             xsm.index(kt * 8 + j).store(xd[j])
 
 
 @gluon.jit
-def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc):
+def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc, SPREAD: gl.constexpr):
     """`_mma8` with the activation slices of K tile ``kt`` read from `_stage_x`'s buffer."""
-    wd = decode8(w, ws)
+    wd = decode8(w, ws, SPREAD)
     for j in gl.static_range(8):
         acc = mma_v2(wd[j], xsm.index(kt * 8 + j).load(lb), acc)
     return acc
@@ -332,7 +334,7 @@ def _pin_to_shared(t):
 
 @gluon.jit
 def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES: gl.constexpr,
-                     KW: gl.constexpr, la: gl.constexpr, lb: gl.constexpr):  # fmt: skip
+                     KW: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
     """`gate_up_kernel`'s register path with every K tile's loads (weights, activations) issued before the first
     MMA: one memory round trip per program instead of one per tile or two (batch 1: 4 tiles, no loop). The same
     MMAs in the same order (the same bits). ptxas would sink the loads next to their MMAs; each kind of operand is
@@ -361,8 +363,8 @@ def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc
     for kt in gl.static_range(K_TILES):
         g, gs, u, us, x, xs = ts[kt]
         xs2 = pair_scales_t(xs, lb)
-        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
-        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g, SPREAD)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u, SPREAD)
     return acc_g, acc_u
 
 
@@ -398,6 +400,7 @@ def gate_up_kernel(
     hs_ptr=None,
     hg_ptr=None,
     cnt_ptr=None,  # int32 [P / BLOCK_T], zeros
+    SPREAD: gl.constexpr = False,  # `decode8` by `nibbles_spread_ptx` (the same bits, fewer instructions)
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
@@ -445,7 +448,7 @@ def gate_up_kernel(
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
-                 NUM_WARPS)  # fmt: skip
+                 NUM_WARPS, SPREAD)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()  # every warp is done with the slot the next copy overwrites (and x is staged)
             _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
@@ -453,8 +456,8 @@ def gate_up_kernel(
             cta_barrier()  # the copies of tile kt, by every thread, have landed
             g, gs = _ring_read(bufs, 0, kt % STAGES, la, la1)
             u, us = _ring_read(bufs, 1, kt % STAGES, la, la1)
-            acc_g = _mma8_shared(g, gs, xsm, kt, lb, acc_g)
-            acc_u = _mma8_shared(u, us, xsm, kt, lb, acc_u)
+            acc_g = _mma8_shared(g, gs, xsm, kt, lb, acc_g, SPREAD)
+            acc_u = _mma8_shared(u, us, xsm, kt, lb, acc_u, SPREAD)
     elif X_SHARED:
         # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this
         # one's decode and MMAs.
@@ -464,22 +467,22 @@ def gate_up_kernel(
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
-                 NUM_WARPS)  # fmt: skip
+                 NUM_WARPS, SPREAD)  # fmt: skip
         cta_barrier()
         for kt in range(1, K_TILES):
             k0 = kt * BLOCK_K
             g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
             u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
-            acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt - 1, lb, acc_g)
-            acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt - 1, lb, acc_u)
+            acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt - 1, lb, acc_g, SPREAD)
+            acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt - 1, lb, acc_u, SPREAD)
             g, gs, u, us = g_n, gs_n, u_n, us_n
-        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
-        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
+        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g, SPREAD)
+        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u, SPREAD)
     elif HOIST:
         x_ptrs, xs_ptrs = _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H, BLOCK_T, KW,
                                           lb, lb1)  # fmt: skip
         acc_g, acc_u = _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES, KW,
-                                        la, lb)  # fmt: skip
+                                        la, lb, SPREAD)  # fmt: skip
     else:
         g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
         u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
@@ -491,12 +494,12 @@ def gate_up_kernel(
             u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
             x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
             xs2 = pair_scales_t(xs, lb)
-            acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
-            acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+            acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g, SPREAD)
+            acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u, SPREAD)
             g, gs, u, us, x, xs = g_n, gs_n, u_n, us_n, x_n, xs_n
         xs2 = pair_scales_t(xs, lb)
-        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
-        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g, SPREAD)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u, SPREAD)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -544,7 +547,8 @@ def _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI: gl.constexpr, BLOCK_T: gl.constex
 @gluon.jit
 def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.constexpr, K_TILES: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, KW: gl.constexpr, EARLY: gl.constexpr,
-                        PDL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
+                        PDL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr,
+                        SPREAD: gl.constexpr):  # fmt: skip
     """`down_kernel`'s main loop with every weight tile of the program loaded (``EARLY`` 1), or loaded and decoded
     into its MMA operands (2), before its PDL wait; then the same MMAs in the same order (the same bits). Why: at
     batch 1 the down programs are short latency chains and the SiLU + quantization kernel before them runs on a
@@ -562,7 +566,7 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
         pin = gl.zeros([BLOCK_N, KW], gl.int16, layout=la)
         for kt in gl.static_range(K_TILES):
             w, ws = tiles[kt]
-            wd = decode8(w, pair_scales(ws, la))
+            wd = decode8(w, pair_scales(ws, la), SPREAD)
             wds = wds + (wd,)
             for j in gl.static_range(8):
                 pin = pin ^ wd[j].to(gl.int16, bitcast=True)
@@ -575,13 +579,13 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
     for kt in gl.static_range(K_TILES):
         x, xs = xt[kt]
         if EARLY == 2:
-            xd = decode8(x, pair_scales_t(xs, lb))
+            xd = decode8(x, pair_scales_t(xs, lb), SPREAD)
             wd = wds[kt]
             for j in gl.static_range(8):
                 acc = mma_v2(wd[j], xd[j], acc)
         else:
             w, ws = tiles[kt]
-            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc, SPREAD)
     return acc
 
 
@@ -609,6 +613,7 @@ def down_kernel(
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
     EARLY_WEIGHTS: gl.constexpr = 0,  # 1: weights loaded before the PDL wait, 2: also decoded (`_down_early_weights`)
+    SPREAD: gl.constexpr = False,
 ):
     if not EARLY_WEIGHTS:
         gdc_wait_for_producer(PDL)
@@ -644,7 +649,7 @@ def down_kernel(
     K_TILES: gl.constexpr = K_LEN // BLOCK_K
     if EARLY_WEIGHTS:
         acc = _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI, K_TILES, BLOCK_N, BLOCK_T, KW,
-                                  EARLY_WEIGHTS, PDL, la, lb, lb1)  # fmt: skip
+                                  EARLY_WEIGHTS, PDL, la, lb, lb1, SPREAD)  # fmt: skip
     elif STAGES > 0:  # the ring of `gate_up_kernel`
         srcs = (
             (
@@ -659,26 +664,26 @@ def down_kernel(
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, NI // 8, KW, K_TILES,
-                 NUM_WARPS)  # fmt: skip
+                 NUM_WARPS, SPREAD)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()
             _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
             cp.wait_group(STAGES - 1)
             cta_barrier()
             w, ws = _ring_read(bufs, 0, kt % STAGES, la, la1)
-            acc = _mma8_shared(w, ws, xsm, kt, lb, acc)
+            acc = _mma8_shared(w, ws, xsm, kt, lb, acc, SPREAD)
     elif X_SHARED:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, NI // 8, KW, K_TILES,
-                 NUM_WARPS)  # fmt: skip
+                 NUM_WARPS, SPREAD)  # fmt: skip
         cta_barrier()
         for kt in range(1, K_TILES):
             w_n, ws_n = gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))
-            acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt - 1, lb, acc)
+            acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt - 1, lb, acc, SPREAD)
             w, ws = w_n, ws_n
-        acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
+        acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc, SPREAD)
     else:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
@@ -686,9 +691,9 @@ def down_kernel(
         for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
             w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
             x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
-            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc, SPREAD)
             w, ws, x, xs = w_n, ws_n, x_n, xs_n
-        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
+        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc, SPREAD)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

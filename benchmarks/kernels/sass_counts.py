@@ -36,16 +36,15 @@ def _signature(out_ptr: str, gate_up: bool) -> dict:
     return sig
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options) -> list:
-    """[(address, instruction)] of ``fn`` compiled for sm_90; pointers (and integer dimensions H, NI and K) marked
-    16-divisible, as Triton specializes them at launch."""
+def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, options: dict) -> tuple[str, str]:
+    """(the cuobjdump binary, a cubin file) of ``fn`` compiled for sm_90; pointers (and integer dimensions H, NI and
+    K) marked 16-divisible, as Triton specializes them at launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # Arguments with a default that the caller leaves out (the fused hidden's, off) compile with it, as constexprs.
-    constexprs = {p.name: p._param.default for p in fn.params
-                  if p.name not in signature and p._param.default is not p._param.empty} | dict(constexprs)  # fmt: skip
+    given = set(signature) | set(constexprs)
+    constexprs = {p.name: p.default for p in fn.params if p.has_default and p.name not in given} | constexprs
     sig = dict(signature) | dict.fromkeys(constexprs, "constexpr")
     sig = {a: sig[a] for a in fn.arg_names}  # in the kernel's argument order
     names = list(sig)
@@ -61,8 +60,22 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     path = "/tmp/trace_hf_sass.cubin"
     with open(path, "wb") as f:
         f.write(k.asm["cubin"])
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    return os.path.join(bindir, "cuobjdump"), path
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options) -> list:
+    """[(address, instruction)] of ``fn`` compiled for sm_90 (as `_cubin`)."""
+    tool, path = _cubin(fn, signature, constexprs, num_warps, num_stages, options)
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options) -> dict:
+    """``fn``'s sm_90 resources by ``cuobjdump -res-usage``: REG (registers per thread, which set the programs per
+    SM), STACK and LOCAL (bytes per thread: spills), SHARED (static shared memory)."""
+    tool, path = _cubin(fn, signature, constexprs, num_warps, num_stages, options)
+    usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
 
 
 def _opcodes(body: list) -> dict:
@@ -149,9 +162,25 @@ def attention_counts(
     return n, bt * 2 * 128 // 32, ops
 
 
+def programs_per_sm(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps that an sm_90 SM's 64K registers hold at ``registers`` per thread (allocated
+    per warp in units of 256), at most 32 programs and 64 warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * num_warps), 32, 64 // num_warps)
+
+
+def step_cap(registers: int, num_warps: int) -> int:
+    """The most registers per thread at which as many programs fit as at ``registers`` (a ``maxnreg`` that keeps
+    them)."""
+    per_warp = 65536 // (programs_per_sm(registers, num_warps) * num_warps) // 256 * 256
+    return min(per_warp // 32, 255)
+
+
 def gluon_counts() -> list[dict]:
     """Loop counts of every `fp4_moe_configs.HOPPER` config of both expert kernels and of the attention: records with the
-    kernel, its tile, the instructions, the FP4 elements per thread per iteration and the opcodes."""
+    kernel, its tile, the instructions, the FP4 elements per thread per iteration, the opcodes and the registers. The
+    experts also with ``spread`` on ("gluon gate/up spread", ...): where that takes more registers than fit the
+    programs per SM of the entry as committed, compiled again with the `step_cap` that keeps them (``maxnreg``)."""
     from trace_hf.kernels import fp4_moe_configs as configs
     from trace_hf.kernels import fp4_moe_hopper as hop
 
@@ -166,11 +195,23 @@ def gluon_counts() -> list[dict]:
         ):  # fmt: skip
             consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
                       "X_SHARED": c.get("x_shared", False), "STAGES": c.get("stages", 0), "PDL": False}  # fmt: skip
-            n, ops = loop_counts(fn, sig, extra | consts, nw)
+            tile = (f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else "")
+                    + (f" ring {consts['STAGES']}" if consts["STAGES"] else ""))  # fmt: skip
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
-            out.append({"kernel": name, "tile": f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else "")
-                        + (f" ring {consts['STAGES']}" if consts["STAGES"] else ""),
-                        "instructions": n, "elements": per_thread, "ops": ops, "x_shared": consts["X_SHARED"]})  # fmt: skip
+            regs = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}
+            committed = None
+            for suffix, spread in (("", c.get("spread", False)), (" spread", True)):
+                args = (fn, sig, extra | consts | {"SPREAD": spread}, nw)
+                n, ops = loop_counts(*args, **regs)
+                r = resources(*args, **regs)["REG"]
+                committed = committed or r
+                if programs_per_sm(r, nw) < programs_per_sm(committed, nw):  # spread took more registers
+                    regs = {"maxnreg": step_cap(committed, nw)}
+                    n, ops = loop_counts(*args, **regs)
+                    r = resources(*args, **regs)["REG"]
+                out.append({"kernel": name + suffix, "tile": tile, "instructions": n, "elements": per_thread,
+                            "ops": ops, "x_shared": consts["X_SHARED"], "registers": r, "num_warps": nw,
+                            "maxnreg": regs.get("maxnreg")})  # fmt: skip
     n, per_thread, ops = attention_counts()
     out.append(
         {"kernel": "gluon attention", "tile": CONFIG_NOTE, "instructions": n, "elements": per_thread, "ops": ops}
