@@ -421,7 +421,9 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: settings for heads of ``min_head_dim`` or more (`hopper_config`; a 256-wide tile of codes per token holds twice
 #: the registers); ``spread_decode``: `fp4_moe_hopper.nibbles_spread_ptx`'s decoding (the same operand bits, 3
 #: integer instructions per fp16 pair instead of 4: sm_90 loop of 1,823 against 2,073 instructions at the 64-token
-#: tile, 168 registers both, Triton 3.6; off until timed on the H200). From `fp4_attention_tune.py --hopper` on the
+#: tile, 168 registers both, Triton 3.6): one call at 384 x 8K 678 -> 601 us, 64 x 32K 432 -> 384, 64 x 1K 30.9 ->
+#: 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the same bits; the decode step at 384 x 8K +6% (h200_86). Off for
+#: ``wide_heads`` until timed there (229 registers against 220, one warp fewer per SM). From `fp4_attention_tune.py --hopper` on the
 #: H200: 128-wide heads docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256
 #: (`h200_66`: 2,639 against 4,008 us a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and
 #: 384 rows). Empty: the Triton kernel everywhere.
@@ -437,8 +439,14 @@ CONFIG = {
         "target_programs": 1056,
         "min_chunk": 64,
         "max_splits": 128,
-        "wide_heads": {"min_head_dim": 256, "block_t": 32, "stages": 2, "target_programs": 2112},
-        "spread_decode": False,
+        "wide_heads": {
+            "min_head_dim": 256,
+            "block_t": 32,
+            "stages": 2,
+            "target_programs": 2112,
+            "spread_decode": False,
+        },
+        "spread_decode": True,
     },
     "target_programs": 264,
     "min_chunk": 256,

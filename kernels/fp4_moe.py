@@ -697,7 +697,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.gate_up_kernel[grid + (split,)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, HOIST=bool(cfg.get("hoist", False)), SPREAD=spread, num_warps=nw,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, SPREAD=spread, num_warps=nw,
         **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
     if fused:

@@ -78,39 +78,32 @@ CONFIG = {
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
-#: h200_75, so no entry has one); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap;
-#: ``early_weights`` (default 0; needs ``x_shared`` off and no ring): 1, each down
-#: program loads all of its weight tiles (fully unrolled) before its PDL wait, so that under PDL they stream while
-#: the SiLU + quantization kernel before it runs; 2, it also decodes them into MMA operands there, so that after the
-#: wait it only decodes the hidden and multiplies (`fp4_moe_hopper._down_early_weights`; the same MMAs in the same
-#: order, the same bits). sm_90 code of the batch-1 entry (`sass_counts.early_weights_counts`), no spills: 1, 80
-#: registers, its 12 weight and 12 scale-byte loads ahead of the wait, 970 instructions after it (the loop path:
-#: ~1,160 run after it); 2, 127 registers (120 under ``maxnreg_down`` 120 without spills: then 17 one-warp programs
-#: fit an SM instead of 16, and batch 1's 2,048 down programs fit the GPU beside the SiLU kernel's 64 programs of
-#: 8 warps, which 16 a SM would not), also the weights' 96 HMUL2 ahead of it, 478 after it. ``hoist`` (default
-#: False; the same needs): each gate/up program issues all of its K tiles' loads before its first MMA (one memory
-#: round trip instead of one per tile or two; `fp4_moe_hopper._gate_up_hoisted`; same bits): batch 1, 168
-#: registers with Triton 3.6 (242 with 3.9), no spills, all 82 loads ahead of the 64 MMAs. Neither is measured on
-#: the H200 yet, so both are off.
-#: ``fused_hidden`` (default False; with ``split_k`` 1): the hidden activation's
+#: h200_75); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap; ``spread``: `decode8` by
+#: `fp4_moe_hopper.nibbles_spread_ptx`, the same operand bits in 3 integer instructions per fp16 pair instead of 4
+#: (sm_90 loops with Triton 3.6's ptxas, gate/up and down: batch 1's entry 517 -> 437 and 310 -> 263, the 1024 entry
+#: 804 -> 676 and 809 -> 681, no spills; the 256 entry's gate/up takes 136 registers with it, 3 programs per SM, so
+#: that entry has ``maxnreg`` 128: 674 instructions, no spills). In the decode step (h200_87, two rounds, with the
+#: `WGMMA` entries' and the attention's spread): +1.3% at batch 1, +4.6% at 128, +2.7% at 256, +3.9% at 512.
+#: ``early_weights`` (default 0; needs ``x_shared`` off and no ring): 1, each down program loads all of its weight
+#: tiles (fully unrolled) before its PDL wait, so that under PDL they stream while the SiLU + quantization kernel
+#: before it runs; 2, it also decodes them into MMA operands there, so that after the wait it only decodes the hidden
+#: and multiplies (`fp4_moe_hopper._down_early_weights`; the same MMAs in the same order, the same bits). Batch 1's
+#: entry, sm_90 code (`sass_counts.early_weights_counts`): 2 takes 127 registers, 120 under ``maxnreg_down`` 120
+#: without spills, so that its 2,048 one-warp down programs fit the GPU beside the SiLU kernel's 64 programs of 8
+#: warps; the decode step at batch 1: +3.0% over spread alone (h200_87, two rounds).
+#: ``fused_hidden`` (default False; with ``split_k`` 1, not with hints at the hidden): the hidden activation's
 #: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
-#: quantize_token_block`, the same bits on every real slot's row; not with hints), instead of `fp4_quant.quantize`'s
-#: launch over all [P, I] rows (~10-20 us a layer at batch 128-512, h200_82), not yet measured on the H200. From
-#: ``spread`` (default False): `decode8` by `fp4_moe_hopper.nibbles_spread_ptx`, the
-#: same operand bits in 3 integer instructions per fp16 pair instead of 4 (sm_90 loops, Triton 3.6's ptxas, gate/up
-#: then down, instructions and registers off -> on: batch 1's entry 517 -> 437 (96 -> 96) and 310 -> 263 (79 -> 64);
-#: 256: 793 -> 665 but 124 -> 136 registers, 3 programs per SM instead of 4, so it wants ``maxnreg`` 128 with it
-#: (674 instructions at 128, no spills), and 424 -> 345 (96 -> 74; under that cap 360 at 96); 1024: 804 -> 676
-#: (108 -> 96) and 809 -> 681 (123 -> 122); no spills; off until timed on the H200). From
+#: quantize_token_block`, the same bits on every real slot's row), instead of `fp4_quant.quantize`'s launch over all
+#: [P, I] rows. At batch 128 (this table's 1024 entry) it lost 1.6% in the step (h200_87), so no entry here has it.
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
 
 HOPPER = [
     (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4,
-         "split_k_down": 2}),
-    (256, _WIDE),
-    (1024, dict(_WIDE, block_n_down=128, stages=2)),
+         "split_k_down": 2, "spread": True, "early_weights": 2, "maxnreg_down": 120}),
+    (256, dict(_WIDE, spread=True, maxnreg=128)),
+    (1024, dict(_WIDE, block_n_down=128, stages=2, spread=True)),
 ]  # fmt: skip
 
 
@@ -152,18 +145,22 @@ HOPPER = [
 #: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
 #: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
 #: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
-#: by its MMAs. ``fused_hidden`` (default False): as in `HOPPER`, the hidden's quantization inside the gate/up launch;
-#: not yet measured on the H200.
-#: ``spread`` (default False): `HOPPER`'s, in both kernels (sm_90 loops with the entries' caps, Triton
-#: 3.6's ptxas, gate/up then down, off -> on): 16-token 520 -> 448 (80 registers) and 315 -> 275 (63 -> 64 of 64);
-#: 32-token 570 -> 488 (96; gate/up's 2 reloads a K tile gone) and 359 -> 311 (72); prefill 1,088 -> 928 and
-#: 652 -> 556 (255); no spills; off until timed on the H200.
+#: by its MMAs. ``spread``: `HOPPER`'s, in both kernels (sm_90 loops with the entries' caps, Triton 3.6's ptxas,
+#: gate/up then down): 16-token 520 -> 448 and 315 -> 275; 32-token 570 -> 488 (gate/up's 2 reloads a K tile gone)
+#: and 359 -> 311; prefill 1,088 -> 928 and 652 -> 556; no spills (the step: `HOPPER`'s note). ``fused_hidden``: as
+#: in `HOPPER`; with 32-token blocks, +0.7% in the step at batch 256 (16 per expert, blocks half full) and -1.5% at
+#: 512 (32 per expert: the last program of a full block quantizes twice the rows), h200_87, two rounds each; so it
+#: serves 16-23 per expert (the crossover between the two measured points is not measured).
 WGMMA = [
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64, "spread": True}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72}),
-    (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72, "spread": True,
+          "fused_hidden": True}),
+    (24, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
+          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72, "spread": True}),
+    (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4,
+          "spread": True}),
 ]  # fmt: skip
 
 
@@ -268,9 +265,9 @@ def check_hopper_entry(cfg: dict) -> int:
     if stages and (stages < 2 or not cfg.get("x_shared")):
         raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")
     early = cfg.get("early_weights", 0)
-    if early not in (0, 1, 2) or (early or cfg.get("hoist")) and (stages or cfg.get("x_shared")):
-        raise ValueError(f"HOPPER entry {cfg}: 'early_weights' is 0, 1 or 2; it and 'hoist' hold the weights in "
-                         "registers: set 'x_shared': False and 'stages': 0 with them.")  # fmt: skip
+    if early not in (0, 1, 2) or early and (stages or cfg.get("x_shared")):
+        raise ValueError(f"HOPPER entry {cfg}: 'early_weights' is 0, 1 or 2; it holds the weights in registers: "
+                         "set 'x_shared': False and 'stages': 0 with it.")  # fmt: skip
     return stages
 
 

@@ -24,8 +24,8 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   or (``STAGES`` >= 2, with the activations staged in shared memory) through a ``cp.async`` ring in shared memory,
   read from there into the same operand layouts: ``STAGES - 1`` tiles in flight without holding registers. The
   ring wins at batch 64 and loses at 16, where its shared memory leaves fewer programs per SM (docs/lab-notes.md
-  2g). For batch 1's short programs two more (`HOPPER` keys ``hoist`` and ``early_weights``): all of a gate/up
-  program's loads ahead of its MMAs, and a down program's weights loaded (and decoded) before its PDL wait.
+  2g). For batch 1's short down programs a third (`HOPPER` key ``early_weights``): the weights loaded (and decoded)
+  before the PDL wait.
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
 smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
@@ -333,42 +333,6 @@ def _pin_to_shared(t):
 
 
 @gluon.jit
-def _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES: gl.constexpr,
-                     KW: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
-    """`gate_up_kernel`'s register path with every K tile's loads (weights, activations) issued before the first
-    MMA: one memory round trip per program instead of one per tile or two (batch 1: 4 tiles, no loop). The same
-    MMAs in the same order (the same bits). ptxas would sink the loads next to their MMAs; each kind of operand is
-    folded (xor) into a `_pin_to_shared` store, which the MMAs wait behind."""
-    ts = ()
-    for kt in gl.static_range(K_TILES):
-        ts = ts + ((gl.load(g_ptrs + kt * KW), gl.load(gs_ptrs + kt * (KW // 2)), gl.load(g_ptrs + (u_off + kt * KW)),
-                    gl.load(gs_ptrs + (us_off + kt * (KW // 2))), gl.load(x_ptrs + kt * KW),
-                    gl.load(xs_ptrs + kt * (KW // 2))),)  # fmt: skip
-    g, gs, u, us, x, xs = ts[0]
-    pw, ps, px, pxs = g ^ u, gs ^ us, x, xs
-    for kt in gl.static_range(1, K_TILES):
-        g, gs, u, us, x, xs = ts[kt]
-        pw, ps, px, pxs = pw ^ g ^ u, ps ^ gs ^ us, px ^ x, pxs ^ xs
-    _pin_to_shared(pw)
-    _pin_to_shared(ps)
-    _pin_to_shared(px)
-    _pin_to_shared(pxs)
-    # The accumulators' zeros come back through shared memory after a barrier, which no memory operation crosses:
-    # the pins (so every load) before it, the MMAs after it.
-    zeros = gl.allocate_shared_memory(acc_g.dtype, acc_g.shape, gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    zeros.store(acc_g)
-    cta_barrier()
-    acc_g = zeros.load(acc_g.type.layout)
-    acc_u = acc_g
-    for kt in gl.static_range(K_TILES):
-        g, gs, u, us, x, xs = ts[kt]
-        xs2 = pair_scales_t(xs, lb)
-        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g, SPREAD)
-        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u, SPREAD)
-    return acc_g, acc_u
-
-
-@gluon.jit
 def gate_up_kernel(
     a_ptr,  # x codes: uint8 [M, H/2]
     as_ptr,  # x block scales: uint8 [M, H/16]
@@ -392,7 +356,6 @@ def gate_up_kernel(
     X_SHARED: gl.constexpr,  # decode the activations once into shared memory (`_stage_x`), not in every warp
     STAGES: gl.constexpr,  # > 0: weights through a cp.async ring of this many K tiles (needs X_SHARED); 0: registers
     PDL: gl.constexpr,  # launched dependent on the previous kernel (`trace_hf.kernels.pdl`)
-    HOIST: gl.constexpr = False,  # every K tile's loads issued before the first MMA (`_gate_up_hoisted`)
     # With SPLIT_K 1: the hidden's quantization in this launch (`quantize_token_block`) on a (column tiles, token
     # blocks) grid, a block's tiles side by side, so that its last one is not in the launch's last wave.
     FUSED_HIDDEN: gl.constexpr = False,
@@ -478,11 +441,6 @@ def gate_up_kernel(
             g, gs, u, us = g_n, gs_n, u_n, us_n
         acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g, SPREAD)
         acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u, SPREAD)
-    elif HOIST:
-        x_ptrs, xs_ptrs = _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H, BLOCK_T, KW,
-                                          lb, lb1)  # fmt: skip
-        acc_g, acc_u = _gate_up_hoisted(g_ptrs, gs_ptrs, u_off, us_off, x_ptrs, xs_ptrs, acc_g, acc_u, K_TILES, KW,
-                                        la, lb, SPREAD)  # fmt: skip
     else:
         g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
         u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)

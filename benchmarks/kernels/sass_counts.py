@@ -189,7 +189,7 @@ def gluon_counts() -> list[dict]:
         bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
         for name, fn, bn, sig, extra in (
             ("gluon gate/up", hop.gate_up_kernel, c["block_n_gate_up"], _signature("h_ptr", True),
-             {"SPLIT_K": c.get("split_k", 1), "HOIST": False}),  # its loop (`hoist_counts`: none)
+             {"SPLIT_K": c.get("split_k", 1)}),
             ("gluon down", hop.down_kernel, c["block_n_down"], _signature("y_ptr", False),
              {"SPLIT_K": c.get("split_k_down", 1), "EARLY_WEIGHTS": False}),  # its loop (`early_weights_counts`)
         ):  # fmt: skip
@@ -245,29 +245,6 @@ def early_weights_counts(early: int) -> dict:
         "k_tiles": 768 // split // bk,
         "rows_per_warp": bn // nw,
         "words": bk // 8,
-    }
-
-
-def hoist_counts() -> dict:
-    """The gate/up kernel of `HOPPER[0]` (batch 1) with ``hoist``, compiled for sm_90: the full opcodes ahead of its
-    first MMA, the whole kernel's opcodes, its K tiles and weight rows per warp."""
-    from trace_hf.kernels import fp4_moe_configs as configs
-    from trace_hf.kernels import fp4_moe_hopper as hop
-
-    c = configs.HOPPER[0][1]
-    bn, bk, nw, split = c["block_n_gate_up"], c["block_k"], c["num_warps"], c.get("split_k", 1)
-    consts = {"H": 2048, "NI": 768, "SPLIT_K": split, "BLOCK_T": c["block_t"], "BLOCK_N": bn, "BLOCK_K": bk,
-              "NUM_WARPS": nw, "X_SHARED": False, "STAGES": 0, "PDL": True, "HOIST": True}  # fmt: skip
-    lines = [t for _, t in compile_sass(hop.gate_up_kernel, _signature("h_ptr", True), consts, nw)]
-    full = [re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for t in lines]
-    first = next(i for i, op in enumerate(full) if op.startswith("HMMA"))
-    return {
-        "before_mma": dict(collections.Counter(full[:first])),
-        "ops": _opcodes(lines),
-        "k_tiles": 2048 // split // bk,
-        "rows_per_warp": bn // nw,
-        "words": bk // 8,
-        "block_t": c["block_t"],
     }
 
 

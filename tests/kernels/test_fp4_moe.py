@@ -419,10 +419,10 @@ def test_hopper_entry_with_a_bad_ring_is_an_error(bad):
 
 
 @pytest.mark.parametrize("bad", [{"x_shared": True}, {"x_shared": True, "stages": 2}, {"early_weights": 3}])
-def test_hopper_entry_with_bad_early_weights_or_hoist_is_an_error(bad):
-    """``early_weights`` (0, 1 or 2) and ``hoist`` hold the weights in registers: with staged activations or a
-    ring, or another value, they are refused."""
-    for setting in ({"early_weights": 1}, {"early_weights": 2}, {"hoist": True}):
+def test_hopper_entry_with_bad_early_weights_is_an_error(bad):
+    """``early_weights`` (0, 1 or 2) holds the weights in registers: with staged activations or a ring, or another
+    value, it is refused."""
+    for setting in ({"early_weights": 1}, {"early_weights": 2}):
         cfg = dict(configs.HOPPER[0][1], **setting)
         assert configs.check_hopper_entry(cfg) == 0
         with pytest.raises(ValueError, match="early_weights"):

@@ -238,14 +238,11 @@ def test_pdl_changes_no_bits_gpu(B, fp4, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "setting", [{"early_weights": 1}, {"early_weights": 2, "maxnreg_down": 120}, {"early_weights": 2, "hoist": True}]
-)
+@pytest.mark.parametrize("setting", [{"early_weights": 1}, {"early_weights": 2, "maxnreg_down": 120}])
 @pytest.mark.parametrize("fp4_hidden_hints", [True, False])
 def test_early_down_weights_change_no_bits_gpu(setting, fp4_hidden_hints, monkeypatch):
     """Batch 1's down programs with ``early_weights`` read their expert ids and weights before their PDL wait: graph
-    replays of the step (buffers reused across layers and steps) give the bits of the entry without it (with
-    ``hoist`` too: the gate/up loads all ahead of the MMAs)."""
+    replays of the step (buffers reused across layers and steps) give the bits of the entry without it."""
     from trace_hf.kernels import fp4_moe_configs as configs
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -254,7 +251,7 @@ def test_early_down_weights_change_no_bits_gpu(setting, fp4_hidden_hints, monkey
     w = decode_setup.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=True)
     base = list(configs.HOPPER)
     runs = []
-    for patch in ({}, setting):
+    for patch in ({"early_weights": 0, "maxnreg_down": None}, setting):
         monkeypatch.setattr(configs, "HOPPER", [(base[0][0], dict(base[0][1], **patch))] + base[1:])
         dec = fd.FastDecoder(w, 1, 300, kv_fp4=True, record_hints=fp4_hidden_hints)
         decode_setup.fill_random_context(dec, 200)
