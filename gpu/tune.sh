@@ -28,7 +28,6 @@
 # test_fp4_moe_wgmma's caps 72, 64; ~30-60 s).
 # Run from the repository root on the H200; writes $OUT/tune/tune.log and $OUT/tune/tune.json. ~140-190 s of GPU
 # (tune <= 55 s, the A/B ~80-100 s, the test if any).
-
 #
 # Expect: (1) fp4_moe_tune, one layer (align + gate/up + hidden quantization + down, CUDA graph, 4 weight copies) at
 # 128 rows (64 as the guard): current ~190 us at 128; spread ~175-185 us; w16* within a few us of it (the race).
