@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 
@@ -59,6 +60,12 @@ def parse_args(argv=None):
         action="store_true",
         help="time the grouped path (`GROUPED`: bf16 decoding + torch grouped GEMM) and the wgmma prefill entry at "
         "every batch, against transformers' BF16 grouped_mm experts as the baseline (the prefill's BF16 path)",
+    )
+    p.add_argument(
+        "--configs",
+        default="",
+        help="a JSON list of whole entries to time instead of a grid (after the current one): `HOPPER` entries, or "
+        '`WGMMA` ones marked {"wgmma": true, ...} (any key the tables take: spread, maxnreg, ...)',
     )
     p.add_argument("--decode-rows", default="16", help="--grouped: rows per program of the bf16 decoding")
     p.add_argument(
@@ -216,11 +223,14 @@ def main(argv=None) -> int:
             else dict(configs.hopper_config(M * K, dev) or configs.launch_config(M * K))
         )
         triton_cfg = dict(configs.launch_config(M * K))
-        for cfg in (
-            [current]
-            + ([triton_cfg] if current != triton_cfg else [])
-            + (grouped_grid if args.grouped else wgmma_grid if args.wgmma else hopper_grid if args.hopper else grid)
-        ):
+        if args.configs:  # a shortlist: the current entry, then these
+            sweep = [current] + [c for c in json.loads(args.configs) if c != current]
+        else:
+            named = (
+                grouped_grid if args.grouped else wgmma_grid if args.wgmma else hopper_grid if args.hopper else grid
+            )
+            sweep = [current] + ([triton_cfg] if current != triton_cfg else []) + named
+        for cfg in sweep:
             if time.perf_counter() - t0 > args.budget_s:
                 break
             try:

@@ -123,12 +123,20 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         assert cfg is not None
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
-        # or through a cp.async ring, or all of a down program's weights loaded, or also decoded, before its PDL
-        # wait) and the other decoding (``spread``) give the same bits.
+        # (also with another down tile and register caps) or through a cp.async ring, or all of a down program's
+        # weights loaded, or also decoded, before its PDL wait) and the other decoding (``spread``) give the same bits.
         for other in (
             {"x_shared": False, "stages": 0, "early_weights": 0},
             {"x_shared": True, "stages": 0, "early_weights": 0},
             {"x_shared": True, "stages": 3, "early_weights": 0},
+            {
+                "x_shared": True,
+                "stages": 0,
+                "early_weights": 0,
+                "block_n_down": 64,
+                "maxnreg": 128,
+                "maxnreg_down": 80,
+            },
             {"x_shared": False, "stages": 0, "early_weights": 1},
             {"x_shared": False, "stages": 0, "early_weights": 2, "maxnreg_down": 120},
             {"spread": not cfg.get("spread", False)},
