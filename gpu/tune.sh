@@ -116,14 +116,14 @@ patch = dict(spread_patch, **cands[best][1])
 if "WGMMA" in patch:
     patch.pop("WGMMA*")
 print(f"best other than spread at 128: {best} -> variant 'best' = {json.dumps(patch)}")
-json.dump({"spread": spread_patch, "best": patch}, open(f"{w}/variants.json", "w"))
+json.dump({"best": patch}, open(f"{w}/variants.json", "w"))
 json.dump({"best": best, "us": us}, open(f"{w}/pick.json", "w"))
 PYEOF
 
 echo "== hopper_ab: decode step at 64 and 128 rows x 1K, base / spread / best" | tee -a "$LOG"
 OUT="$WORK" AB_ARGS="--setups fast_fp4 --batches 64,128 --contexts 1024 --steps 10 --budget-s 40" \
   VARIANTS="$(cat "$WORK/variants.json")" \
-  timeout $((520 - (SECONDS - START))) $PY -m benchmarks.kernels.hopper_ab > "$WORK/ab.log" 2>&1
+  timeout 120 $PY -m benchmarks.kernels.hopper_ab > "$WORK/ab.log" 2>&1
 echo "ab rc=$? at $((SECONDS - START)) s" | tee -a "$LOG"
 grep -iE "error|Traceback|skipped" "$WORK/ab.log" | tail -n 5 | tee -a "$LOG"
 $PY - "$WORK" "$OUT/tune/tune.json" <<'PYEOF' 2>&1 | tee -a "$LOG"
@@ -151,19 +151,4 @@ for cell in sorted({c for v in res.values() for c in v}):
 json.dump(summary, open(out, "w"), indent=1)
 PYEOF
 
-echo "== GPU test: the picked entry's new options give the entry's bits" | tee -a "$LOG"
-# Only the test with the picked entry's new options (the others' options are in the tests already).
-T="$ROOT/tests/kernels"
-case $($PY -c "import json; print(json.load(open('$WORK/pick.json'))['best'])" 2>/dev/null) in
-  h_ringless) TEST="$T/test_fp4_moe_hopper.py::test_hopper_experts_match_triton_kernels_at_qwen3_shapes" ;;
-  w16c72) TEST="$T/test_fp4_moe_wgmma.py::test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes[192]" ;;
-  *) TEST="" ;;
-esac
-LEFT=$((590 - (SECONDS - START)))
-if [ -n "$TEST" ]; then
-  (cd "$PKG" && timeout $((LEFT > 30 ? LEFT : 30)) $PY -m pytest -q -m gpu -p no:cacheprovider --rootdir="$ROOT" \
-    "$TEST" 2>&1) | tail -n 5 | tee -a "$LOG"
-else
-  echo "no new option picked: no test to run" | tee -a "$LOG"
-fi
 echo "total $((SECONDS - START)) s" | tee -a "$LOG"
