@@ -97,16 +97,28 @@ def _router_topk_kernel(
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producer(PDL)
-    # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K loop and are reduced once
-    # at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 EARLY: tl.constexpr = 0):  # fmt: skip
+    # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K tiles in order and are
+    # reduced once at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    # EARLY: the first K tiles' weights are loaded before the PDL wait (the weights are constants; only x comes from
+    # the previous kernel), so under PDL they stream while that kernel ends; then the same FMAs in the same order.
+    tiles = ()
+    for t in tl.static_range(EARLY):
+        k_ok = (t * BLOCK_K + kk) < K
+        tiles = tiles + (tl.load(w_rows + (t * BLOCK_K + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0),)
+    wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    xs = ()  # all of their x tiles in flight at once, then the products
+    for t in tl.static_range(EARLY):
+        xs = xs + (tl.load(x_ptr + t * BLOCK_K + kk, mask=(t * BLOCK_K + kk) < K, other=0.0),)
+    for t in tl.static_range(EARLY):
+        acc += tiles[t].to(tl.float32) * xs[t].to(tl.float32)[None, :]
+    for k0 in range(EARLY * BLOCK_K, K, BLOCK_K):
         k_ok = (k0 + kk) < K
         w = tl.load(w_rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
@@ -218,7 +230,14 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
 #: `gemv` launch: weight rows per program, K tile, warps, pipeline stages. The best of `benchmarks/kernels/gemv_tune.py` on
 #: the H200 with the weights read from HBM (`h200_41`): a layer's QKV, o_proj and router products in 15.0 us (2.56
 #: TB/s) against cuBLAS's 22.8.
-GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4}
+#: ``early_tiles`` (default 0): each program loads up to that many of its first K tiles of weights before its PDL
+#: wait (`_gemv_kernel` ``EARLY``), so that under PDL a layer's weight stream overlaps the end of the kernel before
+#: (the add + RMSNorm or the attention's combine) and all of them are in flight at once; the same FMAs in the same
+#: order (the same bits). Qwen3-30B-A3B: QKV and router have 2 tiles of 1024, o_proj 4. sm_90 code with Triton
+#: 3.6 (`sass_counts.gemv_early_counts`), no spills: 0, 59 registers (4 programs of 8 warps per SM); 2, its 4
+#: 16-byte weight loads ahead of the wait, 48 registers (5 per SM); 4, 8 loads, 64 registers (4 per SM; 73 and 3
+#: with Triton 3.9). The x tiles' loads follow the wait together. Not measured on the H200 yet: off.
+GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4, "early_tiles": 0}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -233,7 +252,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, GEMV["block_n"]),)](
         x.contiguous(), w.contiguous(), out, N, K, BLOCK_N=GEMV["block_n"], BLOCK_K=GEMV["block_k"],
-        num_warps=GEMV["num_warps"], num_stages=GEMV["num_stages"], **launch_options(x.device),
+        EARLY=min(GEMV["early_tiles"], triton.cdiv(K, GEMV["block_k"])), num_warps=GEMV["num_warps"],
+        num_stages=GEMV["num_stages"], **launch_options(x.device),
     )  # fmt: skip
     return out
 
