@@ -248,7 +248,7 @@ def early_weights_counts(early: int) -> dict:
     }
 
 
-def gemv_early_counts(early: int) -> dict:
+def gemv_early_counts(early: int, x_bcast: bool = False) -> dict:
     """`decode_ops._gemv_kernel` under the committed `decode_ops.GEMV` launch with ``EARLY`` ``early`` and PDL,
     compiled for sm_90 (bf16; K is not specialized): the full opcodes ahead of the PDL wait (``ACQBULK``), those
     after it, its registers, spills, programs per SM, and the weights per thread of one K tile. Why: the early
@@ -257,7 +257,7 @@ def gemv_early_counts(early: int) -> dict:
 
     c = D.GEMV
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"}
-    consts = {"BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"], "PDL": True, "EARLY": early}
+    consts = {"BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"], "PDL": True, "EARLY": early, "X_BCAST": x_bcast}
     args = (D._gemv_kernel, sig, consts, c["num_warps"], c["num_stages"])
     full = [re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for _, t in compile_sass(*args)]
     full = [op for op in full if op != "NOP"]
