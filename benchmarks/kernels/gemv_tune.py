@@ -22,7 +22,7 @@ import sys
 from benchmarks import harness
 
 
-KEYS = ("block_n", "block_k", "num_warps", "num_stages", "early_tiles")
+KEYS = ("block_n", "block_k", "num_warps", "num_stages", "early_tiles", "x_bcast")
 
 
 def main(argv=None) -> int:
@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--early-tiles", default="0", help="GEMV early_tiles: K tiles of weights loaded before the PDL wait"
     )
+    p.add_argument("--x-bcast", default="0", help="GEMV x_bcast (0, 1): x read in the weights' layout")
     p.add_argument("--copies", type=int, default=8, help="weight copies called in turn (8: 300 MB, past the L2)")
     p.add_argument(
         "--then", nargs=argparse.REMAINDER, help="a benchmark and its arguments to run with the best config"
@@ -66,10 +67,18 @@ def main(argv=None) -> int:
     cublas = times(torch.nn.functional.linear)
     rows = []
     ints = [
-        [int(v) for v in a.split(",")] for a in (args.block_n, args.block_k, args.warps, args.stages, args.early_tiles)
+        [int(v) for v in a.split(",")]
+        for a in (args.block_n, args.block_k, args.warps, args.stages, args.early_tiles, args.x_bcast)
     ]
-    for bn, bk, w, st, early in itertools.product(*ints):
-        cfg = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st, "early_tiles": early}
+    for bn, bk, w, st, early, xb in itertools.product(*ints):
+        cfg = {
+            "block_n": bn,
+            "block_k": bk,
+            "num_warps": w,
+            "num_stages": st,
+            "early_tiles": early,
+            "x_bcast": bool(xb),
+        }
         with harness.override({"decode_ops.GEMV": cfg}):
             t = times(decode_ops.gemv)
         rows.append({**cfg, "us": t, "sum_us": sum(t.values())})
