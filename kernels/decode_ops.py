@@ -97,19 +97,50 @@ def _router_topk_kernel(
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producer(PDL)
-    # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K loop and are reduced once
-    # at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
+def _x_tile(x_ptr, k, k_ok, BLOCK_N: tl.constexpr, X_BCAST: tl.constexpr):
+    """x[k] in fp32 as a row to multiply the program's weight rows by. ``X_BCAST``: loaded in the weights' layout,
+    each thread reading the x of its own weight columns (once per weight row it holds), with no shared-memory layout
+    change and its two barriers per tile; else loaded once and broadcast (the same values either way)."""
+    if X_BCAST:
+        k2 = k[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+        return tl.load(x_ptr + k2, mask=k_ok[None, :], other=0.0).to(tl.float32)
+    else:
+        return tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 EARLY: tl.constexpr = 0, X_BCAST: tl.constexpr = False):  # fmt: skip
+    if EARLY == 0:  # first, as before the option (the same machine code)
+        wait_for_producer(PDL)
+    # out[n] = sum_k x[k] * w[n, k]: the products accumulate elementwise in fp32 over the K tiles in order and are
+    # reduced once at the end, so the loop is 16-byte loads and FMAs (~4 instructions per weight on sm_90).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    # EARLY: the first K tiles' weights are loaded before the PDL wait (the weights are constants; only x comes from
+    # the previous kernel), so under PDL they stream while that kernel ends; then the same FMAs in the same order.
+    tiles = ()
+    for t in tl.static_range(EARLY):
+        k_ok = (t * BLOCK_K + kk) < K
+        tiles = tiles + (tl.load(w_rows + (t * BLOCK_K + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0),)
+    if EARLY > 0:
+        wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    xs = ()  # all of their x tiles in flight at once, then the products
+    for t in tl.static_range(EARLY):
+        xs = xs + (_x_tile(x_ptr, t * BLOCK_K + kk, (t * BLOCK_K + kk) < K, BLOCK_N, X_BCAST),)
+    for t in tl.static_range(EARLY):
+        acc += tiles[t].to(tl.float32) * xs[t]
+    for k0 in range(EARLY * BLOCK_K, K, BLOCK_K):
         k_ok = (k0 + kk) < K
         w = tl.load(w_rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        # Inline without the options: the machine code of before them (sm_90: 56 registers; 48 through `_x_tile`).
+        if EARLY == 0 and not X_BCAST:
+            acc += w * tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc += w * _x_tile(x_ptr, k0 + kk, k_ok, BLOCK_N, X_BCAST)
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -218,7 +249,16 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
 #: `gemv` launch: weight rows per program, K tile, warps, pipeline stages. The best of `benchmarks/kernels/gemv_tune.py` on
 #: the H200 with the weights read from HBM (`h200_41`): a layer's QKV, o_proj and router products in 15.0 us (2.56
 #: TB/s) against cuBLAS's 22.8.
-GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4}
+#: ``early_tiles`` (default 0): each program loads up to that many of its first K tiles of weights before its PDL
+#: wait (`_gemv_kernel` ``EARLY``), so that under PDL a layer's weight stream overlaps the end of the kernel before
+#: (the add + RMSNorm or the attention's combine) and all of them are in flight at once; the x tiles' loads follow
+#: the wait together; the same FMAs in the same order (the same bits). Qwen3-30B-A3B: QKV and router have 2 tiles
+#: of 1024, o_proj 4. ``x_bcast`` (default False): x read in the weights' layout (`_x_tile`), with no shared-memory
+#: round trip and two barriers fewer per K tile, each x value loaded and widened once per weight row a thread holds.
+#: sm_90 code with Triton 3.6 (`sass_counts.gemv_early_counts`), no spills, registers (programs of 8 warps per SM):
+#: as committed 56 (4); early 2: 48 (5), its 4 16-byte weight loads ahead of the wait; early 4: 64 (4), 8 loads;
+#: with x_bcast 50 (4) and 64 (4), after the wait 4 barriers instead of 10 and 14. Not measured on the H200 yet: off.
+GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4, "early_tiles": 0, "x_bcast": False}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -233,6 +273,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, GEMV["block_n"]),)](
         x.contiguous(), w.contiguous(), out, N, K, BLOCK_N=GEMV["block_n"], BLOCK_K=GEMV["block_k"],
+        EARLY=min(GEMV["early_tiles"], triton.cdiv(K, GEMV["block_k"])), X_BCAST=GEMV["x_bcast"],
         num_warps=GEMV["num_warps"], num_stages=GEMV["num_stages"], **launch_options(x.device),
     )  # fmt: skip
     return out

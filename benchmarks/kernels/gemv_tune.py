@@ -22,6 +22,9 @@ import sys
 from benchmarks import harness
 
 
+KEYS = ("block_n", "block_k", "num_warps", "num_stages", "early_tiles", "x_bcast")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -29,6 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--block-k", default="512,1024")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3,4")
+    p.add_argument(
+        "--early-tiles", default="0", help="GEMV early_tiles: K tiles of weights loaded before the PDL wait"
+    )
+    p.add_argument("--x-bcast", default="0", help="GEMV x_bcast (0, 1): x read in the weights' layout")
     p.add_argument("--copies", type=int, default=8, help="weight copies called in turn (8: 300 MB, past the L2)")
     p.add_argument(
         "--then", nargs=argparse.REMAINDER, help="a benchmark and its arguments to run with the best config"
@@ -59,9 +66,19 @@ def main(argv=None) -> int:
 
     cublas = times(torch.nn.functional.linear)
     rows = []
-    ints = [[int(v) for v in a.split(",")] for a in (args.block_n, args.block_k, args.warps, args.stages)]
-    for bn, bk, w, st in itertools.product(*ints):
-        cfg = {"block_n": bn, "block_k": bk, "num_warps": w, "num_stages": st}
+    ints = [
+        [int(v) for v in a.split(",")]
+        for a in (args.block_n, args.block_k, args.warps, args.stages, args.early_tiles, args.x_bcast)
+    ]
+    for bn, bk, w, st, early, xb in itertools.product(*ints):
+        cfg = {
+            "block_n": bn,
+            "block_k": bk,
+            "num_warps": w,
+            "num_stages": st,
+            "early_tiles": early,
+            "x_bcast": bool(xb),
+        }
         with harness.override({"decode_ops.GEMV": cfg}):
             t = times(decode_ops.gemv)
         rows.append({**cfg, "us": t, "sum_us": sum(t.values())})
@@ -74,11 +91,9 @@ def main(argv=None) -> int:
     print(f"cuBLAS {summary['cublas_sum_us']:.1f} us per layer { ({k: round(v, 1) for k, v in cublas.items()}) }")
     print(f"best gemv {best['sum_us']:.1f} us ({summary['best_tb_per_s']:.2f} TB/s) "
           f"{({k: round(v, 1) for k, v in best['us'].items()})}: "
-          f"{ {k: best[k] for k in ('block_n', 'block_k', 'num_warps', 'num_stages')} }")  # fmt: skip
+          f"{ {k: best[k] for k in KEYS} }")  # fmt: skip
     if args.then:
-        with harness.override(
-            {"decode_ops.GEMV": {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}}
-        ):
+        with harness.override({"decode_ops.GEMV": {k: best[k] for k in KEYS}}):
             harness.run_target(args.then[0], args.then[1:])
     return 0
 

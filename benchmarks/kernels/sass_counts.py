@@ -248,6 +248,31 @@ def early_weights_counts(early: int) -> dict:
     }
 
 
+def gemv_early_counts(early: int, x_bcast: bool = False) -> dict:
+    """`decode_ops._gemv_kernel` under the committed `decode_ops.GEMV` launch with ``EARLY`` ``early`` and PDL,
+    compiled for sm_90 (bf16; K is not specialized): the full opcodes ahead of the PDL wait (``ACQBULK``), those
+    after it, its registers, spills, programs per SM, and the weights per thread of one K tile. Why: the early
+    weight loads help only if ptxas leaves them ahead of the wait, and only if they cost no programs per SM."""
+    from trace_hf.kernels import decode_ops as D
+
+    c = D.GEMV
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"}
+    consts = {"BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"], "PDL": True, "EARLY": early, "X_BCAST": x_bcast}
+    args = (D._gemv_kernel, sig, consts, c["num_warps"], c["num_stages"])
+    full = [re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for _, t in compile_sass(*args)]
+    full = [op for op in full if op != "NOP"]
+    wait = full.index("ACQBULK")
+    res = resources(*args)
+    return {
+        "before_wait": dict(collections.Counter(full[:wait])),
+        "after_wait": dict(collections.Counter(full[wait + 1 :])),
+        "registers": res["REG"],
+        "spills": res.get("LOCAL", 0) + res.get("STACK", 0),
+        "programs_per_sm": programs_per_sm(res["REG"], c["num_warps"]),
+        "tile_weights_per_thread": c["block_n"] * c["block_k"] // (32 * c["num_warps"]),
+    }
+
+
 def _top(ops: dict) -> dict:
     return dict(list(ops.items())[:8])
 

@@ -152,6 +152,108 @@ def test_gemv_is_f_linear_for_one_row():
         decode_ops.gemv(x, w)
 
 
+def test_gemv_early_tiles_change_no_bits(monkeypatch):
+    """`GEMV` ``early_tiles`` only moves weight loads ahead of the PDL wait, ``x_bcast`` only the layout x is read
+    in: the same FMAs in the same order, so the bits of the loop path, with K tiles that the tile width does not
+    divide and more early tiles than K has."""
+    from trace_hf.kernels import decode_ops
+
+    monkeypatch.setitem(decode_ops.GEMV, "block_k", 128)
+    g = torch.Generator().manual_seed(3)
+    for N, K in [(100, 300), (16, 512)]:
+        x, w = torch.randn(1, K, generator=g), torch.randn(N, K, generator=g)
+        base = decode_ops.gemv(x, w)
+        for early, bcast in [(1, False), (2, False), (3, False), (8, False), (0, True), (2, True)]:
+            monkeypatch.setitem(decode_ops.GEMV, "early_tiles", early)
+            monkeypatch.setitem(decode_ops.GEMV, "x_bcast", bcast)
+            assert torch.equal(decode_ops.gemv(x, w), base), (N, K, early, bcast)
+        monkeypatch.setitem(decode_ops.GEMV, "early_tiles", 0)
+        monkeypatch.setitem(decode_ops.GEMV, "x_bcast", False)
+
+
+def test_gemv_early_weights_load_before_the_pdl_wait():
+    """``early_tiles`` in the sm_90 code (`sass_counts.gemv_early_counts`): every weight load of the early tiles
+    (16-byte loads of 8 bf16) is issued ahead of the PDL wait and no x load is, and nothing spills (programs per SM:
+    see `decode_ops.GEMV`; they depend on the Triton version); with ``x_bcast`` x takes no shared-memory round trip
+    (half the barriers or fewer)."""
+    from benchmarks.kernels import sass_counts
+
+    plain, two, four, four_bcast = sass_counts.clean_python(
+        "import json; from benchmarks.kernels import sass_counts as s; "
+        "print(json.dumps([s.gemv_early_counts(e, b) for e, b in ((0, False), (2, False), (4, False), (4, True))]))"
+    )
+    assert not any(op.startswith("LDG") for op in plain["before_wait"]), plain["before_wait"]
+    for early, r in ((2, two), (4, four), (4, four_bcast)):
+        assert r["before_wait"].get("LDG.E.128") == early * r["tile_weights_per_thread"] // 8, r["before_wait"]
+        assert {op for op in r["before_wait"] if op.startswith("LDG")} == {"LDG.E.128"}, r["before_wait"]
+        assert r["spills"] == 0, r
+    # x_bcast: x by 16-byte loads in the weights' layout, not 8-byte ones changed in layout through shared memory.
+    assert "LDG.E.64" in four["after_wait"] and "LDG.E.64" not in four_bcast["after_wait"], (four, four_bcast)
+    bars = [r["after_wait"]["BAR.SYNC.DEFER_BLOCKING"] for r in (four, four_bcast)]
+    assert bars[1] <= bars[0] // 2, bars
+
+
+@pytest.mark.gpu
+def test_gemv_early_tiles_change_no_bits_gpu(monkeypatch):
+    """The same on the GPU at Qwen3-30B-A3B's one-row products (QKV, o_proj, router; bf16), each launched under PDL
+    right after the add + RMSNorm that writes its input, eagerly and in CUDA graph replays with new inputs (a load of
+    x ahead of the wait would read the previous replay's)."""
+    from trace_hf.kernels import decode_ops
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for N, K in [(5120, 2048), (2048, 4096), (128, 2048)]:
+        w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
+        res = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+        add = torch.randn(1, 1, K, device="cuda", generator=g).bfloat16()
+        ln = torch.rand(K, device="cuda", generator=g).bfloat16() + 0.5
+        runs = []
+        for early, bcast in [(0, False), (1, False), (2, False), (4, False), (0, True), (4, True)]:
+            monkeypatch.setitem(decode_ops.GEMV, "early_tiles", early)
+            monkeypatch.setitem(decode_ops.GEMV, "x_bcast", bcast)
+            r = res.clone()
+            eager = decode_ops.gemv(decode_ops.add_rmsnorm(r, add, ln, 1e-6), w)
+            r.copy_(res)
+            decode_ops.gemv(decode_ops.add_rmsnorm(r, add, ln, 1e-6), w)  # compiled before the capture
+            r.copy_(res)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = decode_ops.gemv(decode_ops.add_rmsnorm(r, add, ln, 1e-6), w)
+            replays = []
+            for _ in range(3):  # the norm adds `add` into r in place: each replay a new input
+                graph.replay()
+                replays.append(out.clone())
+            torch.cuda.synchronize()
+            runs.append(torch.cat([eager] + replays))
+        assert all(torch.equal(runs[0], run) for run in runs[1:]), (N, K)
+        assert torch.equal(runs[0][0], runs[0][1]) and not torch.equal(runs[0][1], runs[0][2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp4", [True, False])
+def test_gemv_early_tiles_decode_step_gpu(fp4, monkeypatch):
+    """Graph replays of a batch-1 step (its QKV, o_proj and router products by `gemv`) give the same bits with
+    `GEMV` ``early_tiles`` and ``x_bcast`` as without."""
+    from trace_hf.kernels import decode_ops
+
+    dims = fd.Dims(256, 8, 2, 64, 16, 4, 128, 512, 3)
+    w = decode_setup.random_weights(dims, torch.bfloat16, "cuda", fp4_experts=fp4)
+    runs = []
+    for early, bcast in [(0, False), (4, False), (4, True)]:
+        monkeypatch.setitem(decode_ops.GEMV, "early_tiles", early)
+        monkeypatch.setitem(decode_ops.GEMV, "x_bcast", bcast)
+        dec = fd.FastDecoder(w, 1, 300, kv_fp4=fp4, record_hints=fp4)
+        decode_setup.fill_random_context(dec, 200)
+        dec.capture()
+        steps = []
+        for _ in range(4):
+            dec.run()
+            steps.append(torch.cat([dec.logits.float().flatten(), dec.tokens.float().flatten()]))
+        torch.cuda.synchronize()
+        runs.append(torch.stack(steps))
+    assert all(torch.equal(runs[0], run) for run in runs[1:])
+
+
 def test_random_weights_share_and_count_bytes():
     dims = fd.Dims(64, 4, 2, 32, 8, 2, 32, 128, 2)
     dense = decode_setup.random_weights(dims, torch.float32, "cpu", fp4_experts=False)
