@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1
 START=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-R=$OUT/r; mkdir -p "$R"
+R=/tmp/r; mkdir -p "$R"
 timeout 190 bash gpu/gemv.sh > "$R/gemv_sh.log" 2>&1; echo "gemv rc=$? at $((SECONDS - START)) s"; tail -n 25 "$OUT/gemv/gemv.log" | cut -c1-300
 timeout 170 bash gpu/tune.sh > "$R/tune_sh.log" 2>&1; echo "tune rc=$? at $((SECONDS - START)) s"; tail -n 25 "$OUT/tune/tune.log" | cut -c1-300
 timeout 45 python3 -m benchmarks.rollout.rollout_decode --setups fast_bf16 --batches 96 --contexts 8192 --steps 10 \
