@@ -257,8 +257,11 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
 #: round trip and two barriers fewer per K tile, each x value loaded and widened once per weight row a thread holds.
 #: sm_90 code with Triton 3.6 (`sass_counts.gemv_early_counts`), no spills, registers (programs of 8 warps per SM):
 #: as committed 56 (4); early 2: 48 (5), its 4 16-byte weight loads ahead of the wait; early 4: 64 (4), 8 loads;
-#: with x_bcast 50 (4) and 64 (4), after the wait 4 barriers instead of 10 and 14. Not measured on the H200 yet: off.
-GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4, "early_tiles": 0, "x_bcast": False}
+#: with x_bcast 50 (4) and 64 (4), after the wait 4 barriers instead of 10 and 14. On the H200 (h200_88): 8 layers'
+#: norms and one-row products under PDL 18.3 us a layer as before, 16.9 with early 2, 16.8 with 4, 19.8 with x_bcast
+#: alone, 16.4 with early 2 and x_bcast (4 + x_bcast 17.7), the same bits; the decode step at batch 1 with early 2 and
+#: x_bcast: BF16 +1.8-2.0%, FP4 +3.2-3.4% (two rounds).
+GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4, "early_tiles": 2, "x_bcast": True}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

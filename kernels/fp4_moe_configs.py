@@ -115,9 +115,9 @@ HOPPER = [
 #: wgmma kernels of `fp4_moe_wgmma` (weights decoded once per token block into wgmma's register operand, activations
 #: decoded once per K tile into shared memory). Entries ``(from, cfg)`` by (token, slot) pairs per expert
 #: (``num_slots / num_experts``, the mean token block an expert needs), ascending: an entry serves from its ``from``
-#: up to the next one's; below the first, `HOPPER` runs (past its last limit the first entry). The first ``from`` is 12:
-#: with fewer tokens per expert a 16-token block is mostly padding and the 8-token `HOPPER` kernels read no more weight
-#: bytes. ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
+#: up to the next one's; below the first, `HOPPER` runs (past its last limit the first entry). The first ``from`` is 8
+#: (batch 128): with fewer tokens per expert a 16-token block is mostly padding and the 8-token `HOPPER` kernels read
+#: no more weight bytes (batch 64, below). ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
 #: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
 #: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
 #: ``slice_buffers`` (default False): one shared-memory allocation per activation K-slice, which takes 7 of the 9
@@ -150,8 +150,16 @@ HOPPER = [
 #: and 359 -> 311; prefill 1,088 -> 928 and 652 -> 556; no spills (the step: `HOPPER`'s note). ``fused_hidden``: as
 #: in `HOPPER`; with 32-token blocks, +0.7% in the step at batch 256 (16 per expert, blocks half full) and -1.5% at
 #: 512 (32 per expert: the last program of a full block quantizes twice the rows), h200_87, two rounds each; so it
-#: serves 16-23 per expert (the crossover between the two measured points is not measured).
+#: serves 16-23 per expert (the crossover between the two measured points is not measured). Batch 128 (8 per expert,
+#: the last `HOPPER` limit) now runs the 16-token entry with ``fused_hidden`` (the first entry): one layer 165.9 us
+#: against `HOPPER[2]`'s 180.6 (16-token without it 168.1, with a 72-register gate/up cap 174.2), the decode step
+#: +5.2% (10,608 against 10,076-10,087 tokens/s, two rounds, h200_88); batch 64 stays on `HOPPER` (4 per expert:
+#: 157.8 against 140.2 us). With spread the 16-token blocks' fewer weight decodes per layer now pay, which they did
+#: not before (206 against 190 us, h200_73). 12-15 per expert (batch 192) keeps the entry without it (not measured).
 WGMMA = [
+    (8, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
+         "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64, "spread": True,
+         "fused_hidden": True}),
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
           "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64, "spread": True}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,

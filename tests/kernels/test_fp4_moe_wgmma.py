@@ -276,11 +276,11 @@ def test_dispatch_by_slots_per_expert(monkeypatch):
     (lo, first), (hi, second) = configs.WGMMA[:2]
     E = 128
     limit = configs.HOPPER[-1][0]
-    assert configs.wgmma_config(limit, E, dev) is None  # batch 128 at top-8: the decode kernels, their entry unchanged
-    assert configs.hopper_config(limit, dev) == configs.HOPPER[-1][1]
+    assert configs.wgmma_config(lo * E - 1, E, dev) is None  # below 8 per expert (batch 64-127): the decode kernels
+    assert configs.hopper_config(lo * E - 1, dev) == configs.HOPPER[-1][1]
+    assert configs.wgmma_config(lo * E, E, dev) == first  # batch 128 at top-8, the decode kernels' last limit
+    assert lo * E == limit
     assert configs.wgmma_config(limit + 1, E, dev) == first  # past them: wgmma, not the Triton kernels
-    assert configs.wgmma_config(lo * E - 1, E, dev) == first
-    assert configs.wgmma_config(lo * E, E, dev) == first  # batch 192
     assert configs.wgmma_config(hi * E - 1, E, dev) == first
     assert configs.wgmma_config(hi * E, E, dev) == second
     assert configs.wgmma_config(16384 * 8, E, dev) == configs.WGMMA[-1][1]  # a 16K-token prefill
