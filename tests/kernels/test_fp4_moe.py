@@ -42,7 +42,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "chunks"])
 @pytest.mark.parametrize("M,E,K", [(3, 8, 2), (37, 4, 3)])
 def test_align_layout(backend, M, E, K):
     ids, _ = _routing(M, E, K)
@@ -95,6 +95,38 @@ def test_align_backends_agree():
     assert torch.equal(e1, e2)
     valid = (e1 >= 0).repeat_interleave(16)
     assert torch.equal(s1[valid], s2[valid])
+
+
+@pytest.mark.parametrize("M,E,K,bm", [(37, 4, 3, 16), (200, 60, 8, 128), (513, 16, 4, 64), (300, 8, 2, 16)])
+def test_align_chunks_gives_the_torch_backends_bits(M, E, K, bm, monkeypatch):
+    """`moe_align`'s chunked kernels (counts, scan, placement by rank in the chunk) against the stable sort: the
+    same ``sorted_ids`` and ``expert_ids``, padding and blocks past the last segment included, over several chunks
+    (of 64 slots, ranked 16 at a time, scanned 4 chunks at a time), experts not a power of two, and skewed ids (every
+    slot on one expert)."""
+    monkeypatch.setitem(moe_align.ALIGN, "chunk", 64)
+    monkeypatch.setitem(moe_align.ALIGN, "sub", 16)
+    monkeypatch.setitem(moe_align.ALIGN, "scan_rows", 4)
+    ids, _ = _routing(M, E, K, seed=M)
+    if M == 300:
+        ids = torch.full_like(ids, 3)
+    want = moe_align.moe_align(ids, E, bm, backend="torch")
+    got = moe_align.moe_align(ids, E, bm, backend="chunks")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm", [16, 128])
+def test_align_chunks_gives_the_torch_backends_bits_gpu(bm, monkeypatch):
+    """At a 16K-token prefill's size (131,072 slots over Qwen3's 128 experts, skewed routing) and the default
+    chunking, and through ``"auto"`` with ``ALIGN["chunked"]`` on: the torch backend's bits."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16384, 128, generator=g) + torch.linspace(0, 3, 128)  # later experts hit more often
+    ids = logits.topk(8).indices.cuda()
+    want = moe_align.moe_align(ids, 128, bm, backend="torch")
+    monkeypatch.setitem(moe_align.ALIGN, "chunked", True)
+    for backend in ("chunks", "auto"):
+        got = moe_align.moe_align(ids, 128, bm, backend=backend)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), backend
 
 
 #: Operand layouts of the GEMM kernels: name -> (halves, ptx, split_k of gate/up, block_m). The interpreter runs no
