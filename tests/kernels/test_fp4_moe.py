@@ -232,8 +232,8 @@ def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
 
 def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     class Stub:  # stands in for HintRecorder, which the module calls back
-        def record_input(self, site, q):
-            self.q = q
+        def record_input(self, site, q, hints=None):
+            self.q, self.hints = q, hints
 
         def record_routing(self, site, ids):
             self.ids = ids
@@ -251,6 +251,11 @@ def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     # The input quantization is the same function on both paths, so the hints are too.
     assert torch.equal(q_kernel.packed, q_torch.packed) and torch.equal(q_kernel.block_scale, q_torch.block_scale)
     assert torch.equal(got["triton"][1].ids, ids)
+    # The hints handed to the recorder with the codes are those of the codes (`fp4.quantize_with_hints`).
+    for _, stub in got.values():
+        want = fp4.extract_hints(stub.q)
+        fields = ("mantissa_bits", "block_scale", "global_scale")
+        assert all(torch.equal(getattr(stub.hints, f), getattr(want, f)) for f in fields)
 
 
 def test_fp4_experts_return_the_input_hints():
