@@ -5,8 +5,12 @@
 # slots) after a fill, in place of ~20 torch launches around `torch.argsort(stable=True)`, whose cub radix sort runs
 # all 8 passes of the int64 ids: 20.0 ms of the grouped-fp32 FP4 prefill's profile (BF16: 12.0). Same bits as the
 # torch backend (CPU interpreter tests; GPU test below at 131,072 slots).
+# Not switched (the same records, one pass less): hint recording takes the mantissa bits the quantization kernel
+# writes in its pass (`fp4.quantize_with_hints`, `QuantizedHidden.hints`) instead of unpacking the codes again; it is
+# in both fp4 setups below: its gain is the profile's hint_recording part against h200_87's ~10.1 ms.
 # Steps, ~120 s of GPU time:
-#   1. GPU tests: chunked align against the torch backend (bm 16 and 128, via "chunks" and "auto"), the grouped paths;
+#   1. GPU tests: chunked align against the torch backend (bm 16 and 128, via "chunks" and "auto"),
+#      the kernel's hints against extract_hints (test_fp4_kernels, on CUDA), the fused hidden rows' order;
 #   2. moe_align alone at 16,384 tokens x top-8 over 128 experts, block_m 128: torch vs chunks (expect the torch one
 #      near 0.4 ms with its sort, the chunked one under 0.06 ms);
 #   3. one 16,384-token expert layer (fp4_moe_tune --grouped --chunked-align): the current grouped-fp32 path with the
@@ -14,7 +18,8 @@
 #   4. the 48-layer prefill at 1x16384, profiled: fp4 (current default), fp4_chunked_align (switch on), bf16.
 # Decide: flip ALIGN["chunked"] on if the tests pass and fp4_chunked_align's forward_ms is under fp4's by more than
 # the run-to-run spread (h200_86 repeats spread up to 18 ms; expect ~15-20 ms less, the cub sort kernels gone from
-# the top kernels). Goal: fp4_chunked_align / bf16 prefill_ms <= 1.0 (h200_87: fp4 584.4, bf16 569.1 ms).
+# the top kernels), and keep the hint change if fp4's hint_recording part is under ~10 ms. Goal: fp4_chunked_align /
+# bf16 prefill_ms <= 1.0 (h200_87: fp4 584.4, bf16 569.1 ms).
 # From the repo root: OUT=$OUT bash gpu/prefill2.sh   (results: $OUT/prefill2/{prefill.json,log.txt})
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -25,9 +30,13 @@ R=$OUT/prefill2; mkdir -p "$R"; LOG=$R/log.txt
 export PYTHONPATH=/tmp/site:$PWD
 PKG=$(mktemp -d); cp -r trace_hf "$PKG/"; rm -rf "$PKG/trace_hf/kernels"; ln -s "$PWD/kernels" "$PKG/trace_hf/kernels"
 T=$PWD/tests
-(cd "$PKG" && PYTHONPATH=$PKG:$PYTHONPATH timeout 75 python3 -m pytest -q -m gpu -k "align or grouped" \
+(cd "$PKG" && PYTHONPATH=$PKG:$PYTHONPATH timeout 60 python3 -m pytest -q -m gpu -k "align" \
   -p no:cacheprovider --rootdir="$OLDPWD" "$T/kernels/test_fp4_moe.py") 2>&1 | tail -n 25 | tee -a "$LOG"
 echo "tests rc=$? at $((SECONDS - START)) s" | tee -a "$LOG"
+(cd "$PKG" && PYTHONPATH=$PKG:$PYTHONPATH timeout 45 python3 -m pytest -q \
+  -k "quantize_with_hints or (slot_order and cuda)" -p no:cacheprovider --rootdir="$OLDPWD" \
+  "$T/kernels/test_fp4_kernels.py" "$T/hints/test_hint_sites.py") 2>&1 | tail -n 8 | tee -a "$LOG"
+echo "hint tests rc=$? at $((SECONDS - START)) s" | tee -a "$LOG"
 timeout 40 python3 - <<'PY' 2>&1 | tee -a "$LOG"
 import torch, triton
 from trace_hf.kernels import moe_align as ma
@@ -49,7 +58,7 @@ for r in d.get("rows", d if isinstance(d, list) else [])[:4]:
 PY
 echo "tune at $((SECONDS - START)) s" | tee -a "$LOG"
 timeout $((230 - (SECONDS - START))) python3 -m benchmarks.rollout.prefill \
-  --setups fp4,fp4_chunked_align,bf16 --cells 1x16384 --profile --budget-s 100 --out "$R/prefill.json" \
+  --setups fp4,fp4_chunked_align,bf16 --cells 1x16384 --profile --budget-s 90 --out "$R/prefill.json" \
   > /tmp/prefill.log 2>&1
 echo "prefill rc=$? at $((SECONDS - START)) s" | tee -a "$LOG"
 grep -E "^setup|rows x|^ +1 x|^setup +cell|^ *(fp4|bf16|fp4_\w+) +1x|Error|error" /tmp/prefill.log | cut -c1-240 \
