@@ -2,12 +2,12 @@
 # Issue 31, "prefill of 16K prompt tokens, FP4 at least 1.0x BF16" (branch prefill2). One new switch, off:
 # `fp4_moe_configs.ALIGN["chunked"]`: `moe_align` above 4,096 slots builds its layout with three Triton launches
 # (`_chunk_count_kernel`, a one-program `_chunk_scan_kernel`, `_chunk_place_kernel`: rank within a chunk of 512
-# slots) after a fill, in place of ~20 torch launches around `torch.argsort(stable=True)`, whose cub radix sort runs
-# all 8 passes of the int64 ids: 20.0 ms of the grouped-fp32 FP4 prefill's profile (BF16: 12.0). Same bits as the
+# slots) after a fill, in place of ~20 torch launches around `torch.argsort(stable=True)`, whose cub radix sort takes
+# all 64 bits of the int64 ids: 20.0 ms of the grouped-fp32 FP4 prefill's profile (BF16: 12.0). Same bits as the
 # torch backend (CPU interpreter tests; GPU test below at 131,072 slots).
 # Not switched (the same records, one pass less): hint recording takes the mantissa bits the quantization kernel
 # writes in its pass (`fp4.quantize_with_hints`, `QuantizedHidden.hints`) instead of unpacking the codes again; it is
-# in both fp4 setups below: its gain is the profile's hint_recording part against h200_87's ~10.1 ms.
+# in both fp4 setups below: its gain is the profile's hint_recording part against h200_86's ~10.1 ms.
 # Steps, ~120 s of GPU time:
 #   1. GPU tests: chunked align against the torch backend (bm 16 and 128, via "chunks" and "auto"),
 #      the kernel's hints against extract_hints (test_fp4_kernels, on CUDA), the fused hidden rows' order;
