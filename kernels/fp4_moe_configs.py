@@ -216,6 +216,15 @@ GROUPED = {
 }  # fmt: skip
 
 
+#: `moe_align` above its one-launch kernel's size (a prefill: 131,072 slots at 16,384 tokens). ``chunked`` (off until
+#: measured on the H200): the layout from per-chunk counts, one program's scan and a placement by rank within the
+#: chunk (`moe_align._align_chunks`, 4 launches, the torch backend's bits), in place of torch's ~20 launches around a
+#: stable ``argsort``, whose cub radix sort takes all 64 bits of the int64 ids (12-20 ms of the 48-layer 16K prefill,
+#: `h200_86`). ``chunk``: slots per program (256 programs at 131,072); ``sub``: slots ranked at a time (a [sub,
+#: experts] one-hot); ``scan_rows``: chunks (and row blocks) the scan takes at a time. Not yet timed.
+ALIGN = {"chunked": False, "chunk": 512, "sub": 32, "scan_rows": 64}
+
+
 def grouped_config(num_slots: int, num_experts: int, device: torch.device) -> dict | None:
     """`GROUPED` for a W4A4 call of ``num_slots`` (token, slot) pairs over ``num_experts`` experts, or None."""
     if not GROUPED or num_slots < GROUPED["from"] * max(num_experts, 1):

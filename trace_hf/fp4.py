@@ -410,6 +410,21 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", backend: s
     return _quantize_mxfp4(x)
 
 
+def quantize_with_hints(
+    x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", backend: str = "auto"
+) -> tuple[FP4Tensor, FP4Hints]:
+    """`quantize` and the `extract_hints` of its result, for recording: the Triton kernel writes the mantissa bits in
+    the same pass (the same bits), instead of unpacking the codes again."""
+    f = check_input(x, fmt)
+    check_scale(x, scale)
+    if _use_triton(x, backend):
+        from trace_hf.kernels.fp4_quant import quantize as triton_quantize
+
+        return triton_quantize(x, fmt=f.name, scale=scale, return_hints=True)
+    q = quantize(x, fmt, scale, backend)
+    return q, extract_hints(q)
+
+
 def dequantize(q: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return q.dequantize(dtype)
 

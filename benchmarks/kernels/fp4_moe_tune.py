@@ -75,6 +75,11 @@ def parse_args(argv=None):
         "these tiles, comma-separated block_m:block_n_gate_up:block_n_down:block_k:group_m:num_warps:num_stages",
     )
     p.add_argument(
+        "--chunked-align",
+        action="store_true",
+        help="also the current config with `moe_align`'s chunked kernels (`fp4_moe_configs.ALIGN['chunked']`)",
+    )
+    p.add_argument(
         "--copies",
         type=int,
         default=8,
@@ -169,6 +174,7 @@ def main(argv=None) -> int:
         )
     ]  # fmt: skip
     by_slots, dense, hopper = list(configs.CONFIG["by_slots"]), configs.CONFIG["dense"], list(configs.HOPPER)
+    chunked = configs.ALIGN["chunked"]
     wgmma, grouped = list(configs.WGMMA), dict(configs.GROUPED)
     hf_experts = _hf_experts(gu, dn, K) if args.grouped else None
     t0 = time.perf_counter()
@@ -182,7 +188,9 @@ def main(argv=None) -> int:
         io_bytes = xq.nbytes() + M * K * H * 4
 
         def timed(cfg, weights, x_in):
-            configs.GROUPED = {k: v for k, v in cfg.items() if k != "grouped"} if cfg.get("grouped") else {}
+            skip = ("grouped", "chunked_align")
+            configs.GROUPED = {k: v for k, v in cfg.items() if k not in skip} if cfg.get("grouped") else {}
+            configs.ALIGN["chunked"] = bool(cfg.get("chunked_align"))
             configs.WGMMA = [(0, cfg)] if cfg.get("wgmma") else []
             if "block_t" in cfg:
                 configs.HOPPER = [(1 << 62, cfg)]
@@ -229,7 +237,12 @@ def main(argv=None) -> int:
             named = (
                 grouped_grid if args.grouped else wgmma_grid if args.wgmma else hopper_grid if args.hopper else grid
             )
-            sweep = [current] + ([triton_cfg] if current != triton_cfg else []) + named
+            sweep = (
+                [current]
+                + ([dict(current, chunked_align=True)] if args.chunked_align else [])
+                + ([triton_cfg] if current != triton_cfg else [])
+                + named
+            )
         for cfg in sweep:
             if time.perf_counter() - t0 > args.budget_s:
                 break
@@ -254,6 +267,7 @@ def main(argv=None) -> int:
                 print(f"           Triton kernels (current table) {t_tr:.1f} us: best / Triton {t_tr / b['us']:.2f}x")
     configs.CONFIG["by_slots"], configs.CONFIG["dense"], configs.HOPPER = by_slots, dense, hopper
     configs.WGMMA, configs.GROUPED = wgmma, grouped
+    configs.ALIGN["chunked"] = chunked
     save_sweep(args.out, rows, best, copy_bw, time.perf_counter() - t0)
     return 0
 

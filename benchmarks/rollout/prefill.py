@@ -9,9 +9,8 @@ prompt tokens; with ``--profile``, where each prefill's device time goes.
 Setups (`benchmarks.training.grpo_step.build_model` with frozen experts, its ``--freeze-experts``; the same random
 draws in all): ``fp4`` packed NVFP4 experts (`TraceFP4Config(freeze_experts=True)`), TRACE hints recorded, FP4 KV
 cache; ``fp4_bf16_gemms`` the same with `TraceFP4Config(prefill_bf16_gemms=True)` (the experts as bf16 grouped
-GEMMs); ``fp4_grouped_fp32`` the default ``fp4`` with two switches on: ``fp4_moe_configs.GROUPED["fp32_sums"]`` (the
-grouped path with fp32 GEMM sums, Triton's grouped GEMMs: the default's function; it shows in the forward's time) and
-``rollout.LOAD_KV_KERNEL`` (the FP4 cache loaded in one launch per layer: in the load's time); ``bf16`` BF16 experts,
+GEMMs); ``fp4_chunked_align`` the default ``fp4`` with ``fp4_moe_configs.ALIGN["chunked"]`` on (`moe_align`'s layout
+from chunked Triton kernels, no radix sort; the same bits); ``bf16`` BF16 experts,
 BF16 KV cache. They run one after the other, each model built once and freed before
 the next (48 layers: about 17 GB FP4, 57 GB BF16).
 
@@ -63,7 +62,7 @@ SCOPE_PREFIX = "prefill/"
 #: its scope.
 PARTS = [
     ("fp4_quant_kv_write", r"_fp4_kernel|_row_amax_kernel|_dequant_kernel|quantize"),
-    ("routed_experts", r"gate_up_kernel|down_kernel|silu_mul|_align_kernel|GroupProblemShape|grouped"),
+    ("routed_experts", r"gate_up_kernel|down_kernel|silu_mul|_align_kernel|_chunk_|GroupProblemShape|grouped"),
     ("attention", r"sdpa|flash|fmha|attention|attn"),
     ("bf16_gemm", r"nvjet|gemm|xmma|cutlass|cublas|^aten::(mm|addmm|bmm|matmul|linear)$"),
     ("norms_elementwise", r"elementwise|reduce|norm|softmax|topk|sort|gather|scatter|index|cat|copy|memcpy|memset"
@@ -85,7 +84,7 @@ def part_of(name: str, scope: str | None) -> str:
     return next((part for part, pat in _PARTS if pat.search(name)), "other")
 
 
-SETUPS = ("fp4", "fp4_bf16_gemms", "fp4_grouped_fp32", "bf16")
+SETUPS = ("fp4", "fp4_bf16_gemms", "fp4_chunked_align", "bf16")
 
 
 def parse_args(argv=None):
@@ -274,7 +273,6 @@ def main(argv=None) -> int:
     from trace_hf.quant.experts import fp4_experts
     from trace_hf.rollout.base import left_pad
     from trace_hf.rollout.engine import EngineRollout, kv_format, weights_from_hf
-    from trace_hf.rollout.engine import rollout as engine_rollout
     from trace_hf.rollout.engine.layouts import layout_of
 
     cuda, dev = env.cuda, env.device
@@ -301,12 +299,10 @@ def main(argv=None) -> int:
                        if k not in ("profile", "times_ms")), flush=True)  # fmt: skip
         return c
 
-    fp32_sums, load_kernel = fp4_moe_configs.GROUPED.get("fp32_sums", False), engine_rollout.LOAD_KV_KERNEL
+    chunked = fp4_moe_configs.ALIGN["chunked"]
     for k, setup in enumerate(args.setups):
         deadline = t_start + args.budget_s * (k + 1) / len(args.setups)
-        if fp4_moe_configs.GROUPED:
-            fp4_moe_configs.GROUPED["fp32_sums"] = fp32_sums or setup == "fp4_grouped_fp32"
-        engine_rollout.LOAD_KV_KERNEL = load_kernel or setup == "fp4_grouped_fp32"
+        fp4_moe_configs.ALIGN["chunked"] = chunked or setup == "fp4_chunked_align"
         fp4 = setup.startswith("fp4")
         lm = None
         try:

@@ -72,9 +72,14 @@ class CodeRecorder(HintRecorder):
         self.codes = {}
         return super().__enter__()
 
-    def record_input(self, site, q):
-        super().record_input(site, q)
+    def record_input(self, site, q, hints=None):
+        super().record_input(site, q, hints)
         self.codes.setdefault(("experts_input", site.moe_layer), []).append(self._shape(q.codes()))
+
+    def record_hidden(self, site, q, inverse, top_k, hints=None):
+        super().record_hidden(site, q, inverse, top_k, hints)
+        codes = q.codes()[inverse].unflatten(0, (-1, top_k))
+        self.codes.setdefault(("experts_hidden", site.moe_layer), []).append(self._shape(codes))
 
     def _record_site(self, site, layer, rows):
         super()._record_site(site, layer, rows)
@@ -209,6 +214,29 @@ def test_fused_experts_record_hidden_hints_as_the_torch_path(model_dir):
     assert same_bits > 0.999
     assert (scale_a == scale_b).float().mean() > 0.999
     torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=0)
+
+
+def test_fused_experts_record_the_hidden_hints_their_quantization_wrote(model_dir, monkeypatch):
+    """The fused experts hand the recorder the hidden's hints as their quantization wrote them
+    (`QuantizedHidden.hints`): the recording has the bits of one extracted from the codes (`fp4.extract_hints`)."""
+    tok = T.build_char_tokenizer()
+    enc = tok([D.format_prompt("3+4 and more"), D.format_prompt("12+7")], return_tensors="pt", padding=True)
+    model = load(model_dir, ["experts_hidden"], hint_layers=2, experts_kernel="triton").eval()
+    record, passed = HintRecorder.record_hidden, []
+
+    def spy(self, site, q, inverse, top_k, hints=None):
+        passed.append(hints is not None)
+        record(self, site, q, inverse, top_k, hints)
+        # The same rows from the codes, as before `hints` was passed: they must give the same records.
+        record(self, site, q, inverse, top_k)
+        a, b = self._site_records["experts_hidden"][site.moe_layer][-2:]
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        self._site_records["experts_hidden"][site.moe_layer].pop()
+
+    monkeypatch.setattr(HintRecorder, "record_hidden", spy)
+    with HintRecorder(model):
+        model.generate(**enc, max_new_tokens=2, do_sample=False)
+    assert passed and all(passed)
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ class CodeRecorder(HintRecorder):
         self.codes = {i: [] for i in self.hint_layers}
         return super().__enter__()
 
-    def record_input(self, site, q):
-        super().record_input(site, q)
+    def record_input(self, site, q, hints=None):
+        super().record_input(site, q, hints)
         self.codes[site.moe_layer].append(self._shape(q.codes()))
 
 

@@ -140,6 +140,19 @@ def e2m1_tie_rows(bs: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_quantize_with_hints_is_quantize_and_its_extracted_hints(device, backend):
+    """`fp4.quantize_with_hints` (what the experts' input recording calls): `quantize`'s codes and the hints
+    `extract_hints` takes from them, from the kernel's own bits on the Triton backend."""
+    x = random_rows(24, 256, seed=11).to(device)
+    q, h = fp4.quantize_with_hints(x, "nvfp4", "row", backend=backend)
+    ref = fp4.quantize(x, "nvfp4", "row", backend="torch")
+    same_fp4(q, ref, backend)
+    rh = fp4.extract_hints(ref)
+    for f in ("mantissa_bits", "block_scale", "global_scale"):
+        same_bits(getattr(h, f), getattr(rh, f), f"{backend} {f}")
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_million_random_values(device, fmt):
     x = random_rows(1024, 1024).to(device)  # 1,048,576 values

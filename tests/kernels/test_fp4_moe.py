@@ -42,7 +42,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "chunks"])
 @pytest.mark.parametrize("M,E,K", [(3, 8, 2), (37, 4, 3)])
 def test_align_layout(backend, M, E, K):
     ids, _ = _routing(M, E, K)
@@ -95,6 +95,38 @@ def test_align_backends_agree():
     assert torch.equal(e1, e2)
     valid = (e1 >= 0).repeat_interleave(16)
     assert torch.equal(s1[valid], s2[valid])
+
+
+@pytest.mark.parametrize("M,E,K,bm", [(37, 4, 3, 16), (200, 60, 8, 128), (513, 16, 4, 64), (300, 8, 2, 16)])
+def test_align_chunks_gives_the_torch_backends_bits(M, E, K, bm, monkeypatch):
+    """`moe_align`'s chunked kernels (counts, scan, placement by rank in the chunk) against the stable sort: the
+    same ``sorted_ids`` and ``expert_ids``, padding and blocks past the last segment included, over several chunks
+    (of 64 slots, ranked 16 at a time, scanned 4 chunks at a time), experts not a power of two, and skewed ids (every
+    slot on one expert)."""
+    monkeypatch.setitem(moe_align.ALIGN, "chunk", 64)
+    monkeypatch.setitem(moe_align.ALIGN, "sub", 16)
+    monkeypatch.setitem(moe_align.ALIGN, "scan_rows", 4)
+    ids, _ = _routing(M, E, K, seed=M)
+    if M == 300:
+        ids = torch.full_like(ids, 3)
+    want = moe_align.moe_align(ids, E, bm, backend="torch")
+    got = moe_align.moe_align(ids, E, bm, backend="chunks")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm", [16, 128])
+def test_align_chunks_gives_the_torch_backends_bits_gpu(bm, monkeypatch):
+    """At a 16K-token prefill's size (131,072 slots over Qwen3's 128 experts, skewed routing) and the default
+    chunking, and through ``"auto"`` with ``ALIGN["chunked"]`` on: the torch backend's bits."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16384, 128, generator=g) + torch.linspace(0, 3, 128)  # later experts hit more often
+    ids = logits.topk(8).indices.cuda()
+    want = moe_align.moe_align(ids, 128, bm, backend="torch")
+    monkeypatch.setitem(moe_align.ALIGN, "chunked", True)
+    for backend in ("chunks", "auto"):
+        got = moe_align.moe_align(ids, 128, bm, backend=backend)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), backend
 
 
 #: Operand layouts of the GEMM kernels: name -> (halves, ptx, split_k of gate/up, block_m). The interpreter runs no
@@ -200,8 +232,8 @@ def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
 
 def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     class Stub:  # stands in for HintRecorder, which the module calls back
-        def record_input(self, site, q):
-            self.q = q
+        def record_input(self, site, q, hints=None):
+            self.q, self.hints = q, hints
 
         def record_routing(self, site, ids):
             self.ids = ids
@@ -219,6 +251,11 @@ def test_module_kernel_path_matches_torch_path_and_records_the_same_input():
     # The input quantization is the same function on both paths, so the hints are too.
     assert torch.equal(q_kernel.packed, q_torch.packed) and torch.equal(q_kernel.block_scale, q_torch.block_scale)
     assert torch.equal(got["triton"][1].ids, ids)
+    # The hints handed to the recorder with the codes are those of the codes (`fp4.quantize_with_hints`).
+    for _, stub in got.values():
+        want = fp4.extract_hints(stub.q)
+        fields = ("mantissa_bits", "block_scale", "global_scale")
+        assert all(torch.equal(getattr(stub.hints, f), getattr(want, f)) for f in fields)
 
 
 def test_fp4_experts_return_the_input_hints():

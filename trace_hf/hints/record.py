@@ -119,18 +119,27 @@ class HintRecorder:
             )
         return t.reshape(b, s, *t.shape[1:])
 
-    def record_input(self, site: HintSite, q: fp4.FP4Tensor) -> None:
-        h = fp4.extract_hints(q)
+    def record_input(self, site: HintSite, q: fp4.FP4Tensor, hints: fp4.FP4Hints | None = None) -> None:
+        """The experts' quantized input ``q`` [T, H]; ``hints``: its hints as its quantization wrote them
+        (`fp4.quantize_with_hints`), else extracted from the codes."""
+        h = fp4.extract_hints(q) if hints is None else hints
         rec = (h.mantissa_bits, h.block_scale, h.global_scale.reshape(-1))
         self._inputs[site.moe_layer].append(tuple(self._store(self._shape(t)) for t in rec))
 
-    def record_hidden(self, site: HintSite, q: fp4.FP4Tensor, inverse: torch.Tensor, top_k: int) -> None:
+    def record_hidden(
+        self, site: HintSite, q: fp4.FP4Tensor, inverse: torch.Tensor, top_k: int, hints: fp4.FP4Hints | None = None
+    ) -> None:
         """The quantized down-projection input, rows sorted by expert (``q`` [T * k, I] in the torch path, the fused
-        kernels' padded [P, I]); ``inverse`` [T * k] is each (token, slot)'s row. Kept per token and slot."""
-        rows = fp4.FP4Tensor(
-            *(t[inverse].unflatten(0, (-1, top_k)) for t in (q.packed, q.block_scale, q.global_scale)), q.fmt
-        )
-        self._record_site("experts_hidden", site.moe_layer, rows)
+        kernels' padded [P, I]); ``inverse`` [T * k] is each (token, slot)'s row. Kept per token and slot.
+        ``hints``: ``q``'s, as its quantization wrote them (the fused kernels' `QuantizedHidden.hints`): their rows
+        are kept as they are, the bits `fp4.extract_hints` would take from the codes, without unpacking them."""
+        if hints is None:
+            fields, fmt = (q.packed, q.block_scale, q.global_scale), q.fmt
+        else:
+            fields, fmt = (hints.mantissa_bits, hints.block_scale, hints.global_scale), hints.fmt
+        rows = (t[inverse].unflatten(0, (-1, top_k)) for t in fields)
+        h = fp4.extract_hints(fp4.FP4Tensor(*rows, fmt)) if hints is None else fp4.FP4Hints(*rows, fmt)
+        self._record_hints("experts_hidden", site.moe_layer, h)
 
     def record_kv(self, site: HintSite, qk: fp4.FP4Tensor, qv: fp4.FP4Tensor) -> None:
         """What the FP4 cache of the site's decoder layer quantized ([B, kv_heads, s, ...]); kept per token as
@@ -139,7 +148,9 @@ class HintRecorder:
 
     def _record_site(self, site: str, layer: int, rows: fp4.FP4Tensor) -> None:
         """Hints of one forward at `site` of MoE layer `layer`; ``rows`` has the forward's tokens on dim 0."""
-        h = fp4.extract_hints(rows)
+        self._record_hints(site, layer, fp4.extract_hints(rows))
+
+    def _record_hints(self, site: str, layer: int, h: fp4.FP4Hints) -> None:
         rec = (h.mantissa_bits, h.block_scale, h.global_scale.squeeze(-1))
         self._site_records[site][layer].append(tuple(self._store(self._shape(t)) for t in rec))
 

@@ -330,9 +330,11 @@ class TraceFP4Experts(nn.Module):
             if site is not None and site.guide is not None:
                 return site.guide.experts_input(x)
             return fp4.fake_quantize(x, self.fmt, "row")
-        q = fp4.quantize(x, self.fmt, "row")
         if site is not None and site.recorder is not None:
-            site.recorder.record_input(site, q)
+            q, hints = fp4.quantize_with_hints(x, self.fmt, "row")
+            site.recorder.record_input(site, q, hints)
+        else:
+            q = fp4.quantize(x, self.fmt, "row")
         return q.dequantize(x.dtype)
 
     def _uses_kernel(self, x: torch.Tensor) -> bool:
@@ -381,9 +383,11 @@ class TraceFP4Experts(nn.Module):
         xq = x
         site, hidden_site = self.sites.get("experts_input"), self.sites.get("experts_hidden")
         if self.activations == "fp4":
-            xq = fp4.quantize(x, self.fmt, "row")
             if site is not None and site.recorder is not None:
-                site.recorder.record_input(site, xq)
+                xq, hints = fp4.quantize_with_hints(x, self.fmt, "row")
+                site.recorder.record_input(site, xq, hints)
+            else:
+                xq = fp4.quantize(x, self.fmt, "row")
         # Expert-parallel sentinels (>= E, another rank's expert) contribute nothing, as in `_routed`.
         valid = top_k_index < self.num_experts
         ids = top_k_index.clamp(max=self.num_experts - 1)
@@ -391,7 +395,9 @@ class TraceFP4Experts(nn.Module):
         kw = {"reduce": True, "bf16_sums": self.prefill_bf16_gemms}
         if hidden_site is not None and hidden_site.recorder is not None:
             y, hidden = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, return_hidden=True, **kw)
-            hidden_site.recorder.record_hidden(hidden_site, hidden.q, hidden.positions(), top_k_index.shape[1])
+            hidden_site.recorder.record_hidden(
+                hidden_site, hidden.q, hidden.positions(), top_k_index.shape[1], hints=hidden.hints
+            )
         else:
             y = fp4_moe.experts_from_quantized(xq, ids, w, gu, d, hidden_fp4, **kw)
         return y.to(x.dtype)
