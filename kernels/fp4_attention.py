@@ -423,10 +423,11 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: where the decoding before it took 4 (the same operand bits; sm_90 loop at the 64-token tile 1,823 against 2,073
 #: instructions, 168 registers both, Triton 3.6): one call at 384 x 8K 678 -> 601 us, 64 x 32K 432 -> 384, 64 x 1K
 #: 30.9 -> 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the decode step at 384 x 8K +6% (h200_86); 256-wide heads
-#: (229 registers against 220) faster per call at 384 x 8K, 64 x 32K, 64 x 1K and 1 x 32K (h200_88). From
-#: `fp4_attention_tune.py --hopper` on the H200: 128-wide heads docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16
-#: query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us a layer at 384 x 32K, 66% of copy bandwidth; 32-token
-#: tiles won at 64, 96 and 384 rows). Empty: the Triton kernel everywhere.
+#: (their 32-token tile: 1,941 -> 1,684 instructions, 229 registers against 220, no spills) faster per call at 384 x
+#: 8K, 64 x 32K, 64 x 1K and 1 x 32K (h200_88). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads
+#: docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us
+#: a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel
+#: everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},

@@ -78,8 +78,8 @@ CONFIG = {
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
-#: h200_75; the 256 entry's gate/up takes 136 registers unasked, 3 programs per SM, and fits 128, 4, without spills);
-#: ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap.
+#: h200_75; the 256 entry's gate/up takes 136 registers uncapped, 3 programs per SM, and 128 under its cap, 4, no
+#: spills); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap.
 #: The decoding (`fp4_moe_hopper.decode8`, every Gluon kernel): `nibbles_spread_ptx`, 3 integer instructions per fp16
 #: pair where the one before it took 4, the same operand bits. sm_90 loops (Triton 3.6's ptxas, gate/up and down):
 #: batch 1's entry 517 -> 437 and 310 -> 263, the 1024 entry 804 -> 676 and 809 -> 681; `WGMMA` (with its caps):

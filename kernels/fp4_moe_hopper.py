@@ -13,9 +13,9 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   register pair holds words ``w, w+1`` (one 8-byte load); `decode8` turns element ``j`` of both into an fp16 pair
   (two ``prmt`` put the words' low and high 16-bit halves side by side, then two shifts and two bit-selects per four
   elements and a shift and a mask per element: `nibbles_spread_ptx`), which *is* the operand register for K-slice
-  ``j``. The MMA then sums ``sum_j sum_w W[n, 8w+j] x[8w+j]``, the whole dot
-  product in another order; activations are decoded the same way, so their K order matches. The canonical
-  `FP4Tensor` layout serves as is: no re-layout, nothing for export to convert.
+  ``j``. The MMA then sums ``sum_j sum_w W[n, 8w+j] x[8w+j]``, the whole dot product in another order; activations
+  are decoded the same way, so their K order matches. The canonical `FP4Tensor` layout serves as is: no re-layout,
+  nothing for export to convert.
 * **Scales ride along.** Words ``w, w+1`` (``w`` even) are one NVFP4 block, so a register pair needs one scale byte:
   it is loaded once per pair in the ``k_width=1`` operand layout and doubled in registers (`pair_scales`), and one
   ``cvt.rn.f16x2.e4m3x2`` gives the multiplier pair.
@@ -29,10 +29,11 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   before the PDL wait.
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
-smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
-instructions per weight element instead of 7 (sm_90 SASS, docs/lab-notes.md). `fp4_attention_hopper` uses the
-same decoding. GPU only (inline PTX; Gluon does not run in the interpreter); `fp4_moe.experts_from_quantized` picks
-these kernels on sm_90+ for W4A4.
+smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 2.6-4.2
+instructions per weight element in the loops of the `HOPPER` entries instead of 7 (sm_90 SASS,
+`benchmarks/kernels/sass_counts.py`; docs/lab-notes.md). `fp4_moe_wgmma` and `fp4_attention_hopper` use the same
+decoding. GPU only (inline PTX; Gluon does not run in the interpreter); `fp4_moe.experts_from_quantized` picks these
+kernels on sm_90+ for W4A4.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def nibbles_spread_ptx(src: str, outs: list[str]) -> list[str]:
     apart. That puts the sign 6 bits above the magnitude's lowest bit, where the code has it 3 above: one bit-select
     (``lop3``) per two nibbles builds a register where the gap is 6 for nibbles 0 and 2 (magnitudes in place, signs
     from ``src << 3``) or 1 and 3 (magnitudes from ``src >> 3``, signs in place), without collisions, so that each
-    pair is one shift and one mask of it: 3 integer instructions per fp16 pair. Needs ``.reg .b32 m, s;`` (``s``:
+    pair is one shift and one mask of it: 11 integer instructions per four fp16 pairs. Needs ``.reg .b32 m, s;`` (``s``:
     the even register; ``m``, the odd one, is read by the pair of nibble 3 last)."""
     sel = "0xE4"  # lop3's table for (a & c) | (b & ~c), the bit-select
     lines = [f"shl.b32 m, {src}, 3;", f"lop3.b32 s, {src}, m, 0x07070707, {sel};",
