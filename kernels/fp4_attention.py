@@ -419,14 +419,15 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM);
 #: ``small_batch``: the tile and ring depth up to ``max_batch`` sequences (`hopper_config`); ``wide_heads``: the
 #: settings for heads of ``min_head_dim`` or more (`hopper_config`; a 256-wide tile of codes per token holds twice
-#: the registers); ``spread_decode``: `fp4_moe_hopper.nibbles_spread_ptx`'s decoding (the same operand bits, 3
-#: integer instructions per fp16 pair instead of 4: sm_90 loop of 1,823 against 2,073 instructions at the 64-token
-#: tile, 168 registers both, Triton 3.6): one call at 384 x 8K 678 -> 601 us, 64 x 32K 432 -> 384, 64 x 1K 30.9 ->
-#: 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the same bits; the decode step at 384 x 8K +6% (h200_86). Off for
-#: ``wide_heads`` until timed there (229 registers against 220, one warp fewer per SM). From `fp4_attention_tune.py --hopper` on the
-#: H200: 128-wide heads docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256
-#: (`h200_66`: 2,639 against 4,008 us a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and
-#: 384 rows). Empty: the Triton kernel everywhere.
+#: the registers). The kernel decodes by `fp4_moe_hopper.nibbles_spread_ptx`, 3 integer instructions per fp16 pair
+#: where the decoding before it took 4 (the same operand bits; sm_90 loop at the 64-token tile 1,823 against 2,073
+#: instructions, 168 registers both, Triton 3.6): one call at 384 x 8K 678 -> 601 us, 64 x 32K 432 -> 384, 64 x 1K
+#: 30.9 -> 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the decode step at 384 x 8K +6% (h200_86); 256-wide heads
+#: (their 32-token tile: 1,941 -> 1,684 instructions, 229 registers against 220, no spills) faster per call at 384 x
+#: 8K, 64 x 32K, 64 x 1K and 1 x 32K (h200_88). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads
+#: docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us
+#: a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel
+#: everywhere.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
@@ -444,9 +445,7 @@ CONFIG = {
             "block_t": 32,
             "stages": 2,
             "target_programs": 2112,
-            "spread_decode": False,
         },
-        "spread_decode": True,
     },
     "target_programs": 264,
     "min_chunk": 256,
@@ -573,7 +572,7 @@ def decode_attention(
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], STAGES=cfg["stages"], num_warps=1, maxnreg=cfg["maxnreg"],
-            PDL=False, SPREAD=cfg.get("spread_decode", False),
+            PDL=False,
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]

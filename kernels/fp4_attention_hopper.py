@@ -22,9 +22,6 @@ of the KV group as the 8-wide N side of ``mma.m16n8k16`` in both products ("swap
   registers and a third of the warps an SM can hold; the ring keeps 12 warps per SM and more bytes in flight (69%
   of copy bandwidth at batch 64 and 32K against 59%, docs/lab-notes.md 2e).
 
-``SPREAD`` (``CONFIG["hopper"]["spread_decode"]``) decodes with `fp4_moe_hopper.nibbles_spread_ptx`: the same operand
-bits in 3 integer instructions per fp16 pair instead of 4 (about 12% fewer in the loop), so the same output.
-
 Numerics as `fp4_attention._attn_split_ptx`: exact fp16 operands ``E2M1 * s * 2^-14``, Q normalized per head by its
 largest magnitude and the probabilities times V's row scales by their largest value in the tile (so that the terms
 that matter keep fp16's 11 bits), fp32 accumulation and online softmax. GPU only (inline PTX; Gluon does not run in
@@ -134,7 +131,6 @@ def attn_split_kernel(
     PREFETCH: gl.constexpr,
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
-    SPREAD: gl.constexpr = False,
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -258,7 +254,7 @@ def attn_split_kernel(
         else:
             kw, ks, vw, vs, kg, vg = _load_tile(*args, base + t0, n, *offs, la, D, BLOCK_T)
         ok_s = t_s < n
-        k = decode8(kw, ks, SPREAD)
+        k = decode8(kw, ks)
         s = gl.zeros([BLOCK_T, G_PAD], gl.float32, layout=mma)
         for j in gl.static_range(8):
             s = mma_v2(k[j], qh[j], s)
@@ -274,7 +270,7 @@ def attn_split_kernel(
         ph = gl.convert_layout((pw / pw_max[None, :]).to(gl.float16), lb)
         c = (pw_max * 16384.0)[None, :]
 
-        v = decode8(vw, vs, SPREAD)
+        v = decode8(vw, vs)
         acc = (
             acc[0] * alpha[None, :] + mma_v2(v[0], ph, zero) * c,
             acc[1] * alpha[None, :] + mma_v2(v[1], ph, zero) * c,

@@ -690,14 +690,13 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         split //= 2
     part = _gate_up_out(split, P, NI, x.device)
     stages = check_hopper_entry(cfg)
-    spread = bool(cfg.get("spread", False))
     cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
     regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
     fused, grid = _fused_hidden(cfg, return_hidden or split > 1, P, NI, bt, cfg["block_n_gate_up"], x.device)
     hop.gate_up_kernel[grid + (split,)](
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, SPREAD=spread, num_warps=nw,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw,
         **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
     if fused:
@@ -712,7 +711,7 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
     hop.down_kernel[(P // bt, H // cfg["block_n_down"], split_down)](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=stages, EARLY_WEIGHTS=int(cfg.get("early_weights", 0)), SPREAD=spread,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, EARLY_WEIGHTS=int(cfg.get("early_weights", 0)),
         num_warps=nw, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
@@ -726,7 +725,6 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     slices = bool(cfg.get("slice_buffers", False))
-    spread = bool(cfg.get("spread", False))
     cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
     regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
     P = sorted_ids.numel()
@@ -735,7 +733,7 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     wg.gate_up_kernel[grid](
         x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
-        GATE_FIRST=bool(cfg.get("gate_first", False)), SPREAD=spread, num_warps=nw, **fused, **regs, **launch_options(x.device),
+        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
     if fused:
         hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
@@ -745,7 +743,7 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
-        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices, SPREAD=spread,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
         num_warps=nw, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden

@@ -78,19 +78,21 @@ CONFIG = {
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
-#: h200_75); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap; ``spread``: `decode8` by
-#: `fp4_moe_hopper.nibbles_spread_ptx`, the same operand bits in 3 integer instructions per fp16 pair instead of 4
-#: (sm_90 loops with Triton 3.6's ptxas, gate/up and down: batch 1's entry 517 -> 437 and 310 -> 263, the 1024 entry
-#: 804 -> 676 and 809 -> 681, no spills; the 256 entry's gate/up takes 136 registers with it, 3 programs per SM, so
-#: that entry has ``maxnreg`` 128: 674 instructions, no spills). In the decode step (h200_87, two rounds, with the
-#: `WGMMA` entries' and the attention's spread): +1.3% at batch 1, +4.6% at 128, +2.7% at 256, +3.9% at 512.
+#: h200_75; the 256 entry's gate/up takes 136 registers uncapped, 3 programs per SM, and 128 under its cap, 4, no
+#: spills); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap.
+#: The decoding (`fp4_moe_hopper.decode8`, every Gluon kernel): `nibbles_spread_ptx`, 3 integer instructions per fp16
+#: pair where the one before it took 4, the same operand bits. sm_90 loops (Triton 3.6's ptxas, gate/up and down):
+#: batch 1's entry 517 -> 437 and 310 -> 263, the 1024 entry 804 -> 676 and 809 -> 681; `WGMMA` (with its caps):
+#: 16-token 520 -> 448 and 315 -> 275, 32-token 570 -> 488 (gate/up's 2 reloads a K tile gone) and 359 -> 311,
+#: prefill 1,088 -> 928 and 652 -> 556; no spills. The decode step with it in both tables and the attention (h200_87,
+#: two rounds): +1.3% at batch 1, +4.6% at 128, +2.7% at 256, +3.9% at 512.
 #: ``early_weights`` (default 0; needs ``x_shared`` off and no ring): 1, each down program loads all of its weight
 #: tiles (fully unrolled) before its PDL wait, so that under PDL they stream while the SiLU + quantization kernel
 #: before it runs; 2, it also decodes them into MMA operands there, so that after the wait it only decodes the hidden
 #: and multiplies (`fp4_moe_hopper._down_early_weights`; the same MMAs in the same order, the same bits). Batch 1's
 #: entry, sm_90 code (`sass_counts.early_weights_counts`): 2 takes 127 registers, 120 under ``maxnreg_down`` 120
 #: without spills, so that its 2,048 one-warp down programs fit the GPU beside the SiLU kernel's 64 programs of 8
-#: warps; the decode step at batch 1: +3.0% over spread alone (h200_87, two rounds).
+#: warps; the decode step at batch 1: +3.0% over the entry without it (h200_87, two rounds).
 #: ``fused_hidden`` (default False; with ``split_k`` 1, not with hints at the hidden): the hidden activation's
 #: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
 #: quantize_token_block`, the same bits on every real slot's row), instead of `fp4_quant.quantize`'s launch over all
@@ -101,9 +103,9 @@ _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256
 
 HOPPER = [
     (8, {"block_t": 8, "block_n_gate_up": 16, "block_n_down": 16, "block_k": 128, "num_warps": 1, "split_k": 4,
-         "split_k_down": 2, "spread": True, "early_weights": 2, "maxnreg_down": 120}),
-    (256, dict(_WIDE, spread=True, maxnreg=128)),
-    (1024, dict(_WIDE, block_n_down=128, stages=2, spread=True)),
+         "split_k_down": 2, "early_weights": 2, "maxnreg_down": 120}),
+    (256, dict(_WIDE, maxnreg=128)),
+    (1024, dict(_WIDE, block_n_down=128, stages=2)),
 ]  # fmt: skip
 
 
@@ -145,30 +147,27 @@ HOPPER = [
 #: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
 #: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
 #: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
-#: by its MMAs. ``spread``: `HOPPER`'s, in both kernels (sm_90 loops with the entries' caps, Triton 3.6's ptxas,
-#: gate/up then down): 16-token 520 -> 448 and 315 -> 275; 32-token 570 -> 488 (gate/up's 2 reloads a K tile gone)
-#: and 359 -> 311; prefill 1,088 -> 928 and 652 -> 556; no spills (the step: `HOPPER`'s note). ``fused_hidden``: as
-#: in `HOPPER`; with 32-token blocks, +0.7% in the step at batch 256 (16 per expert, blocks half full) and -1.5% at
-#: 512 (32 per expert: the last program of a full block quantizes twice the rows), h200_87, two rounds each; so it
-#: serves 16-23 per expert (the crossover between the two measured points is not measured). Batch 128 (8 per expert,
-#: the last `HOPPER` limit) now runs the 16-token entry with ``fused_hidden`` (the first entry): one layer 165.9 us
-#: against `HOPPER[2]`'s 180.6 (16-token without it 168.1, with a 72-register gate/up cap 174.2), the decode step
-#: +5.2% (10,608 against 10,076-10,087 tokens/s, two rounds, h200_88); batch 64 stays on `HOPPER` (4 per expert:
-#: 157.8 against 140.2 us). With spread the 16-token blocks' fewer weight decodes per layer now pay, which they did
-#: not before (206 against 190 us, h200_73). 12-15 per expert (batch 192) keeps the entry without it (not measured).
+#: by its MMAs. ``fused_hidden``: as in `HOPPER`; with 32-token blocks, +0.7% in the step at batch 256 (16 per
+#: expert, blocks half full) and -1.5% at 512 (32 per expert: the last program of a full block quantizes twice the
+#: rows), h200_87, two rounds each; so it serves 16-23 per expert (the crossover between the two measured points is
+#: not measured). Batch 128 (8 per expert, the last `HOPPER` limit) now runs the 16-token entry with ``fused_hidden``
+#: (the first entry): one layer 165.9 us against `HOPPER[2]`'s 180.6 (16-token without it 168.1, with a 72-register
+#: gate/up cap 174.2), the decode step +5.2% (10,608 against 10,076-10,087 tokens/s, two rounds, h200_88); batch 64
+#: stays on `HOPPER` (4 per expert: 157.8 against 140.2 us). With the decoding of `HOPPER`'s note the 16-token
+#: blocks' fewer weight decodes per layer now pay, which they did not before it (206 against 190 us, h200_73). 12-15
+#: per expert (batch 192) keeps the entry without it (not measured).
 WGMMA = [
     (8, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-         "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64, "spread": True,
+         "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64,
          "fused_hidden": True}),
     (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64, "spread": True}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72, "spread": True,
+          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72,
           "fused_hidden": True}),
     (24, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72, "spread": True}),
-    (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4,
-          "spread": True}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72}),
+    (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
 ]  # fmt: skip
 
 
@@ -249,11 +248,10 @@ def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     rows = 16 * nw
     caps = [cfg.get(k) or 0 for k in ("maxnreg", "maxnreg_down")]
     if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
-            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps) \
-            or not isinstance(cfg.get("spread", False), bool):  # fmt: skip
+            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps):  # fmt: skip
         raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
                          f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), maxnreg and "
-                         f"maxnreg_down 0 (none) or 56-255, spread True or False.")  # fmt: skip
+                         f"maxnreg_down 0 (none) or 56-255.")  # fmt: skip
     return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 
@@ -276,8 +274,6 @@ def launch_config(num_slots: int, fp4_weights: bool = True) -> dict:
 
 def check_hopper_entry(cfg: dict) -> int:
     """The weight ring depth of a `HOPPER` entry (0: none), or a ValueError naming the fix."""
-    if not isinstance(cfg.get("spread", False), bool):
-        raise ValueError(f"HOPPER entry {cfg}: set 'spread' to True or False.")
     stages = cfg.get("stages", 0)
     if stages and (stages < 2 or not cfg.get("x_shared")):
         raise ValueError(f"HOPPER entry {cfg}: set 'stages' to 0 (no ring) or >= 2, with 'x_shared': True.")

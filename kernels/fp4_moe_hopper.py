@@ -11,10 +11,11 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
 * **Each 32-bit word of packed codes is eight K-slices.** A thread of ``mma.m16n8k16`` holds pairs of consecutive K
   per register (``k_width=2``). Reading the packed codes as ``uint32`` words in exactly that operand layout, a
   register pair holds words ``w, w+1`` (one 8-byte load); `decode8` turns element ``j`` of both into an fp16 pair
-  (two ``prmt`` put the words' low and high 16-bit halves side by side, then one pair of shifts per element), which
-  *is* the operand register for K-slice ``j``. The MMA then sums ``sum_j sum_w W[n, 8w+j] x[8w+j]``, the whole dot
-  product in another order; activations are decoded the same way, so their K order matches. The canonical
-  `FP4Tensor` layout serves as is: no re-layout, nothing for export to convert.
+  (two ``prmt`` put the words' low and high 16-bit halves side by side, then two shifts and two bit-selects per four
+  elements and a shift and a mask per element: `nibbles_spread_ptx`), which *is* the operand register for K-slice
+  ``j``. The MMA then sums ``sum_j sum_w W[n, 8w+j] x[8w+j]``, the whole dot product in another order; activations
+  are decoded the same way, so their K order matches. The canonical `FP4Tensor` layout serves as is: no re-layout,
+  nothing for export to convert.
 * **Scales ride along.** Words ``w, w+1`` (``w`` even) are one NVFP4 block, so a register pair needs one scale byte:
   it is loaded once per pair in the ``k_width=1`` operand layout and doubled in registers (`pair_scales`), and one
   ``cvt.rn.f16x2.e4m3x2`` gives the multiplier pair.
@@ -28,10 +29,11 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   before the PDL wait.
 
 Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
-smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 3.5-4
-instructions per weight element instead of 7 (sm_90 SASS, docs/lab-notes.md). `fp4_attention_hopper` uses the
-same decoding. GPU only (inline PTX; Gluon does not run in the interpreter); `fp4_moe.experts_from_quantized` picks
-these kernels on sm_90+ for W4A4.
+smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 2.6-4.2
+instructions per weight element in the loops of the `HOPPER` entries instead of 7 (sm_90 SASS,
+`benchmarks/kernels/sass_counts.py`; docs/lab-notes.md). `fp4_moe_wgmma` and `fp4_attention_hopper` use the same
+decoding. GPU only (inline PTX; Gluon does not run in the interpreter); `fp4_moe.experts_from_quantized` picks these
+kernels on sm_90+ for W4A4.
 """
 
 from __future__ import annotations
@@ -56,28 +58,15 @@ def scale_pair_ptx(lo: str, hi: str) -> list[str]:
     return [f"prmt.b32 sc, {lo}, {hi}, 0x40;", "mov.b32 {sl, sh}, sc;", "cvt.rn.f16x2.e4m3x2 sc, sl;"]
 
 
-def nibbles_ptx(src: str, outs: list[str]) -> list[str]:
-    """PTX lines: nibble j of both 16-bit halves of register ``src`` to the fp16 pair ``outs[j]``, times the fp16
-    pair ``sc``. The magnitude bits of a nibble go under the fp16 exponent's low bits (bits 9-11: value
-    E2M1 * 2^-14, code 1 an fp16 subnormal), its sign to bit 15; both halves move with the same shift because they
-    are 16 bits apart. Needs ``.reg .b32 m, s;``."""
-    lines = []
-    for j, out in enumerate(outs):
-        mag, sign = 9 - 4 * j, 12 - 4 * j
-        lines.append(f"shl.b32 m, {src}, {mag};" if mag > 0 else f"shr.b32 m, {src}, {-mag};")
-        lines.append(f"shl.b32 s, {src}, {sign};" if sign > 0 else f"mov.b32 s, {src};")
-        lines += ["and.b32 m, m, 0x0E000E00;", "and.b32 s, s, 0x80008000;", "or.b32 m, m, s;"]
-        lines.append(f"mul.rn.f16x2 {out}, m, sc;")
-    return lines
-
-
 def nibbles_spread_ptx(src: str, outs: list[str]) -> list[str]:
-    """`nibbles_ptx` (the same fp16 pairs, bit for bit) in 3 integer instructions per pair instead of 4. Nibble
-    ``j``'s sign must end 6 bits above its magnitude's lowest bit, not 3; one bit-select (``lop3``) per two nibbles
-    builds a register where that holds for nibbles 0 and 2 (magnitudes in place, signs from ``src << 3``) or 1 and 3
-    (magnitudes from ``src >> 3``, signs in place), without collisions, so that each pair is one shift and one mask
-    of it. Needs ``.reg .b32 m, s;`` (``s``: the even register; ``m``, the odd one, is read by the pair of nibble 3
-    last)."""
+    """PTX lines: nibble j of both 16-bit halves of register ``src`` to the fp16 pair ``outs[j]``, times the fp16
+    pair ``sc``. A nibble's magnitude bits go under the fp16 exponent's low bits (bits 9-11: value E2M1 * 2^-14,
+    code 1 an fp16 subnormal), its sign to bit 15; both halves move with the same shift because they are 16 bits
+    apart. That puts the sign 6 bits above the magnitude's lowest bit, where the code has it 3 above: one bit-select
+    (``lop3``) per two nibbles builds a register where the gap is 6 for nibbles 0 and 2 (magnitudes in place, signs
+    from ``src << 3``) or 1 and 3 (magnitudes from ``src >> 3``, signs in place), without collisions, so that each
+    pair is one shift and one mask of it: 11 integer instructions per four fp16 pairs. Needs ``.reg .b32 m, s;`` (``s``:
+    the even register; ``m``, the odd one, is read by the pair of nibble 3 last)."""
     sel = "0xE4"  # lop3's table for (a & c) | (b & ~c), the bit-select
     lines = [f"shl.b32 m, {src}, 3;", f"lop3.b32 s, {src}, m, 0x07070707, {sel};",
              f"shr.b32 m, {src}, 3;", f"lop3.b32 m, m, {src}, 0x0E0E0E0E, {sel};"]  # fmt: skip
@@ -87,20 +76,18 @@ def nibbles_spread_ptx(src: str, outs: list[str]) -> list[str]:
     return lines + ["and.b32 m, m, 0x8E008E00;", f"mul.rn.f16x2 {outs[3]}, m, sc;"]
 
 
-def _decode8_ptx(spread: bool = False) -> str:
+def _decode8_ptx() -> str:
     """PTX: a register pair of uint32 code words ($8, $9) and their E4M3 scale bytes ($10, $11) to eight fp16 pairs
     ($0..$7), pair j = (element j of word $8, element j of word $9) * (s_8, s_9) * 2^-14. One ``prmt`` puts the low
-    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7). ``spread``: the
-    nibbles by `nibbles_spread_ptx`."""
-    nibbles = nibbles_spread_ptx if spread else nibbles_ptx
+    16 bits of both words in one register (elements 0-3), another the high 16 bits (elements 4-7); then
+    `nibbles_spread_ptx`."""
     head = ["{", ".reg .b32 m, s, sc, p;", ".reg .b16 sl, sh;"] + scale_pair_ptx("$10", "$11")
-    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles("p", ["$0", "$1", "$2", "$3"])
-    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles("p", ["$4", "$5", "$6", "$7"])
+    lo = ["prmt.b32 p, $8, $9, 0x5410;"] + nibbles_spread_ptx("p", ["$0", "$1", "$2", "$3"])
+    hi = ["prmt.b32 p, $8, $9, 0x7632;"] + nibbles_spread_ptx("p", ["$4", "$5", "$6", "$7"])
     return "\n".join(head + lo + hi + ["}"])
 
 
 _DECODE8_PTX = gl.constexpr(_decode8_ptx())
-_DECODE8_SPREAD_PTX = gl.constexpr(_decode8_ptx(spread=True))
 #: `_stage_x`'s buffer: K-contiguous rows of 16-bit values, swizzled in 16-byte pieces so that the B-operand reads
 #: (8 rows of 16 bytes at a time) hit distinct banks.
 _X_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [0, 1]))
@@ -124,17 +111,13 @@ cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
-def decode8(words, scales, SPREAD: gl.constexpr = False):
+def decode8(words, scales):
     """uint32 code words and their uint8 block-scale bytes (same layout, consecutive pairs in one register pair of
-    the MMA operand) to the eight fp16 slices ``E2M1 * s * 2^-14`` (slice j: element j of each word). ``SPREAD``:
-    the same bits by `nibbles_spread_ptx`'s fewer instructions."""
-    if SPREAD:
-        ptx: gl.constexpr = _DECODE8_SPREAD_PTX
-    else:
-        ptx: gl.constexpr = _DECODE8_PTX
+    the MMA operand) to the eight fp16 slices ``E2M1 * s * 2^-14`` (slice j: element j of each word), by
+    `_decode8_ptx`."""
     return gl.inline_asm_elementwise(
-        ptx, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [words, scales.to(gl.int32)], dtype=(gl.float16,) * 8, is_pure=True,
-        pack=2,
+        _DECODE8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [words, scales.to(gl.int32)], dtype=(gl.float16,) * 8,
+        is_pure=True, pack=2,
     )  # fmt: skip
 
 
@@ -210,9 +193,9 @@ def quantize_token_block(h_ptr, q_ptr, sb_ptr, g_ptr, cnt_ptr, sorted_ptr, num_s
 
 
 @gluon.jit
-def _mma8(w, ws, x, xs, acc, SPREAD: gl.constexpr):
-    wd = decode8(w, ws, SPREAD)
-    xd = decode8(x, xs, SPREAD)
+def _mma8(w, ws, x, xs, acc):
+    wd = decode8(w, ws)
+    xd = decode8(x, xs)
     for j in gl.static_range(8):
         acc = mma_v2(wd[j], xd[j], acc)
     return acc
@@ -227,7 +210,7 @@ def _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl
 
 @gluon.jit
 def _stage_x(xsm, words_ptr, scale_ptr, rows, k_off, ROW_W: gl.constexpr, KW: gl.constexpr, K_TILES: gl.constexpr,
-             NUM_WARPS: gl.constexpr, SPREAD: gl.constexpr):  # fmt: skip
+             NUM_WARPS: gl.constexpr):  # fmt: skip
     """Decode a program's activation rows ``rows`` ([T] int64, uint32 words from ``k_off // 8``, ``ROW_W`` words
     per row) once, all warps together, into ``xsm`` [K_TILES * 8, KW, T] fp16: entry ``8 * kt + j`` is slice ``j`` of
     K tile ``kt``, the B operand that `decode8` would give each warp."""
@@ -236,17 +219,15 @@ def _stage_x(xsm, words_ptr, scale_ptr, rows, k_off, ROW_W: gl.constexpr, KW: gl
     rows = gl.convert_layout(rows, gl.SliceLayout(0, ld))[None, :]
     for kt in gl.static_range(K_TILES):
         kw = k_off // 8 + kt * KW + w
-        xd = decode8(
-            gl.load(words_ptr + (rows * ROW_W + kw)), gl.load(scale_ptr + (rows * (ROW_W // 2) + kw // 2)), SPREAD
-        )
+        xd = decode8(gl.load(words_ptr + (rows * ROW_W + kw)), gl.load(scale_ptr + (rows * (ROW_W // 2) + kw // 2)))
         for j in gl.static_range(8):
             xsm.index(kt * 8 + j).store(xd[j])
 
 
 @gluon.jit
-def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc, SPREAD: gl.constexpr):
+def _mma8_shared(w, ws, xsm, kt, lb: gl.constexpr, acc):
     """`_mma8` with the activation slices of K tile ``kt`` read from `_stage_x`'s buffer."""
-    wd = decode8(w, ws, SPREAD)
+    wd = decode8(w, ws)
     for j in gl.static_range(8):
         acc = mma_v2(wd[j], xsm.index(kt * 8 + j).load(lb), acc)
     return acc
@@ -363,7 +344,6 @@ def gate_up_kernel(
     hs_ptr=None,
     hg_ptr=None,
     cnt_ptr=None,  # int32 [P / BLOCK_T], zeros
-    SPREAD: gl.constexpr = False,  # `decode8` by `nibbles_spread_ptx` (the same bits, fewer instructions)
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
@@ -411,7 +391,7 @@ def gate_up_kernel(
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
-                 NUM_WARPS, SPREAD)  # fmt: skip
+                 NUM_WARPS)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()  # every warp is done with the slot the next copy overwrites (and x is staged)
             _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
@@ -419,8 +399,8 @@ def gate_up_kernel(
             cta_barrier()  # the copies of tile kt, by every thread, have landed
             g, gs = _ring_read(bufs, 0, kt % STAGES, la, la1)
             u, us = _ring_read(bufs, 1, kt % STAGES, la, la1)
-            acc_g = _mma8_shared(g, gs, xsm, kt, lb, acc_g, SPREAD)
-            acc_u = _mma8_shared(u, us, xsm, kt, lb, acc_u, SPREAD)
+            acc_g = _mma8_shared(g, gs, xsm, kt, lb, acc_g)
+            acc_u = _mma8_shared(u, us, xsm, kt, lb, acc_u)
     elif X_SHARED:
         # Software pipelining by hand (Gluon does not pipeline): the next K tile's loads are issued before this
         # one's decode and MMAs.
@@ -430,17 +410,17 @@ def gate_up_kernel(
         _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
-                 NUM_WARPS, SPREAD)  # fmt: skip
+                 NUM_WARPS)  # fmt: skip
         cta_barrier()
         for kt in range(1, K_TILES):
             k0 = kt * BLOCK_K
             g_n, gs_n = gl.load(g_ptrs + k0 // 8), gl.load(gs_ptrs + k0 // 16)
             u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
-            acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt - 1, lb, acc_g, SPREAD)
-            acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt - 1, lb, acc_u, SPREAD)
+            acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, kt - 1, lb, acc_g)
+            acc_u = _mma8_shared(u, pair_scales(us, la), xsm, kt - 1, lb, acc_u)
             g, gs, u, us = g_n, gs_n, u_n, us_n
-        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g, SPREAD)
-        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u, SPREAD)
+        acc_g = _mma8_shared(g, pair_scales(gs, la), xsm, K_TILES - 1, lb, acc_g)
+        acc_u = _mma8_shared(u, pair_scales(us, la), xsm, K_TILES - 1, lb, acc_u)
     else:
         g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
         u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
@@ -452,12 +432,12 @@ def gate_up_kernel(
             u_n, us_n = gl.load(g_ptrs + (u_off + k0 // 8)), gl.load(gs_ptrs + (us_off + k0 // 16))
             x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
             xs2 = pair_scales_t(xs, lb)
-            acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g, SPREAD)
-            acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u, SPREAD)
+            acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+            acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
             g, gs, u, us, x, xs = g_n, gs_n, u_n, us_n, x_n, xs_n
         xs2 = pair_scales_t(xs, lb)
-        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g, SPREAD)
-        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u, SPREAD)
+        acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
+        acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
     # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
@@ -505,8 +485,7 @@ def _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI: gl.constexpr, BLOCK_T: gl.constex
 @gluon.jit
 def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.constexpr, K_TILES: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, KW: gl.constexpr, EARLY: gl.constexpr,
-                        PDL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr,
-                        SPREAD: gl.constexpr):  # fmt: skip
+                        PDL: gl.constexpr, la: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
     """`down_kernel`'s main loop with every weight tile of the program loaded (``EARLY`` 1), or loaded and decoded
     into its MMA operands (2), before its PDL wait; then the same MMAs in the same order (the same bits). Why: at
     batch 1 the down programs are short latency chains and the SiLU + quantization kernel before them runs on a
@@ -524,7 +503,7 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
         pin = gl.zeros([BLOCK_N, KW], gl.int16, layout=la)
         for kt in gl.static_range(K_TILES):
             w, ws = tiles[kt]
-            wd = decode8(w, pair_scales(ws, la), SPREAD)
+            wd = decode8(w, pair_scales(ws, la))
             wds = wds + (wd,)
             for j in gl.static_range(8):
                 pin = pin ^ wd[j].to(gl.int16, bitcast=True)
@@ -537,13 +516,13 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
     for kt in gl.static_range(K_TILES):
         x, xs = xt[kt]
         if EARLY == 2:
-            xd = decode8(x, pair_scales_t(xs, lb), SPREAD)
+            xd = decode8(x, pair_scales_t(xs, lb))
             wd = wds[kt]
             for j in gl.static_range(8):
                 acc = mma_v2(wd[j], xd[j], acc)
         else:
             w, ws = tiles[kt]
-            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc, SPREAD)
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     return acc
 
 
@@ -571,7 +550,6 @@ def down_kernel(
     STAGES: gl.constexpr,
     PDL: gl.constexpr,
     EARLY_WEIGHTS: gl.constexpr = 0,  # 1: weights loaded before the PDL wait, 2: also decoded (`_down_early_weights`)
-    SPREAD: gl.constexpr = False,
 ):
     if not EARLY_WEIGHTS:
         gdc_wait_for_producer(PDL)
@@ -607,7 +585,7 @@ def down_kernel(
     K_TILES: gl.constexpr = K_LEN // BLOCK_K
     if EARLY_WEIGHTS:
         acc = _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI, K_TILES, BLOCK_N, BLOCK_T, KW,
-                                  EARLY_WEIGHTS, PDL, la, lb, lb1, SPREAD)  # fmt: skip
+                                  EARLY_WEIGHTS, PDL, la, lb, lb1)  # fmt: skip
     elif STAGES > 0:  # the ring of `gate_up_kernel`
         srcs = (
             (
@@ -622,26 +600,26 @@ def down_kernel(
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, NI // 8, KW, K_TILES,
-                 NUM_WARPS, SPREAD)  # fmt: skip
+                 NUM_WARPS)  # fmt: skip
         for kt in range(K_TILES):
             cta_barrier()
             _ring_copy(bufs, (kt + STAGES - 1) % STAGES, srcs, kt + STAGES - 1, offs, K_TILES, BLOCK_N, KW)
             cp.wait_group(STAGES - 1)
             cta_barrier()
             w, ws = _ring_read(bufs, 0, kt % STAGES, la, la1)
-            acc = _mma8_shared(w, ws, xsm, kt, lb, acc, SPREAD)
+            acc = _mma8_shared(w, ws, xsm, kt, lb, acc)
     elif X_SHARED:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
         rows = p0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, lb)).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, NI // 8, KW, K_TILES,
-                 NUM_WARPS, SPREAD)  # fmt: skip
+                 NUM_WARPS)  # fmt: skip
         cta_barrier()
         for kt in range(1, K_TILES):
             w_n, ws_n = gl.load(w_ptrs + kt * KW), gl.load(ws_ptrs + kt * (KW // 2))
-            acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt - 1, lb, acc, SPREAD)
+            acc = _mma8_shared(w, pair_scales(ws, la), xsm, kt - 1, lb, acc)
             w, ws = w_n, ws_n
-        acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc, SPREAD)
+        acc = _mma8_shared(w, pair_scales(ws, la), xsm, K_TILES - 1, lb, acc)
     else:
         w, ws = gl.load(w_ptrs), gl.load(ws_ptrs)
         x_ptrs, xs_ptrs = _down_x_ptrs(a_ptr, as_ptr, p0, k_off, NI, BLOCK_T, KW, lb, lb1)
@@ -649,9 +627,9 @@ def down_kernel(
         for k0 in range(BLOCK_K, K_LEN, BLOCK_K):
             w_n, ws_n = gl.load(w_ptrs + k0 // 8), gl.load(ws_ptrs + k0 // 16)
             x_n, xs_n = gl.load(x_ptrs + k0 // 8), gl.load(xs_ptrs + k0 // 16)
-            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc, SPREAD)
+            acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
             w, ws, x, xs = w_n, ws_n, x_n, xs_n
-        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc, SPREAD)
+        acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))

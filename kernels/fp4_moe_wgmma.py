@@ -60,11 +60,11 @@ def _x_slice(bufs, base, j: gl.constexpr, SLICE_BUFFERS: gl.constexpr):
 
 
 @gluon.jit
-def _x_store(bufs, base, words, scales, lw: gl.constexpr, SLICE_BUFFERS: gl.constexpr, SPREAD: gl.constexpr):
+def _x_store(bufs, base, words, scales, lw: gl.constexpr, SLICE_BUFFERS: gl.constexpr):
     """Decode an activation tile ([T, KW] words, [T, KW / 2] scale bytes) into slices ``base .. base + 7`` of the
     double buffer ([T, KW] fp16 each, K-major: wgmma's B operand, transposed)."""
     s2 = gl.convert_layout(gl.reshape(gl.join(scales, scales), [scales.shape[0], 2 * scales.shape[1]]), lw)
-    xd = decode8(words, s2, SPREAD)
+    xd = decode8(words, s2)
     for j in gl.static_range(8):
         _x_slice(bufs, base, j, SLICE_BUFFERS).store(xd[j])
 
@@ -142,7 +142,6 @@ def gate_up_kernel(
     hs_ptr=None,
     hg_ptr=None,
     cnt_ptr=None,  # int32 [P / BLOCK_T], zeros
-    SPREAD: gl.constexpr = False,  # `decode8` by `fp4_moe_hopper.nibbles_spread_ptx` (the same bits)
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -177,7 +176,7 @@ def gate_up_kernel(
     xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
     g, gs = gl.load(w_w + g_off), gl.load(ws_ptr + gs_off)
     u, us = gl.load(w_w + (g_off + u_off)), gl.load(ws_ptr + (gs_off + us_off))
-    _x_store(buf, 0, xw, xs, lw, SLICE_BUFFERS, SPREAD)
+    _x_store(buf, 0, xw, xs, lw, SLICE_BUFFERS)
     fence_async_shared()
     cta_barrier()
     acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
@@ -186,21 +185,21 @@ def gate_up_kernel(
         cur = (kt % 2) * 8
         if GATE_FIRST:
             # Gate's MMAs are waited for before up's weights are decoded: one decoded tile live, not two.
-            gd = decode8(g, pair_scales(gs, la), SPREAD)
+            gd = decode8(g, pair_scales(gs, la))
             xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
             g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
             acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
             acc_g = warpgroup_mma_wait(0, deps=(acc_g,) + gd)[0]
-            ud = decode8(u, pair_scales(us, la), SPREAD)
+            ud = decode8(u, pair_scales(us, la))
             u = gl.load(w_w + (g_off + (u_off + (kt + 1) * KW)))
             us = gl.load(ws_ptr + (gs_off + (us_off + (kt + 1) * (KW // 2))))
             acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
-            _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS, SPREAD)
+            _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
             fence_async_shared()
             acc_u = warpgroup_mma_wait(0, deps=(acc_u,) + ud)[0]
         else:
-            gd = decode8(g, pair_scales(gs, la), SPREAD)
-            ud = decode8(u, pair_scales(us, la), SPREAD)
+            gd = decode8(g, pair_scales(gs, la))
+            ud = decode8(u, pair_scales(us, la))
             # The next tile's loads go out before this tile's MMAs.
             xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
             g, gs = gl.load(w_w + (g_off + (kt + 1) * KW)), gl.load(ws_ptr + (gs_off + (kt + 1) * (KW // 2)))
@@ -210,13 +209,13 @@ def gate_up_kernel(
             acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
             # While they run, the next activation tile goes into the other buffer (free: the last tile's MMAs of
             # every warp were waited for before the barrier that ended it).
-            _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS, SPREAD)
+            _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
             fence_async_shared()
             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
         cta_barrier()
     cur = ((K_TILES - 1) % 2) * 8
-    gd = decode8(g, pair_scales(gs, la), SPREAD)
-    ud = decode8(u, pair_scales(us, la), SPREAD)
+    gd = decode8(g, pair_scales(gs, la))
+    ud = decode8(u, pair_scales(us, la))
     acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
     acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
     acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
@@ -259,7 +258,6 @@ def down_kernel(
     NUM_WARPS: gl.constexpr,
     SLICE_BUFFERS: gl.constexpr,  # one shared-memory allocation per activation K-slice (`_x_smem`)
     PDL: gl.constexpr,
-    SPREAD: gl.constexpr = False,
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -289,22 +287,22 @@ def down_kernel(
     buf = _x_smem(BLOCK_T, KW, SLICE_BUFFERS)
     xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, 0, KW)
     w, ws = gl.load(w_w + w_off), gl.load(ws_ptr + s_off)
-    _x_store(buf, 0, xw, xs, lw, SLICE_BUFFERS, SPREAD)
+    _x_store(buf, 0, xw, xs, lw, SLICE_BUFFERS)
     fence_async_shared()
     cta_barrier()
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=mma)
     for kt in range(K_TILES - 1):
         cur = (kt % 2) * 8
-        wd = decode8(w, pair_scales(ws, la), SPREAD)
+        wd = decode8(w, pair_scales(ws, la))
         xw, xs = _x_load(x_w, as_ptr, xw_off, xs_off, kt + 1, KW)
         w, ws = gl.load(w_w + (w_off + (kt + 1) * KW)), gl.load(ws_ptr + (s_off + (kt + 1) * (KW // 2)))
         acc = _mma_tile(wd, buf, cur, acc, SLICE_BUFFERS)
-        _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS, SPREAD)
+        _x_store(buf, 8 - cur, xw, xs, lw, SLICE_BUFFERS)
         fence_async_shared()
         acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
         cta_barrier()
     cur = ((K_TILES - 1) % 2) * 8
-    wd = decode8(w, pair_scales(ws, la), SPREAD)
+    wd = decode8(w, pair_scales(ws, la))
     acc = _mma_tile(wd, buf, cur, acc, SLICE_BUFFERS)
     acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])

@@ -65,7 +65,7 @@ def parse_args(argv=None):
         "--configs",
         default="",
         help="a JSON list of whole entries to time instead of a grid (after the current one): `HOPPER` entries, or "
-        '`WGMMA` ones marked {"wgmma": true, ...} (any key the tables take: spread, maxnreg, ...)',
+        '`WGMMA` ones marked {"wgmma": true, ...} (any key the tables take: maxnreg, early_weights, ...)',
     )
     p.add_argument("--decode-rows", default="16", help="--grouped: rows per program of the bf16 decoding")
     p.add_argument(

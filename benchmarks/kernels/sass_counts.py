@@ -131,7 +131,7 @@ CONFIG_NOTE = "Qwen3-30B-A3B heads (32 q / 4 KV of 128), fp4_attention.CONFIG['h
 
 
 def attention_counts(
-    block_t: int | None = None, prefetch: bool | None = None, stages: int | None = None, spread: bool | None = None
+    block_t: int | None = None, prefetch: bool | None = None, stages: int | None = None
 ) -> tuple[int, int, dict]:
     """(loop instructions, K and V elements per thread per iteration, opcodes) of the Gluon FP4-KV decode attention
     at Qwen3-30B-A3B's head shapes (one warp per program); None: the committed ``CONFIG["hopper"]`` setting."""
@@ -141,7 +141,6 @@ def attention_counts(
     bt = block_t or A.CONFIG["hopper"]["block_t"]
     prefetch = A.CONFIG["hopper"]["prefetch"] if prefetch is None else prefetch
     stages = A.CONFIG["hopper"]["stages"] if stages is None else stages
-    spread = A.CONFIG["hopper"]["spread_decode"] if spread is None else spread
     sig = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*u8", "kg_ptr": "*fp32", "v_ptr": "*u8", "vs_ptr": "*u8",
            "vg_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32", "T": "i32",
            "chunk": "i32"}  # fmt: skip
@@ -156,7 +155,6 @@ def attention_counts(
         "PREFETCH": prefetch,
         "STAGES": stages,
         "PDL": False,
-        "SPREAD": spread,
     }
     n, ops = loop_counts(hop.attn_split_kernel, sig, consts, 1)
     return n, bt * 2 * 128 // 32, ops
@@ -169,24 +167,17 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
     return min(65536 // (per_warp * num_warps), 32, 64 // num_warps)
 
 
-def step_cap(registers: int, num_warps: int) -> int:
-    """The most registers per thread at which as many programs fit as at ``registers`` (a ``maxnreg`` that keeps
-    them)."""
-    per_warp = 65536 // (programs_per_sm(registers, num_warps) * num_warps) // 256 * 256
-    return min(per_warp // 32, 255)
-
-
 def gluon_counts() -> list[dict]:
-    """Loop counts of every `fp4_moe_configs.HOPPER` config of both expert kernels and of the attention: records with the
-    kernel, its tile, the instructions, the FP4 elements per thread per iteration, the opcodes and the registers. The
-    experts also with ``spread`` on ("gluon gate/up spread", ...): where that takes more registers than fit the
-    programs per SM of the entry as committed, compiled again with the `step_cap` that keeps them (``maxnreg``)."""
+    """Loop counts of every `fp4_moe_configs.HOPPER` config of both expert kernels (under the entry's ``maxnreg``) and
+    of the attention: records with the kernel, its tile, the instructions, the FP4 elements per thread per iteration,
+    the opcodes, and for the experts the registers and programs per SM."""
     from trace_hf.kernels import fp4_moe_configs as configs
     from trace_hf.kernels import fp4_moe_hopper as hop
 
     out = []
     for _limit, c in configs.HOPPER:
         bt, bk, nw = c["block_t"], c["block_k"], c["num_warps"]
+        cap = c.get("maxnreg")
         for name, fn, bn, sig, extra in (
             ("gluon gate/up", hop.gate_up_kernel, c["block_n_gate_up"], _signature("h_ptr", True),
              {"SPLIT_K": c.get("split_k", 1)}),
@@ -198,27 +189,17 @@ def gluon_counts() -> list[dict]:
             tile = (f"N {bn} K {bk} warps {nw}" + (" x shared" if consts["X_SHARED"] else "")
                     + (f" ring {consts['STAGES']}" if consts["STAGES"] else ""))  # fmt: skip
             per_thread = (2 if "gate" in name else 1) * bn * bk // (32 * nw)
-            regs = {"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}
-            committed = None
-            for suffix, spread in (("", c.get("spread", False)), (" spread", True)):
-                args = (fn, sig, extra | consts | {"SPREAD": spread}, nw)
-                n, ops = loop_counts(*args, **regs)
-                r = resources(*args, **regs)["REG"]
-                committed = committed or r
-                if programs_per_sm(r, nw) < programs_per_sm(committed, nw):  # spread took more registers
-                    regs = {"maxnreg": step_cap(committed, nw)}
-                    n, ops = loop_counts(*args, **regs)
-                    r = resources(*args, **regs)["REG"]
-                out.append({"kernel": name + suffix, "tile": tile, "instructions": n, "elements": per_thread,
-                            "ops": ops, "x_shared": consts["X_SHARED"], "registers": r, "num_warps": nw,
-                            "maxnreg": regs.get("maxnreg")})  # fmt: skip
+            regs = {"maxnreg": cap} if cap else {}
+            args = (fn, sig, extra | consts, nw)
+            n, ops = loop_counts(*args, **regs)
+            r = resources(*args, **regs)["REG"]
+            out.append({"kernel": name, "tile": tile, "instructions": n, "elements": per_thread, "ops": ops,
+                        "x_shared": consts["X_SHARED"], "registers": r, "num_warps": nw, "maxnreg": cap,
+                        "programs_per_sm": programs_per_sm(r, nw)})  # fmt: skip
     n, per_thread, ops = attention_counts()
     out.append(
         {"kernel": "gluon attention", "tile": CONFIG_NOTE, "instructions": n, "elements": per_thread, "ops": ops}
     )
-    n, per_thread, ops = attention_counts(spread=True)
-    out.append({"kernel": "gluon attention spread_decode", "tile": CONFIG_NOTE, "instructions": n,
-                "elements": per_thread, "ops": ops})  # fmt: skip
     return out
 
 
@@ -291,7 +272,8 @@ def main(argv=None) -> int:
     print("kernel, tile: instructions in the loop / FP4 elements per thread per iteration = per element")
     for r in records:
         n, e = r["instructions"], r["elements"]
-        print(f"{r['kernel']}, {r['tile']}: {n} / {e} = {n / e:.2f}  {_top(r['ops'])}")
+        regs = f", {r['registers']} registers ({r['programs_per_sm']} per SM)" if "registers" in r else ""
+        print(f"{r['kernel']}, {r['tile']}{regs}: {n} / {e} = {n / e:.2f}  {_top(r['ops'])}")
     cfg = configs.launch_config(1024)  # the Triton kernels' decode config
     common = {"A_FP4": True, "W_FP4": True, "DOT_BF16": True, "HALVES": True, "PTX": True, "BLOCK_M": 16,
               "BLOCK_K": cfg["block_k"], "PDL": False}  # fmt: skip

@@ -68,9 +68,8 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
         P = sorted_ids.numel()
         nw = cfg["num_warps"]
         outs = []
-        # Activations decoded by every warp, or once into shared memory; weights from registers or a cp.async ring;
-        # each path with `decode8`'s two instruction sequences (``spread``).
-        for x_shared, stages, spread in itertools.product((False, True), (0, 2, 3), (False, True)):
+        # Activations decoded by every warp, or once into shared memory; weights from registers or a cp.async ring.
+        for x_shared, stages in itertools.product((False, True), (0, 2, 3)):
             if stages and not x_shared:
                 continue
             h = torch.full((P, NI), float("inf"), device="cuda")
@@ -78,15 +77,12 @@ def test_gate_up_matches_fp64_of_the_same_operands(M, monkeypatch):
                 xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
                 wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1,
                 BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=nw,
-                X_SHARED=x_shared, STAGES=stages, PDL=False, SPREAD=spread, num_warps=nw,
+                X_SHARED=x_shared, STAGES=stages, PDL=False, num_warps=nw,
             )  # fmt: skip
             outs.append(h)
-        # Same operand values, same MMAs in the same order: the paths agree bit for bit (NaN where NaN), and the two
-        # decodings of one path to the last bit (the same instructions after the decoding).
+        # Same operand values, same MMAs in the same order: the paths agree bit for bit (NaN where NaN).
         for other in outs[1:]:
             assert torch.equal(outs[0].nan_to_num(7.0), other.nan_to_num(7.0)), cfg
-        for off, on in zip(outs[::2], outs[1::2]):
-            assert torch.equal(off.view(torch.int32), on.view(torch.int32)), f"{cfg}: spread changed the bits"
         xd = xq.dequantize().double()
         wd = wgu.dequantize().double()
         real = sorted_ids < M * K
@@ -124,7 +120,7 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
         y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
         # The other operand paths (activations decoded per warp or once into shared memory, weights from registers
         # (also with another down tile and register caps) or through a cp.async ring, or all of a down program's
-        # weights loaded, or also decoded, before its PDL wait) and the other decoding (``spread``) give the same bits.
+        # weights loaded, or also decoded, before its PDL wait) give the same bits.
         for other in (
             {"x_shared": False, "stages": 0, "early_weights": 0},
             {"x_shared": True, "stages": 0, "early_weights": 0},
@@ -139,7 +135,6 @@ def test_hopper_experts_match_triton_kernels_at_qwen3_shapes(monkeypatch):
             },
             {"x_shared": False, "stages": 0, "early_weights": 1},
             {"x_shared": False, "stages": 0, "early_weights": 2, "maxnreg_down": 120},
-            {"spread": not cfg.get("spread", False)},
         ):
             monkeypatch.setattr(configs, "HOPPER", [(1 << 62, cfg | other)])
             y_other, hid_other = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
@@ -335,34 +330,9 @@ def test_early_down_weights_load_before_the_pdl_wait():
     assert two["after_wait"] < one["after_wait"] * 0.6, (one["after_wait"], two["after_wait"])
 
 
-def test_spread_has_fewer_instructions_at_the_same_occupancy(gluon_sass_counts):
-    """``spread`` (`decode8` by `fp4_moe_hopper.nibbles_spread_ptx`) in both kernels of every `HOPPER` entry builds
-    for sm_90 without spills, with the same MMAs and at least as many programs per SM as the entry as committed
-    (under a register cap where it needs one: the 256-slot gate/up takes 136 registers unasked, 3 programs of 4
-    warps instead of 4, and fits 128 without spills), and, unless the entry has it already, with at least 10% fewer
-    instructions in the loop."""
-    from benchmarks.kernels.sass_counts import programs_per_sm
-
-    base = [r for r in gluon_sass_counts if r["kernel"] in ("gluon gate/up", "gluon down")]
-    spread = [r for r in gluon_sass_counts if r["kernel"] in ("gluon gate/up spread", "gluon down spread")]
-    assert len(spread) == len(base) == 2 * len(configs.HOPPER)
-    entries = [cfg for _, cfg in configs.HOPPER for _kernel in range(2)]  # the records' order: entry, then kernel
-    for cfg, b, s in zip(entries, base, spread):
-        where = f"{s['kernel']} {s['tile']}"
-        assert s["tile"] == b["tile"] and s["kernel"] == b["kernel"] + " spread", where
-        assert "LDL" not in s["ops"] and "STL" not in s["ops"], f"{where}: spills {s['ops']}"
-        assert s["ops"].get("HMMA") == b["ops"].get("HMMA"), where
-        nw = s["num_warps"]
-        assert programs_per_sm(s["registers"], nw) >= programs_per_sm(b["registers"], nw), (where, s, b)
-        if not cfg.get("spread", False):
-            assert s["instructions"] < 0.9 * b["instructions"], (where, s["instructions"], b["instructions"])
-
-
 def test_hopper_entries_are_checked():
-    """A `HOPPER` entry's ring without ``x_shared`` and a ``spread`` that is not a bool are errors naming the fix."""
+    """A `HOPPER` entry's ring without ``x_shared`` is an error naming the fix."""
     for _, cfg in configs.HOPPER:
         configs.check_hopper_entry(cfg)
     with pytest.raises(ValueError, match="stages"):
         configs.check_hopper_entry({"stages": 2})
-    with pytest.raises(ValueError, match="spread"):
-        configs.check_hopper_entry(dict(configs.HOPPER[0][1], spread=1))

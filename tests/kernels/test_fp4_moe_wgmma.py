@@ -91,22 +91,19 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     P = sorted_ids.numel()
     hs = []
     # One shared-memory allocation for the staged activations or one per K-slice; gate's MMAs waited for before up's
-    # decoding or not (the same MMAs on the same accumulators in the same order); `decode8`'s other instruction
-    # sequence (``spread``, the same operand bits): the same bits.
-    for slices, gate_first, spread in ((False, False, False), (True, False, False), (False, True, False),
-                                       (cfg.get("slice_buffers", False), cfg.get("gate_first", False), False),
-                                       (cfg.get("slice_buffers", False), cfg.get("gate_first", False), True)):  # fmt: skip
+    # decoding or not (the same MMAs on the same accumulators in the same order): the same bits.
+    for slices, gate_first in ((False, False), (True, False), (False, True),
+                               (cfg.get("slice_buffers", False), cfg.get("gate_first", False))):  # fmt: skip
         h = torch.full((P, NI), float("inf"), device="cuda")
         wg.gate_up_kernel[(P // bt, NI // cfg["block_n_gate_up"])](
             xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
             wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt,
             BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
-            GATE_FIRST=gate_first, PDL=False, SPREAD=spread, num_warps=cfg["num_warps"],
+            GATE_FIRST=gate_first, PDL=False, num_warps=cfg["num_warps"],
         )  # fmt: skip
         hs.append(h)
     for other in hs[1:]:
         assert torch.equal(hs[0].nan_to_num(7.0), other.nan_to_num(7.0)), "a loop variant changed the result"
-    assert torch.equal(hs[-2].view(torch.int32), hs[-1].view(torch.int32)), "spread changed the bits"
     h = hs[0]
     real = sorted_ids < M * K
     slots = sorted_ids[real].long()
@@ -129,17 +126,16 @@ def test_wgmma_gemms_match_fp64_of_the_same_operands(M, cfg, monkeypatch):
     hq = fp4_quant.quantize(h.nan_to_num(0.0, 0.0, 0.0), "nvfp4", "row")
     twf = tw.reshape(-1).float().contiguous()
     ys = []
-    for slices, spread in ((False, False), (True, False), (True, True)):
+    for slices in (False, True):
         y = torch.full((M * K, H), float("inf"), device="cuda")
         wg.down_kernel[(P // bt, H // cfg["block_n_down"])](
             hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wdn.packed, wdn.block_scale,
             wdn.global_scale.reshape(-1), twf, y, sorted_ids, expert_ids, M * K, H, NI, BLOCK_T=bt,
             BLOCK_N=cfg["block_n_down"], BLOCK_K=cfg["block_k"], NUM_WARPS=cfg["num_warps"], SLICE_BUFFERS=slices,
-            PDL=False, SPREAD=spread, num_warps=cfg["num_warps"],
+            PDL=False, num_warps=cfg["num_warps"],
         )  # fmt: skip
         ys.append(y)
     assert torch.equal(ys[0].nan_to_num(7.0), ys[1].nan_to_num(7.0)), "the buffer layout changed the result"
-    assert torch.equal(ys[1].view(torch.int32), ys[2].view(torch.int32)), "spread changed the bits"
     y = ys[0]
     hd = hq.dequantize().double()[real]
     want_y = torch.einsum("pi,phi->ph", hd, wdn.dequantize().double()[e]) * twf.double()[slots, None]
@@ -170,7 +166,7 @@ def test_wgmma_experts_match_the_other_kernels_and_torch_at_qwen3_shapes(M, monk
     assert configs.wgmma_config(M * K, E, x.device) is not None, "the table must send these sizes to the wgmma kernels"
     y, hid = moe.experts_from_quantized(xq, ids, tw, wgu, wdn, return_hidden=True)
     cfg = configs.wgmma_config(M * K, E, x.device)
-    for key in ("slice_buffers", "gate_first", "spread"):  # the other buffer layout, gate/up loop order, decoding
+    for key in ("slice_buffers", "gate_first"):  # the other buffer layout, gate/up loop order
         _with_table(monkeypatch, dict(cfg, **{key: not cfg.get(key, False)}))
         assert torch.equal(moe.experts_from_quantized(xq, ids, tw, wgu, wdn), y), f"{key} changed the result"
     for gate_up, down in ((None, None), (72, 64), (80, 64), (96, 72), (128, 128)):  # caps: other code, the same bits
@@ -308,7 +304,6 @@ def test_wgmma_entries_are_checked():
         {"block_n_gate_up": 16 * good["num_warps"] + 8},
         {"maxnreg": 32},
         {"maxnreg_down": 300},
-        {"spread": 1},
     ):
         with pytest.raises(ValueError, match="WGMMA entry"):
             configs.check_wgmma_entry(dict(good, **bad), 2048, 768)
@@ -399,41 +394,6 @@ def test_fused_hidden_compiles_for_sm90(cfg):
     assert len(plain) == len(fused) == 1 and plain == fused, (plain, fused)
 
 
-@pytest.mark.parametrize("cfg", _entries(), ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
-def test_wgmma_spread_has_fewer_instructions_at_the_same_occupancy(cfg):
-    """``spread`` (`decode8` by `fp4_moe_hopper.nibbles_spread_ptx`) in both kernels of every `WGMMA` entry, with
-    the entry's register caps, builds for sm_90 with the same wgmma instructions, no more spills than the entry as
-    committed (no stores; the 32-token gate/up's 2 reloads a K tile go away), at least as many programs per SM, and,
-    unless the entry has it already, at least 10% fewer instructions in the loop."""
-    sass = _sass()
-    code = ("import json, sys; from benchmarks.kernels import sass_counts as s; "
-            "from trace_hf.kernels import fp4_moe_wgmma as wg; a = [json.loads(x) for x in sys.argv[1:]]; "
-            "fn = getattr(wg, a[0]); "
-            "print(json.dumps([[*s.loop_counts(fn, a[1], c, a[3], **a[4]), s.resources(fn, a[1], c, a[3], **a[4])] "
-            "for c in a[2]]))")  # fmt: skip
-    bt, nw, bk = cfg["block_t"], cfg["num_warps"], cfg["block_k"]
-    for name, bn, sig in (
-        ("gate_up_kernel", cfg["block_n_gate_up"], sass._signature("h_ptr", True)),
-        ("down_kernel", cfg["block_n_down"], sass._signature("y_ptr", False)),
-    ):
-        consts = {"H": 2048, "NI": 768, "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_K": bk, "NUM_WARPS": nw,
-                  "SLICE_BUFFERS": bool(cfg.get("slice_buffers", False)), "PDL": False}  # fmt: skip
-        if name == "gate_up_kernel":
-            consts["GATE_FIRST"] = bool(cfg.get("gate_first", False))
-        cap = (cfg.get("maxnreg_down") if name == "down_kernel" else None) or cfg.get("maxnreg")
-        variants = [consts | {"SPREAD": bool(cfg.get("spread", False))}, consts | {"SPREAD": True}]
-        (n0, ops0, res0), (n, ops, res) = sass.clean_python(
-            code, *(json.dumps(a) for a in (name, sig, variants, nw, {"maxnreg": cap} if cap else {}))
-        )
-        where = f"{name} {cfg}"
-        assert "STL" not in ops and ops.get("LDL", 0) <= ops0.get("LDL", 0), f"{where}: spills {ops} against {ops0}"
-        assert res["STACK"] <= res0["STACK"] and res["LOCAL"] == 0, f"{where}: {res} against {res0}"
-        assert ops.get("HGMMA") == ops0.get("HGMMA"), where
-        assert sass.programs_per_sm(res["REG"], nw) >= sass.programs_per_sm(res0["REG"], nw), (where, res, res0)
-        if not cfg.get("spread", False):
-            assert n < 0.9 * n0, (where, n, n0)
-
-
 def test_hopper_ab_patches_the_wgmma_table():
     """`benchmarks/kernels/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``), or
     replaces the table (``WGMMA``); a start the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
@@ -466,8 +426,8 @@ def _f16_of(bits: torch.Tensor) -> torch.Tensor:
 
 def _run_ptx(text: str, regs: dict) -> dict:
     """Run the straight-line PTX of `decode8` on int64 tensors of 32-bit register values (a test model of the
-    instructions' semantics: prmt's default mode, logical shifts, f16x2 arithmetic rounded to nearest, E4M3x2 to
-    f16x2 in hardware, i.e. exact with 0x7F NaN)."""
+    instructions' semantics: prmt's default mode, logical shifts, lop3's truth table, f16x2 arithmetic rounded to
+    nearest, E4M3x2 to f16x2 in hardware, i.e. exact with 0x7F NaN)."""
     m32 = 0xFFFFFFFF
 
     def val(tok):
@@ -503,6 +463,13 @@ def _run_ptx(text: str, regs: dict) -> dict:
             regs[d] = srcs[0] | srcs[1]
         elif op == "mov.b32":
             regs[d] = srcs[0] & m32
+        elif op == "lop3.b32":  # bit (a << 2 | b << 1 | c) of the table is the result for input bits a, b, c
+            a, b, c, table = srcs
+            out = torch.zeros_like(a)
+            for i in range(8):
+                if int(table) >> i & 1:
+                    out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+            regs[d] = out & m32
         elif op == "cvt.rn.f16x2.e4m3x2":
             x = srcs[0]
             lo, hi = (fp4.e4m3_decode(((x >> s) & 0xFF).to(torch.uint8)) for s in (0, 8))
@@ -543,3 +510,32 @@ def test_decode8_ptx_gives_the_spec_values_for_every_code_and_scale():
         assert torch.equal(got[~nan], w[~nan]), f"slice {j}: not the spec's value"
         assert torch.equal(torch.signbit(got[~nan]), torch.signbit(w[~nan])), f"slice {j}: the sign of a zero"
     assert nan.any() and (want == 0).any() and (want.abs() == 6 * 448 * 2.0**-14).any()  # the classes were hit
+
+
+def _decode8_wrong_bits(text: str, words: torch.Tensor) -> int:
+    """How many of the fp16 values that PTX ``text`` (`_decode8_ptx`'s registers) makes of the uint32 code word pairs
+    ``words`` [n, 2] at scale byte 0x38 (1.0) differ in any bit from the spec's ``E2M1 * 2^-14`` (`fp4.e2m1_decode`)."""
+    n = words.shape[0]
+    one = torch.full((n,), 0x38, dtype=torch.int64)
+    out = _run_ptx(text, {"$8": words[:, 0], "$9": words[:, 1], "$10": one, "$11": one})
+    packed = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1).reshape(n, 8).to(torch.uint8)
+    want = _f16_bits(fp4.e2m1_decode(fp4.unpack_codes(packed).reshape(n, 2, 8)).double() * 2.0**-14)
+    got = torch.stack([torch.stack([out[f"${j}"] & 0xFFFF, out[f"${j}"] >> 16], -1) for j in range(8)], -1)
+    return int((got != want).sum())
+
+
+def test_decode8_nibbles_give_the_spec_bits_for_every_16_bit_half():
+    """`fp4_moe_hopper.nibbles_spread_ptx` builds each fp16 pair from a register that bit-selects of neighbouring
+    nibbles make, so one nibble's bits could leak into another's: every 16-bit pattern (every code at each of the four
+    nibble positions next to every code of the other three) in each half of both words gives exactly the fp16 bits of
+    the spec's ``E2M1 * 2^-14`` (sign of zero included), and the check finds a sequence with one wrong mask."""
+    hop = pytest.importorskip("trace_hf.kernels.fp4_moe_hopper")
+    g = torch.Generator().manual_seed(1)
+    every = torch.arange(1 << 16, dtype=torch.int64)
+    perm = [torch.randperm(1 << 16, generator=g) for _ in range(2)]
+    words = torch.stack([every | perm[0] << 16, perm[1] | every << 16], -1)  # each half of each word: every pattern
+    text = hop._decode8_ptx()
+    assert _decode8_wrong_bits(text, words) == 0
+    for good, bad in (("0x8E008E00", "0x8E000E00"), ("0x07070707", "0x07070703"), ("0x0E0E0E0E", "0x0E0E0E06")):
+        assert good in text
+        assert _decode8_wrong_bits(text.replace(good, bad, 1), words) > 0, f"{good} -> {bad} went unnoticed"
