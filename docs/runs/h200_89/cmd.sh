@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Device call h200_89 (one H200), issue 31, at commit 0502f30 (branch int). OUT=$OUT bash gpu/call4.sh
 # Device call h200_89 (issue 31), the session's final code: (1) the 1K decode table, both precisions in one run; (2)
 # the 16K prefill with the chunked expert alignment off (fp4) and on (fp4_chunked_align) against BF16, and
 # moe_align alone; (3) the GPU tests of everything this session touched, in the time left.

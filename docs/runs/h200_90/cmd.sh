@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Device call h200_90 (one H200), issue 31, at commit 70f3073 (branch int). OUT=$OUT bash gpu/call5.sh
 # Device call h200_90 (issue 31), the final code with the chunked alignment on: the 8-layer long-tailed GRPO step
 # (256 rows x 512 tokens, engine BF16 against engine FP4 + TRACE), and the 16K prefill again (a second sample).
 set -u
