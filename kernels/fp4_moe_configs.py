@@ -119,8 +119,8 @@ HOPPER = [
 #: (``num_slots / num_experts``, the mean token block an expert needs), ascending: an entry serves from its ``from``
 #: up to the next one's; below the first, `HOPPER` runs (past its last limit the first entry). The first ``from`` is 8
 #: (batch 128): with fewer tokens per expert a 16-token block is mostly padding and the 8-token `HOPPER` kernels read
-#: no more weight bytes (batch 64, below). ``block_t``: token rows per expert block (wgmma's N, a multiple of 8); ``block_n_*``: weight rows per
-#: program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
+#: no more weight bytes (batch 64, below). ``block_t``: token rows per expert block (wgmma's N, a multiple of 8);
+#: ``block_n_*``: weight rows per program (wgmma's M: a multiple of 16 * num_warps, 64 per warpgroup); ``block_k``: 128 (16 code words per row; 256
 #: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
 #: ``slice_buffers`` (default False): one shared-memory allocation per activation K-slice, which takes 7 of the 9
 #: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits. In the
@@ -219,7 +219,8 @@ GROUPED = {
 
 
 #: `moe_align` above its one-launch kernel's size (a prefill: 131,072 slots at 16,384 tokens). ``chunked``: the
-#: layout from per-chunk counts, one program's scan and a placement by rank within the chunk (`moe_align._align_chunks`, 4 launches, the torch backend's bits), in place of torch's ~20 launches around a
+#: layout from per-chunk counts, one program's scan and a placement by rank within the chunk
+#: (`moe_align._align_chunks`, 4 launches, the torch backend's bits), in place of torch's ~20 launches around a
 #: stable ``argsort``, whose cub radix sort takes all 64 bits of the int64 ids (12-20 ms of the 48-layer 16K prefill,
 #: `h200_86`). ``chunk``: slots per program (256 programs at 131,072); ``sub``: slots ranked at a time (a [sub,
 #: experts] one-hot); ``scan_rows``: chunks (and row blocks) the scan takes at a time. On the
