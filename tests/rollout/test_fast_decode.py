@@ -29,6 +29,19 @@ def _model(fp4: bool):
     return model.eval()
 
 
+def _replayed_steps(w, batch: int, kv_fp4: bool, record_hints: bool) -> torch.Tensor:
+    """Logits and tokens of four graph replays of a `FastDecoder` step over a random 200-token context."""
+    dec = fd.FastDecoder(w, batch, 300, kv_fp4=kv_fp4, record_hints=record_hints)
+    decode_setup.fill_random_context(dec, 200)
+    dec.capture()
+    steps = []
+    for _ in range(4):
+        dec.run()
+        steps.append(torch.cat([dec.logits.float().flatten(), dec.tokens.float().flatten()]))
+    torch.cuda.synchronize()
+    return torch.stack(steps)
+
+
 def _rel_max(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -242,15 +255,7 @@ def test_gemv_early_tiles_decode_step_gpu(fp4, monkeypatch):
     for early, bcast in [(0, False), (4, False), (4, True)]:
         monkeypatch.setitem(decode_ops.GEMV, "early_tiles", early)
         monkeypatch.setitem(decode_ops.GEMV, "x_bcast", bcast)
-        dec = fd.FastDecoder(w, 1, 300, kv_fp4=fp4, record_hints=fp4)
-        decode_setup.fill_random_context(dec, 200)
-        dec.capture()
-        steps = []
-        for _ in range(4):
-            dec.run()
-            steps.append(torch.cat([dec.logits.float().flatten(), dec.tokens.float().flatten()]))
-        torch.cuda.synchronize()
-        runs.append(torch.stack(steps))
+        runs.append(_replayed_steps(w, 1, fp4, fp4))
     assert all(torch.equal(runs[0], run) for run in runs[1:])
 
 
@@ -327,15 +332,7 @@ def test_pdl_changes_no_bits_gpu(B, fp4, monkeypatch):
     runs = []
     for on in (False, True):
         monkeypatch.setattr(pdl, "ENABLED", on)
-        dec = fd.FastDecoder(w, B, 300, kv_fp4=fp4, record_hints=fp4)
-        decode_setup.fill_random_context(dec, 200)
-        dec.capture()
-        steps = []
-        for _ in range(4):
-            dec.run()
-            steps.append(torch.cat([dec.logits.float().flatten(), dec.tokens.float().flatten()]))
-        torch.cuda.synchronize()
-        runs.append(torch.stack(steps))
+        runs.append(_replayed_steps(w, B, fp4, fp4))
     assert torch.equal(runs[0], runs[1])
 
 
@@ -355,13 +352,5 @@ def test_early_down_weights_change_no_bits_gpu(setting, fp4_hidden_hints, monkey
     runs = []
     for patch in ({"early_weights": 0, "maxnreg_down": None}, setting):
         monkeypatch.setattr(configs, "HOPPER", [(base[0][0], dict(base[0][1], **patch))] + base[1:])
-        dec = fd.FastDecoder(w, 1, 300, kv_fp4=True, record_hints=fp4_hidden_hints)
-        decode_setup.fill_random_context(dec, 200)
-        dec.capture()
-        steps = []
-        for _ in range(4):
-            dec.run()
-            steps.append(torch.cat([dec.logits.float().flatten(), dec.tokens.float().flatten()]))
-        torch.cuda.synchronize()
-        runs.append(torch.stack(steps))
+        runs.append(_replayed_steps(w, 1, True, fp4_hidden_hints))
     assert torch.equal(runs[0], runs[1])
