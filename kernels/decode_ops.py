@@ -317,15 +317,17 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tup
 
 
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, src, dst, ok, W: tl.constexpr):
-    cols = tl.arange(0, W)[None, :]
-    v = tl.load(src_ptr + src[:, None] * W + cols, mask=ok[:, None])
-    tl.store(dst_ptr + dst[:, None] * W + cols, v, mask=ok[:, None])
+def _copy_rows(src_ptr, dst_ptr, src, dst, ok, W: tl.constexpr, W_PAD: tl.constexpr):
+    cols = tl.arange(0, W_PAD)[None, :]
+    m = ok[:, None] & (cols < W)
+    v = tl.load(src_ptr + src[:, None] * W + cols, mask=m)
+    tl.store(dst_ptr + dst[:, None] * W + cols, v, mask=m)
 
 
 @triton.jit
 def _load_kv_kernel(kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, dkc_ptr, dks_ptr, dkg_ptr, dvc_ptr, dvs_ptr,
-                    dvg_ptr, len_ptr, H, P, T, WC: tl.constexpr, WS: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+                    dvg_ptr, len_ptr, H, P, T, WC: tl.constexpr, WS: tl.constexpr, WC_PAD: tl.constexpr,
+                    WS_PAD: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     """Tokens ``j`` < P of one (row, head) of the six FP4 K/V fields: dst[b, h, j] = src[b, h, min(j + P - len_b,
     P - 1)] (left padding removed, as `EngineRollout._load_cache`'s gathers); sources [B, H, P, W], destinations
     [B_max, H, T, W], contiguous."""
@@ -335,12 +337,12 @@ def _load_kv_kernel(kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, dkc_ptr, dks
     s = tl.minimum(j + P - tl.load(len_ptr + bh // H), P - 1)
     src = bh.to(tl.int64) * P + s
     dst = bh.to(tl.int64) * T + j
-    _copy_rows(kc_ptr, dkc_ptr, src, dst, ok, WC)
-    _copy_rows(vc_ptr, dvc_ptr, src, dst, ok, WC)
-    _copy_rows(ks_ptr, dks_ptr, src, dst, ok, WS)
-    _copy_rows(vs_ptr, dvs_ptr, src, dst, ok, WS)
-    _copy_rows(kg_ptr, dkg_ptr, src, dst, ok, 1)
-    _copy_rows(vg_ptr, dvg_ptr, src, dst, ok, 1)
+    _copy_rows(kc_ptr, dkc_ptr, src, dst, ok, WC, WC_PAD)
+    _copy_rows(vc_ptr, dvc_ptr, src, dst, ok, WC, WC_PAD)
+    _copy_rows(ks_ptr, dks_ptr, src, dst, ok, WS, WS_PAD)
+    _copy_rows(vs_ptr, dvs_ptr, src, dst, ok, WS, WS_PAD)
+    _copy_rows(kg_ptr, dkg_ptr, src, dst, ok, 1, 1)
+    _copy_rows(vg_ptr, dvg_ptr, src, dst, ok, 1, 1)
 
 
 def load_fp4_kv(dst: tuple, keys: FP4Tensor, values: FP4Tensor, lengths: torch.Tensor) -> None:
@@ -350,10 +352,11 @@ def load_fp4_kv(dst: tuple, keys: FP4Tensor, values: FP4Tensor, lengths: torch.T
     B, H, P, wc = keys.packed.shape
     ws = keys.block_scale.shape[-1]
     T = dst[0].shape[2]
-    if any(not t.is_contiguous() for t in dst) or wc & (wc - 1) or ws & (ws - 1):
-        raise ValueError("load_fp4_kv: contiguous destinations and power-of-two code and scale widths.")
+    if any(not t.is_contiguous() for t in dst):
+        raise ValueError("load_fp4_kv: the decode cache's fields must be contiguous.")
     src = [f.contiguous() for q in (keys, values) for f in (q.packed, q.block_scale, q.global_scale)]
     block_t = 64
     _load_kv_kernel[(B * H, triton.cdiv(P, block_t))](
-        *src[0:3], *src[3:6], *dst, lengths.contiguous(), H, P, T, WC=wc, WS=ws, BLOCK_T=block_t, num_warps=4
-    )
+        *src[0:3], *src[3:6], *dst, lengths.contiguous(), H, P, T, WC=wc, WS=ws, WC_PAD=triton.next_power_of_2(wc),
+        WS_PAD=triton.next_power_of_2(ws), BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip

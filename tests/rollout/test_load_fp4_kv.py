@@ -17,10 +17,11 @@ from trace_hf.rollout.engine import rollout
 pytest.importorskip("trace_hf.kernels.decode_ops")
 
 
-def _load(device: str, kernel: bool, monkeypatch) -> list:
-    """The six decode-cache fields of two layers after `_load_cache` (rows of lengths 9, 4 and 12 of P = 12)."""
+def _load(device: str, kernel: bool, monkeypatch, D: int = 32) -> list:
+    """The six decode-cache fields of two layers of head size ``D`` after `_load_cache` (rows of lengths 9, 4 and 12
+    of P = 12)."""
     g = torch.Generator().manual_seed(0)
-    B, H, P, D, T, B_max = 3, 2, 12, 32, 16, 4
+    B, H, P, T, B_max = 3, 2, 12, 16, 4
     layers = []
     for _ in range(2):
         layer = FP4KVLayer()
@@ -43,14 +44,15 @@ def _load(device: str, kernel: bool, monkeypatch) -> list:
     return [getattr(c, n) for c in caches for n in ("k", "k_scale", "k_g", "v", "v_scale", "v_g")]
 
 
-def _check(device, monkeypatch):
-    want, got = _load(device, False, monkeypatch), _load(device, True, monkeypatch)
+def _check(device, monkeypatch, D: int = 32):
+    want, got = _load(device, False, monkeypatch, D), _load(device, True, monkeypatch, D)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_load_kernel_copies_the_cache_as_the_gathers_do(monkeypatch):
-    _check("cpu", monkeypatch)
+@pytest.mark.parametrize("D", [32, 48])  # 48: code and scale widths (24, 3) that are not powers of two
+def test_load_kernel_copies_the_cache_as_the_gathers_do(monkeypatch, D):
+    _check("cpu", monkeypatch, D)
 
 
 @pytest.mark.gpu
