@@ -326,16 +326,22 @@ def _copy_rows(src_ptr, dst_ptr, src, dst, ok, W: tl.constexpr, W_PAD: tl.conste
 
 @triton.jit
 def _load_kv_kernel(kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, dkc_ptr, dks_ptr, dkg_ptr, dvc_ptr, dvs_ptr,
-                    dvg_ptr, len_ptr, H, P, T, WC: tl.constexpr, WS: tl.constexpr, WC_PAD: tl.constexpr,
-                    WS_PAD: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """Tokens ``j`` < P of one (row, head) of the six FP4 K/V fields: dst[b, h, j] = src[b, h, min(j + P - len_b,
-    P - 1)] (left padding removed, as `EngineRollout._load_cache`'s gathers); sources [B, H, P, W], destinations
-    [B_max, H, T, W], contiguous."""
+                    dvg_ptr, len_ptr, rows_ptr, H, P, T, WC: tl.constexpr, WS: tl.constexpr, WC_PAD: tl.constexpr,
+                    WS_PAD: tl.constexpr, BLOCK_T: tl.constexpr, GATHER: tl.constexpr = False):  # fmt: skip
+    """Tokens ``j`` < P of one (row, head) of the six FP4 K/V fields: dst[b, h, j] = src[r_b, h, min(j + P - len_b,
+    P - 1)] (left padding removed, as `EngineRollout._load_cache`'s gathers), r_b = rows[b] with ``GATHER`` (rows
+    that share a prompt read its one prefilled row), else b; sources [B_src, H, P, W], destinations [B_max, H, T,
+    W], contiguous."""
     bh = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = j < P
-    s = tl.minimum(j + P - tl.load(len_ptr + bh // H), P - 1)
-    src = bh.to(tl.int64) * P + s
+    b = bh // H
+    s = tl.minimum(j + P - tl.load(len_ptr + b), P - 1)
+    if GATHER:
+        sbh = tl.load(rows_ptr + b).to(tl.int64) * H + bh % H
+    else:
+        sbh = bh.to(tl.int64)
+    src = sbh * P + s
     dst = bh.to(tl.int64) * T + j
     _copy_rows(kc_ptr, dkc_ptr, src, dst, ok, WC, WC_PAD)
     _copy_rows(vc_ptr, dvc_ptr, src, dst, ok, WC, WC_PAD)
@@ -345,18 +351,30 @@ def _load_kv_kernel(kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, dkc_ptr, dks
     _copy_rows(vg_ptr, dvg_ptr, src, dst, ok, 1, 1)
 
 
-def load_fp4_kv(dst: tuple, keys: FP4Tensor, values: FP4Tensor, lengths: torch.Tensor) -> None:
-    """Copy a prefill's FP4 K and V ([B, H, P, ...] codes, block scales, row scales [B, H, P, 1]) into a decode cache's
-    fields ``dst`` = (k, k_scale, k_g, v, v_scale, v_g) ([B_max, H, T, ...], row scales [B_max, H, T]) at slots
-    0 .. P - 1, each row's left padding (P - ``lengths[b]`` tokens) removed: one launch for the six copies."""
-    B, H, P, wc = keys.packed.shape
+def load_fp4_kv(dst: tuple, keys: FP4Tensor, values: FP4Tensor, lengths: torch.Tensor,
+                src_rows: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Copy a prefill's FP4 K and V ([B_src, H, P, ...] codes, block scales, row scales [B_src, H, P, 1]) into a decode
+    cache's fields ``dst`` = (k, k_scale, k_g, v, v_scale, v_g) ([B_max, H, T, ...], row scales [B_max, H, T]) at
+    slots 0 .. P - 1 of rows 0 .. B - 1 (B = ``lengths.shape[0]``), each row's left padding (P - ``lengths[b]``
+    tokens) removed: one launch for the six copies. ``src_rows`` [B] (integer): the prefill row each decode row
+    copies (rows with the same prompt share one prefilled row); None: row b copies row b (B_src = B)."""
+    _, H, P, wc = keys.packed.shape
+    B = lengths.shape[0]
     ws = keys.block_scale.shape[-1]
     T = dst[0].shape[2]
     if any(not t.is_contiguous() for t in dst):
         raise ValueError("load_fp4_kv: the decode cache's fields must be contiguous.")
+    if src_rows is None and keys.packed.shape[0] != B:
+        raise ValueError(f"load_fp4_kv: {keys.packed.shape[0]} prefill rows for {B} lengths; pass src_rows.")
+    if src_rows is not None and src_rows.shape != (B,):
+        raise ValueError(
+            f"load_fp4_kv: src_rows must be [{B}] (one prefill row per length), got {list(src_rows.shape)}."
+        )
     src = [f.contiguous() for q in (keys, values) for f in (q.packed, q.block_scale, q.global_scale)]
+    lengths = lengths.contiguous()
     block_t = 64
     _load_kv_kernel[(B * H, triton.cdiv(P, block_t))](
-        *src[0:3], *src[3:6], *dst, lengths.contiguous(), H, P, T, WC=wc, WS=ws, WC_PAD=triton.next_power_of_2(wc),
-        WS_PAD=triton.next_power_of_2(ws), BLOCK_T=block_t, num_warps=4,
+        *src[0:3], *src[3:6], *dst, lengths, lengths if src_rows is None else src_rows.contiguous(), H, P, T, WC=wc,
+        WS=ws, WC_PAD=triton.next_power_of_2(wc), WS_PAD=triton.next_power_of_2(ws), BLOCK_T=block_t,
+        GATHER=src_rows is not None, num_warps=4,
     )  # fmt: skip

@@ -56,6 +56,28 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def batch_invariant(monkeypatch):
+    """Every dense product (transformers' and the engine's, its batch-1 `gemv` included) computed one row at a time:
+    a row's result no longer depends on how many rows share the product (the CPU's BLAS, like cuBLAS, may sum a row
+    otherwise in a product of another row count)."""
+    import torch.nn.functional as F
+
+    from trace_hf.kernels import decode_ops
+    from trace_hf.rollout.engine import FastDecoder
+
+    linear = F.linear
+
+    def by_row(x, w, b=None):
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([linear(r, w, b) for r in rows.split(1)]) if rows.shape[0] else linear(rows, w, b)
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    monkeypatch.setattr(F, "linear", by_row)
+    monkeypatch.setattr(decode_ops, "linear", by_row)
+    monkeypatch.setattr(FastDecoder, "_lm_head", lambda dec, xn: dec.logits.copy_(by_row(xn, dec.w.lm_head)))
+
+
 @pytest.fixture(scope="session")
 def gluon_sass_counts() -> list[dict]:
     """The Gluon kernels' sm_90 loop counts (`sass_counts.gluon_counts`, run in a clean process), or a skip where this

@@ -22,8 +22,10 @@ state keeps a component of its prompt, so rates differ between rows far more tha
 mixture of geometric distributions, truncated at ``--completion``. The
 spread of the last rollout (length quantiles, min, max) and what it cost the engine (waves, bucket rows, decode
 steps per wave, row-steps decoded and those that decoded padding, compactions and each wave's bucket trajectory,
-slot occupancy: kept tokens over the row-steps decoded) are in ``engine_last_rollout``; ``--no-compaction`` turns
-the engine's live-row compaction off (`EngineRollout(compaction=False)`: each wave decodes in its bucket to the end).
+slot occupancy: kept tokens over the row-steps decoded, rows prefilled) are in ``engine_last_rollout``;
+``--no-compaction`` turns the engine's live-row compaction off (`EngineRollout(compaction=False)`: each wave decodes
+in its bucket to the end), ``--no-share-prefill`` its prefill of each distinct prompt once (`EngineRollout(
+share_prefill=False)`: all ``num_generations`` copies of a prompt are prefilled).
 ``--wave-rows`` caps the engine's rows per wave (`EngineRollout(max_rows=...)`); without it the engine admits as
 many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
 model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``), and every finished step prints a
@@ -96,6 +98,9 @@ def parse_args(argv=None):
                         "many as fit in free memory, the engine's own admission)")  # fmt: skip
     p.add_argument("--no-compaction", action="store_true",
                    help="engine rollouts without live-row compaction (EngineRollout(compaction=False))")  # fmt: skip
+    p.add_argument("--no-share-prefill", action="store_true",
+                   help="engine rollouts prefill every row, not each distinct prompt once "
+                        "(EngineRollout(share_prefill=False))")  # fmt: skip
     p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
     p.add_argument("--group-by-length", action="store_true",
                    help="micro-batches of rows of similar length (train_sampling_strategy='group_by_length')")  # fmt: skip
@@ -491,7 +496,7 @@ def engine_stats(rollout) -> dict | None:
         "rows": st.rows, "waves": st.waves, "rows_per_wave": st.rows_per_wave, "bucket_rows": st.bucket_rows,
         "decode_steps": st.steps, "slot_occupancy": st.slot_occupancy, "row_steps": st.row_steps,
         "kept_tokens": st.tokens, "padding_row_steps": st.padding_row_steps, "compactions": st.compactions,
-        "bucket_trajectory": st.buckets,
+        "prefill_rows": st.prefill_rows, "bucket_trajectory": st.buckets,
         "length_quantiles": {f"p{p}": q[min(len(q) - 1, len(q) * p // 100)] for p in (10, 50, 90, 99)},
         "length_min": q[0], "length_max": q[-1],
     }  # fmt: skip
@@ -550,7 +555,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         from trace_hf.rollout import make_rollout
 
         engine = make_rollout(trainer.accelerator.unwrap_model(trainer.model), "engine", trainer.generation_config,
-                              max_rows=args.wave_rows or None, compaction=not args.no_compaction)  # fmt: skip
+                              max_rows=args.wave_rows or None, compaction=not args.no_compaction,
+                              share_prefill=not args.no_share_prefill)  # fmt: skip
         phases.watch_engine(engine)
         trainer.rollout = log.rollout = engine
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
@@ -655,8 +661,9 @@ def main(argv=None, build_model=build_model) -> int:
             continue
         row = {k: r[k] for k in ("setup", "rollout_tokens_per_s", "rollout_s", "step_s", "train_side_s", "peak_gib")}
         st = r.get("engine_last_rollout")
-        if st:  # what the long tail cost the last rollout
-            row.update({k: st[k] for k in ("slot_occupancy", "row_steps", "kept_tokens", "compactions")})
+        if st:  # what the long tail cost the last rollout, and the rows its prefills ran
+            keys = ("slot_occupancy", "row_steps", "kept_tokens", "compactions", "prefill_rows")
+            row.update({k: st[k] for k in keys})
         if base:
             row["rollout_speedup"] = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
             row["step_speedup"] = base["step_s"] / r["step_s"]

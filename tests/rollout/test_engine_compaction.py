@@ -12,14 +12,12 @@ import collections
 
 import pytest
 import torch
-import torch.nn.functional as F
 from rollout_inputs import greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
 from trace_hf.quant.quantizer import quantize_model
 from trace_hf.rollout import EngineRollout
-from trace_hf.rollout.engine import FastDecoder
 
 
 pytest.importorskip("trace_hf.kernels.sampling")
@@ -27,24 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SITES = ["experts_input", "experts_hidden", "kv"]
 LENGTHS = (5, 3, 7, 4)  # prompt lengths: four rows, a bucket of 4 on CPU (2 and 1 below it)
-
-
-@pytest.fixture
-def batch_invariant(monkeypatch):
-    """Every dense product (transformers' and the engine's, its batch-1 `gemv` included) computed one row at a time:
-    a row's result no longer depends on how many rows share the product."""
-    from trace_hf.kernels import decode_ops
-
-    linear = F.linear
-
-    def by_row(x, w, b=None):
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([linear(r, w, b) for r in rows.split(1)]) if rows.shape[0] else linear(rows, w, b)
-        return out.view(*x.shape[:-1], w.shape[0])
-
-    monkeypatch.setattr(F, "linear", by_row)
-    monkeypatch.setattr(decode_ops, "linear", by_row)
-    monkeypatch.setattr(FastDecoder, "_lm_head", lambda dec, xn: dec.logits.copy_(by_row(xn, dec.w.lm_head)))
 
 
 def _qwen3(fp4: bool):

@@ -125,6 +125,14 @@ class TraceGRPOConfig(GRPOConfig):
             "batches). The same tokens, log-probs and records; False decodes every wave in its bucket to the end."
         },
     )
+    rollout_share_prefill: bool = field(
+        default=True,
+        metadata={
+            "help": "Rollout engine: prefill each distinct prompt of a wave once and give its KV cache, first-token "
+            "logits and prompt hints to all its num_generations rows. The same tokens, log-probs and records (rows "
+            "still sample independently); False prefills every row."
+        },
+    )
     trace_hints: bool = field(
         default=True,
         metadata={"help": "Record FP4 rounding hints at rollout and apply them in every training-side forward."},

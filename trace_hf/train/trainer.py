@@ -196,6 +196,7 @@ class TraceGRPOTrainer(GRPOTrainer):
             self.rollout = make_rollout(
                 model, a.rollout_engine, self.generation_config, max_rows=a.rollout_max_rows,
                 free_memory_fraction=a.rollout_free_memory_fraction, compaction=a.rollout_compaction,
+                share_prefill=a.rollout_share_prefill,
             )  # fmt: skip
         return self.rollout
 

@@ -161,14 +161,15 @@ class HybridDecoder(FastDecoder):
     def _has_kv(self, layer: int) -> bool:
         return self.w.dims.layer_types[layer] == "full_attention"
 
-    def load_states(self, cache, rows: int) -> None:
-        """Copy the prefill's conv and recurrent states (transformers' cache) into rows ``:rows``; zero the rest."""
+    def load_states(self, cache, rows: int, src_rows: torch.Tensor | None = None) -> None:
+        """Copy the prefill's conv and recurrent states (transformers' cache) into rows ``:rows``; zero the rest.
+        ``src_rows`` [rows]: the prefill row each row copies (rows that share a prompt; None: its own)."""
         for i, layer in enumerate(cache.layers):
             if self.conv_states[i] is None:
                 continue
             for dst, src in ((self.conv_states[i], layer.conv_states[0]),
                              (self.recurrent_states[i], layer.recurrent_states[0])):  # fmt: skip
-                dst[:rows].copy_(src)
+                dst[:rows].copy_(src if src_rows is None else src[src_rows])
                 dst[rows:].zero_()
 
     # -- the mixers -------------------------------------------------------------------------------------------

@@ -55,11 +55,17 @@ class StepRecords:
         put(self.route, dec.routing)
 
     def hints(self, recorder: HintRecorder, dec, out_tokens: torch.Tensor, B: int, steps: int,
-              full_mask: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor | None = None) -> HintBatch:  # fmt: skip
+              full_mask: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor | None = None,
+              prompt_rows: torch.Tensor | None = None) -> HintBatch:  # fmt: skip
         """Prompt columns from the prefill's recorder, then one column per decode step (its input token); the decode
         steps' K/V hints are read from the decoder's FP4 cache afterwards, row ``b``'s from cache row ``slots[b]``
-        (default ``b``; compaction moves a sequence's cache, not its records)."""
-        bits, scales, gscale, routing, ids = recorder.columns()
+        (default ``b``; compaction moves a sequence's cache, not its records). ``prompt_rows`` [B]: the recorder's
+        row that holds row ``b``'s prompt columns (a prefill of each distinct prompt once; None: row ``b``)."""
+
+        def prompt(t):  # the recorder's [rows, cols, ...] -> [B, cols, ...]
+            return t if prompt_rows is None or t is None else t[prompt_rows]
+
+        bits, scales, gscale, routing, ids = map(prompt, recorder.columns())
 
         def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
             return t[:, :B, :steps].movedim(0, 2)
@@ -70,7 +76,7 @@ class StepRecords:
             return _kv_hints(dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps, slots)
 
         sites = {
-            site: tuple(torch.cat([a, b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
+            site: tuple(torch.cat([prompt(a), b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
             for site, ts in recorder.site_columns().items()
         }
         bits = torch.cat([bits, cols(self.bits)], dim=1)

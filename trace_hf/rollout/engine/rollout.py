@@ -7,7 +7,9 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
 
 * prefill: one forward of the transformers model over the left-padded prompts (eval mode: FP4 experts, the FP4 or
   BF16 KV cache, a `HintRecorder` for the prompt's hints), keeping only the last position's logits; its K/V are
-  copied, left padding removed, into the static cache of `FastDecoder`;
+  copied, left padding removed, into the static cache of `FastDecoder`. Each distinct prompt of a wave is prefilled
+  once (GRPO repeats every prompt ``num_generations`` times) and its cache, logits and prompt hints go to every row
+  that has it (``share_prefill``);
 * decode: `FastDecoder.step` (the model's own parameters and packed FP4 experts, fixed kernels, static buffers)
   followed by the sampler (`trace_hf.rollout.sampling`), the per-row EOS stop and the hint/routing records, all
   inside one step that a CUDA graph captures once per (batch, length, sampling) bucket and replays;
@@ -97,7 +99,8 @@ class EngineStats:
     then or until a compaction moves the live rows into a smaller bucket. ``row_steps`` counts the row-steps the
     buckets decoded (the prefill's token one step of the wave's bucket), ``compactions`` the moves, ``buckets`` each
     wave's (decode step, bucket rows) from its start and each compaction on; ``slot_occupancy`` is the kept tokens
-    over the row-steps."""
+    over the row-steps. ``prefill_rows``: the rows the prefills ran, over all waves (with ``share_prefill``, each
+    wave's distinct prompts; else every row)."""
 
     rows: int
     waves: int
@@ -107,6 +110,7 @@ class EngineStats:
     lengths: list[int] = field(default_factory=list)
     row_steps: int = 0
     compactions: int = 0
+    prefill_rows: int = 0
     buckets: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
@@ -147,13 +151,18 @@ class EngineRollout:
         compaction: when a wave's rows still decoding fit a smaller bucket, move them to the front and step on in
             that bucket (see the module docstring; costs a graph capture per smaller bucket once, and a gather of
             the moved rows' caches per compaction). Off: every wave decodes in its bucket to the end.
+        share_prefill: prefill each distinct prompt of a wave once and give its KV cache (and linear-attention
+            states), first-token logits and prompt hints to every row with that prompt (GRPO's ``num_generations``
+            copies). Changes nothing but the prefill's time and memory (up to the summation order of the prefill's
+            products over fewer rows, as with compaction): rows with the same prompt still sample independently (the
+            sampler keys its noise by row). Off: every row is prefilled.
     """
 
     name = "engine"
 
     def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None,
                  max_rows: int | None = None, free_memory_fraction: float = 0.9,
-                 memory_limit: int | None = None, compaction: bool = True):  # fmt: skip
+                 memory_limit: int | None = None, compaction: bool = True, share_prefill: bool = True):  # fmt: skip
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows={max_rows}: use None (as many as fit) or at least 1.")
         if not 0 < free_memory_fraction <= 1:
@@ -161,7 +170,7 @@ class EngineRollout:
         self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
         self.use_graphs = use_graphs
         self.max_rows, self.free_memory_fraction, self.memory_limit = max_rows, free_memory_fraction, memory_limit
-        self.compaction = compaction
+        self.compaction, self.share_prefill = compaction, share_prefill
         self.stats: EngineStats | None = None
         self._model = None
         self._weights: EngineWeights | ShardedWeights | None = None
@@ -297,11 +306,18 @@ class EngineRollout:
         dec = r.dec
         B = len(prompt_ids)
         ids, mask = left_pad(prompt_ids, s.pad_token_id, dev, vocab_size_of(lm), width=P)
-
-        # Prefill through the transformers model: its cache, its hints, the first token's logits.
-        logits, cache, recorder = self._prefill(lm, ids, mask, dec.kv_fp4, record)
         lengths = mask.sum(1)
-        self._load_cache(dec, cache, lengths, P)
+
+        # Prefill through the transformers model: its cache, its hints, the first token's logits; with share_prefill
+        # of each distinct prompt once (rows `first`), expanded to its rows by `shared` (row -> prefilled row).
+        first, shared = self._distinct(prompt_ids, dev) if self.share_prefill else (None, None)
+        if first is None:
+            logits, cache, recorder = self._prefill(lm, ids, mask, dec.kv_fp4, record)
+        else:
+            logits, cache, recorder = self._prefill(lm, ids[first], mask[first], dec.kv_fp4, record)
+            logits = logits[shared]
+        self.stats.prefill_rows += B if first is None else first.numel()
+        self._load_cache(dec, cache, lengths, P, src_rows=shared)
         del cache
 
         # State of the decode loop; rows past B are padding, stopped from the start.
@@ -353,11 +369,25 @@ class EngineRollout:
         if record:
             full_mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
             slots = torch.argsort(r.row_ids)[:B] if cur is not r else None  # the decoder row each row ended in
-            hints = r.records.hints(recorder, dec, r.out_tokens, B, steps, full_mask, lengths, slots)
+            hints = r.records.hints(recorder, dec, r.out_tokens, B, steps, full_mask, lengths, slots, shared)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         completion_ids, logprobs = to_lists(completion, r.out_logps[:B, : steps + 1], keep)
         return completion_ids, logprobs, hints
+
+    @staticmethod
+    def _distinct(prompt_ids, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The wave's distinct prompts, found on the host: (the first row of each, in order of first appearance;
+        each row's index among them), as device int64 tensors; (None, None) when every prompt is distinct."""
+        index: dict[tuple, int] = {}
+        shared = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
+        if len(index) == len(prompt_ids):
+            return None, None
+        first: dict[int, int] = {}
+        for b, u in enumerate(shared):
+            first.setdefault(u, b)
+        first_rows = torch.tensor(list(first.values()), dtype=torch.int64, device=dev)
+        return first_rows, torch.tensor(shared, dtype=torch.int64, device=dev)
 
     @staticmethod
     def _prefill(lm, ids: torch.Tensor, mask: torch.Tensor, kv_fp4: bool, record: bool):
@@ -386,24 +416,29 @@ class EngineRollout:
         return r.smaller[rows]
 
     @staticmethod
-    def _load_cache(dec: FastDecoder, cache, lengths: torch.Tensor, P: int) -> None:
+    def _load_cache(
+        dec: FastDecoder, cache, lengths: torch.Tensor, P: int, src_rows: torch.Tensor | None = None
+    ) -> None:
         """Copy the prefill's K/V into the decoder's cache, left padding removed (slot j = position j), and the
-        linear-attention layers' conv and recurrent states (per row: no padding to remove)."""
+        linear-attention layers' conv and recurrent states (per row: no padding to remove). ``lengths`` [B]: each
+        decoder row's prompt length; ``src_rows`` [B]: the prefill row each decoder row copies (None: its own)."""
         B = lengths.shape[0]
         src = (torch.arange(P, device=lengths.device)[None, :] + (P - lengths)[:, None]).clamp(max=P - 1)
 
-        def put(dst: torch.Tensor, t: torch.Tensor) -> None:  # t [B, Hkv, P, ...] -> dst[:B, :, :P]
+        def put(dst: torch.Tensor, t: torch.Tensor) -> None:  # t [B_src, Hkv, P, ...] -> dst[:B, :, :P]
+            if src_rows is not None:
+                t = t[src_rows]
             idx = src.view(B, 1, P, *([1] * (t.ndim - 3))).expand(B, t.shape[1], P, *t.shape[3:])
             dst[:B, :, :P].copy_(torch.gather(t, 2, idx).view(dst[:B, :, :P].shape))
 
         if isinstance(dec, HybridDecoder):
-            dec.load_states(cache, B)
+            dec.load_states(cache, B, src_rows)
         for c, layer in zip(dec.caches, cache.layers, strict=True):
             if c is None:  # linear attention: its states were loaded above
                 continue
             if isinstance(layer, FP4KVLayer) and LOAD_KV_KERNEL:
                 kernels().ops.load_fp4_kv((c.k, c.k_scale, c.k_g, c.v, c.v_scale, c.v_g), layer.fp4_keys,
-                                          layer.fp4_values, lengths)  # fmt: skip
+                                          layer.fp4_values, lengths, src_rows)  # fmt: skip
             elif isinstance(layer, FP4KVLayer):
                 for q, (codes, scale, g) in ((layer.fp4_keys, (c.k, c.k_scale, c.k_g)),
                                              (layer.fp4_values, (c.v, c.v_scale, c.v_g))):  # fmt: skip
