@@ -653,40 +653,20 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
     return hq, QuantizedHidden(hq, fp4.FP4Hints(bits, scale, g, "nvfp4"), sorted_ids, num_slots)
 
 
-def _fused_hidden(cfg, off, P, NI, block_t, block_n, device, split=1) -> tuple[dict, tuple]:
-    """(launch arguments, grid) of a Gluon gate/up launch: with the entry's ``fused_hidden`` (one slice of K), or
-    ``fused_split`` (``split`` > 1), unless ``off`` (hints asked for, which the fused quantization does not record)
-    the kernel also quantizes the hidden activation (`fp4_moe_hopper.quantize_token_block`; with split-K after
-    `fp4_moe_hopper.finish_split_tile` sums the slices), its outputs allocated here, on a (column tiles, token
-    blocks) grid (split-K: the unfused grid); else nothing and the (token blocks, column tiles) grid."""
-    grid = (P // block_t, NI // block_n)
-    if not cfg.get("fused_split" if split > 1 else "fused_hidden") or off:
-        return {}, grid
+def _fused_hidden(cfg, off, P, NI, block_t, block_n, device) -> tuple[dict, tuple]:
+    """(launch arguments, grid) of a Gluon gate/up launch: with the entry's ``fused_hidden``, unless ``off`` (hints
+    asked for, which the fused quantization does not record; split-K partial sums) the kernel also quantizes the hidden activation (`fp4_moe_hopper.quantize_token_block`), its outputs
+    allocated here, on a (column tiles, token blocks) grid; else nothing and the (token blocks, column tiles) grid."""
+    if not cfg.get("fused_hidden") or off:
+        return {}, (P // block_t, NI // block_n)
     args = {
+        "FUSED_HIDDEN": True,
         "hq_ptr": torch.empty(P, NI // 2, dtype=torch.uint8, device=device),
         "hs_ptr": torch.empty(P, NI // 16, dtype=torch.uint8, device=device),
         "hg_ptr": torch.empty(P, 1, dtype=torch.float32, device=device),
+        "cnt_ptr": torch.zeros(P // block_t, dtype=torch.int32, device=device),
     }
-    if split > 1:
-        hf = torch.empty(P, NI, dtype=torch.float32, device=device)
-        cnt = _split_counters(grid[0] * (grid[1] + 1), device)
-        return args | {"FUSED_SPLIT": True, "hf_ptr": hf, "cnt_ptr": cnt}, grid
-    return args | {"FUSED_HIDDEN": True, "cnt_ptr": torch.zeros(grid[0], dtype=torch.int32, device=device)}, grid[::-1]
-
-
-#: `fused_split`'s counters (a token block's, then each of its tiles'), per device: zero between launches (each
-#: launch's last programs write theirs back to 0), so that a call needs no memset launch before it (at batch 1 a
-#: launch costs more than its work). Never freed, only outgrown: a captured CUDA graph holds their address.
-#: Launches that use them must not run concurrently (one stream; the decode step's graphs replay in turn).
-_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least ``n`` of the device's `_SPLIT_COUNTERS`, all zero."""
-    kept = _SPLIT_COUNTERS.setdefault(device, [])
-    if not kept or kept[-1].numel() < n:
-        kept.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return kept[-1]
+    return args, (NI // block_n, P // block_t)
 
 
 def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
@@ -705,9 +685,24 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     P = sorted_ids.numel()
+    split = cfg.get("split_k", 1)
+    while split > 1 and H % (split * bk):
+        split //= 2
+    part = _gate_up_out(split, P, NI, x.device)
     stages = check_hopper_entry(cfg)
-    cap_down = cfg.get("maxnreg_down") or cfg.get("maxnreg")
-    hq, hidden = _gate_up_hopper(cfg, x, xs, xg, wgu, wgus, wgug, sorted_ids, expert_ids, n, K, H, NI, return_hidden)
+    cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
+    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
+    fused, grid = _fused_hidden(cfg, return_hidden or split > 1, P, NI, bt, cfg["block_n_gate_up"], x.device)
+    hop.gate_up_kernel[grid + (split,)](
+        x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
+        SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw,
+        **fused, **regs, **launch_options(x.device),
+    )  # fmt: skip
+    if fused:
+        hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
+    else:
+        hq, hidden = _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
     split_down = cfg.get("split_k_down", 1)
     while split_down > 1 and NI % (split_down * bk):
         split_down -= 1
@@ -717,32 +712,9 @@ def _experts_hopper(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg,
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
         X_SHARED=cfg.get("x_shared", False), STAGES=stages, EARLY_WEIGHTS=int(cfg.get("early_weights", 0)),
-        num_warps=nw, **({"maxnreg": cap_down} if cap_down else {}), **launch_options(x.device),
+        num_warps=nw, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden
-
-
-def _gate_up_hopper(cfg, x, xs, xg, wgu, wgus, wgug, sorted_ids, expert_ids, n, K, H, NI, return_hidden):
-    """`_experts_hopper`'s gate/up launch and the hidden activation it gives the down projection: (`FP4Tensor`
-    [P, I] by sorted position, with ``return_hidden`` its `QuantizedHidden`, else None), as `_hidden`."""
-    from trace_hf.kernels import fp4_moe_hopper as hop
-
-    bt, nw, bk = cfg["block_t"], cfg["num_warps"], cfg["block_k"]
-    P = sorted_ids.numel()
-    split = cfg.get("split_k", 1)
-    while split > 1 and H % (split * bk):
-        split //= 2
-    part = _gate_up_out(split, P, NI, x.device)
-    fused, grid = _fused_hidden(cfg, return_hidden, P, NI, bt, cfg["block_n_gate_up"], x.device, split)
-    hop.gate_up_kernel[grid + (split,)](
-        x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
-        SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
-        X_SHARED=cfg.get("x_shared", False), STAGES=check_hopper_entry(cfg), num_warps=nw,
-        **fused, **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **launch_options(x.device),
-    )  # fmt: skip
-    if fused:
-        return FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
-    return _hidden(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
 
 
 def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, sorted_ids, expert_ids, M, K, H, NI,

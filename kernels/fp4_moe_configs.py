@@ -97,13 +97,6 @@ CONFIG = {
 #: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
 #: quantize_token_block`, the same bits on every real slot's row), instead of `fp4_quant.quantize`'s launch over all
 #: [P, I] rows. At batch 128 (this table's 1024 entry) it lost 1.6% in the step (h200_87), so no entry here has it.
-#: ``fused_split`` (default False; with ``split_k`` > 1, not with hints at the hidden): the split-K sum, SiLU * up and
-#: the hidden's quantization inside the gate/up launch (`fp4_moe_hopper.finish_split_tile`: the last of a tile's
-#: split programs sums the partials in split order, the last tile of a token block quantizes its rows; the bits of
-#: `fp4_moe._silu_mul_kernel`), instead of that launch (batch 1: 5.95 us a call, 13.3% of the FP4 step, h200_92); its
-#: counters stay zero between launches (no memset launch). sm_90 gate/up of batch 1's entry: 77 -> 126 registers (a
-#: 768-wide row quantized by one warp; caps of 80 or 96 spill), no spills, loop 428 -> 440 instructions (Triton 3.9's
-#: ptxas). Not measured yet: off.
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 

@@ -148,12 +148,10 @@ def quantize_token_block(h_ptr, q_ptr, sb_ptr, g_ptr, cnt_ptr, sorted_ptr, num_s
     runs at ~4x its bytes' time (a short dependent chain per program), and rows are whole only once every column
     tile is done. The kernels keep FMA contraction on (so the gate/up epilogue is that of the unfused launch, bit for
     bit): the quantization's float arithmetic has no multiply feeding an add (its FMAs are explicit, its divisions
-    correctly rounded), so contraction leaves it as `fp4_quant._fp4_kernel` computes it. The last program writes the
-    counter back to zero, so that counters kept across launches (`finish_split_tile`'s) need no memset."""
+    correctly rounded), so contraction leaves it as `fp4_quant._fp4_kernel` computes it."""
     cta_barrier()  # every warp's stores of the tile come before the release of the counter
     done = gl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu")
     if done == n_progs - 1:
-        gl.store(cnt_ptr + block, 0)  # every program of the block has counted: nothing else reads it in this launch
         NB: gl.constexpr = NI // 16
         NBT: gl.constexpr = next_power_of_2(NB)  # (a constexpr function in Triton)
         # A thread holds one NVFP4 block (16 values); lanes, then warps, along a row's blocks; R rows at a time.
@@ -192,45 +190,6 @@ def quantize_token_block(h_ptr, q_ptr, sb_ptr, g_ptr, cnt_ptr, sorted_ptr, num_s
             m, _ = gl.split(gl.reshape(mask, [R, NBT, 8, 2]))
             gl.store(q_ptr + offs, (lo | (hi << 4)).to(gl.uint8), mask=m)
             x = x_next
-
-
-@gluon.jit
-def finish_split_tile(part, ag_ptr, wg_ptr, e, hf_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr, num_slots, top_k,
-                      pid_m, pid_n, offs_p, slot, valid, n_o, out_l: gl.constexpr, SPLIT_K: gl.constexpr,
-                      BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, NI: gl.constexpr,
-                      NUM_WARPS: gl.constexpr):  # fmt: skip
-    """Split-K's finish inside the gate/up launch (``fused_split``): called by every program after it stored its
-    partial sums at ``part`` (split 0's address of its tile; split k's is ``k * P`` rows further); the last of the
-    tile's ``SPLIT_K`` programs to get here (a counter per tile, after the token blocks' counters in ``cnt_ptr``)
-    reads the tile's partials back from L2, sums them in split order from zero and applies `fp4_moe._silu_mul`'s
-    epilogue in its order (the row's and the expert's global scales, then SiLU(gate) * up), the bits of
-    `fp4_moe._silu_mul_kernel`; it stores the fp32 hidden tile of the real rows at ``hf_ptr`` [P, I] and quantizes
-    the token block's rows once its last tile is done (`quantize_token_block`). Why: at batch 1 that kernel is pure
-    latency between gate/up and down (5.95 us a call, long-scoreboard bound). FMA contraction leaves the epilogue as
-    the unfused launch (built without contraction) computes it: sums of loaded values, then products only (SiLU as
-    ``1 / (1 + exp(-g))``, `triton.language.sigmoid`). The tile counter is written back to zero by its last program
-    (the block's by `quantize_token_block`): zero between launches, kept across them, no memset launch."""
-    tile = gl.num_programs(0) + pid_m * gl.num_programs(1) + pid_n
-    cta_barrier()  # every warp's partial stores come before the release of the counter
-    done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == SPLIT_K - 1:
-        gl.store(cnt_ptr + tile, 0)
-        rows = gl.num_programs(0).to(gl.int64) * BLOCK_T * (2 * NI)  # from one split's partials to the next's
-        acc_g = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=out_l)
-        acc_u = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=out_l)
-        for k in gl.static_range(SPLIT_K):  # .cg: the peers' partials from L2, not from a line L1 kept
-            acc_g += gl.load(part + k * rows, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-            acc_u += gl.load(part + (k * rows + NI), mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        gx = gl.load(ag_ptr + gl.where(valid, slot // top_k, 0), mask=valid, other=0.0)[None, :]
-        acc_g = acc_g * gx
-        acc_u = acc_u * gx
-        gw = gl.load(wg_ptr + e)
-        acc_g = acc_g * gw
-        acc_u = acc_u * gw
-        h = acc_g * (1 / (1 + gl.exp(-acc_g))) * acc_u
-        gl.store(hf_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h, mask=valid[None, :])
-        quantize_token_block(hf_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr, num_slots, pid_m, NI // BLOCK_N,
-                             BLOCK_T, NI, NUM_WARPS)  # fmt: skip
 
 
 @gluon.jit
@@ -363,7 +322,7 @@ def gate_up_kernel(
     ws_ptr,  # uint8 [E, 2I, H/16]
     wg_ptr,  # fp32 [E]
     h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position (padding rows 0); with SPLIT_K > 1 the raw
-    # partial gate and up sums, fp32 [SPLIT_K, P, 2I], that `fp4_moe._silu_mul_kernel` (or FUSED_SPLIT) finishes
+    # partial gate and up sums, fp32 [SPLIT_K, P, 2I], that `fp4_moe._silu_mul_kernel` finishes
     sorted_ptr,  # [P] int32 slot ids (token * top_k + k), num_slots for padding
     expert_ptr,  # [P / BLOCK_T] int32 expert of each token block, -1 past the end
     num_slots,
@@ -384,11 +343,7 @@ def gate_up_kernel(
     hq_ptr=None,  # with FUSED_HIDDEN, out: codes uint8 [P, I/2], scale bytes [P, I/16], row scales fp32 [P]
     hs_ptr=None,
     hg_ptr=None,
-    cnt_ptr=None,  # int32 [P / BLOCK_T], zeros; with FUSED_SPLIT then [P / BLOCK_T, I / BLOCK_N], all zeros
-    # With SPLIT_K > 1: the split-K sum, SiLU * up and the hidden's quantization in this launch (`finish_split_tile`),
-    # into hq_ptr, hs_ptr and hg_ptr, through the fp32 hidden ``hf_ptr`` [P, I]; h_ptr holds the partials as without.
-    FUSED_SPLIT: gl.constexpr = False,
-    hf_ptr=None,
+    cnt_ptr=None,  # int32 [P / BLOCK_T], zeros
 ):
     gdc_wait_for_producer(PDL)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
@@ -494,11 +449,6 @@ def gate_up_kernel(
         # Padding rows are not stored (at batch 1, 7 of every 8): `fp4_moe._silu_mul_kernel` does not read them.
         gl.store(part, acc_g * 268435456.0, mask=valid[None, :])
         gl.store(part + NI, acc_u * 268435456.0, mask=valid[None, :])
-        if FUSED_SPLIT:
-            split0 = h_ptr + offs_p.to(gl.int64)[None, :] * (2 * NI) + n_o[:, None]
-            finish_split_tile(split0, ag_ptr, wg_ptr, e, hf_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr,
-                              num_slots, top_k, pid_m, pid_n, offs_p, slot, valid, n_o, out_l, SPLIT_K, BLOCK_T,
-                              BLOCK_N, NI, NUM_WARPS)  # fmt: skip
         return
     gx = gl.load(ag_ptr + gl.where(valid, slot // top_k, 0), mask=valid, other=0.0)
     scale = (gx * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
@@ -542,9 +492,7 @@ def _down_early_weights(w_ptrs, ws_ptrs, a_ptr, as_ptr, p0, k_off, acc, NI: gl.c
     nearly idle GPU; launched early under PDL, they fetch (and decode: 2/3 of their instructions) their weights
     meanwhile. Safe: the weights are constant, and the expert ids were written before the gate/up kernel ran, which
     has finished once this kernel runs at all (its predecessor, like every PDL kernel here, lets it be scheduled
-    only after its own wait, i.e. after the gate/up kernel ended); with ``fused_split`` the predecessor is the
-    gate/up kernel itself, whose programs let this one be scheduled after their wait, i.e. once every kernel before
-    it (the one that wrote the expert ids among them) has ended. The activations (the hidden, written by the
+    only after its own wait, i.e. after the gate/up kernel ended). The activations (the hidden, written by the
     predecessor) are read after the wait (ptxas places those loads next to their MMAs, as in the loop)."""
     tiles = ()
     for kt in gl.static_range(K_TILES):
