@@ -12,7 +12,7 @@ import collections
 
 import pytest
 import torch
-from rollout_inputs import greedy_config, random_prompts
+from rollout_inputs import assert_same_rollout, greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
@@ -42,19 +42,6 @@ def _on_and_off(model, prompts, gc, record: bool, seed: int = 0, **engine):
         torch.manual_seed(seed)
         outs.append((eng(model, prompts, gc, record=record), eng.stats))
     return outs
-
-
-def _assert_same(a, b, record: bool) -> None:
-    assert a.completion_ids == b.completion_ids
-    assert a.logprobs == b.logprobs
-    if record:
-        ha, hb = a.hints, b.hints
-        for name in ("lengths", "token_ids", "mantissa_bits", "block_scale", "global_scale", "routing"):
-            assert torch.equal(getattr(ha, name), getattr(hb, name)), name
-        assert ha.sites == hb.sites and set(ha.site_hints) == {"experts_hidden", "kv"}
-        for site in ha.site_hints:
-            for x, y in zip(ha.site_hints[site], hb.site_hints[site], strict=True):
-                assert torch.equal(x, y), site
 
 
 def _stops_at_first_token(model, prompts, rows, gc, **engine):
@@ -100,7 +87,7 @@ def test_compaction_changes_no_record(batch_invariant):
     want = [c[: next((j + 1 for j, t in enumerate(c) if t in eos), len(c))] for c in ref]
     (on, st_on), (off, st_off) = _on_and_off(model, prompts, greedy_config(max_new_tokens=5, eos_token_id=eos), True)
     assert [len(c) for c in want] == [1, 2, 3, 5] and on.completion_ids == want
-    _assert_same(on, off, record=True)
+    assert_same_rollout(on, off, record=True)
     assert st_off.compactions == 0 and st_off.buckets == [[(0, 4)]] and st_off.row_steps == 4 * st_off.steps[0]
     # A row retires with the step that feeds its EOS (decode step len - 1); at the next check the rest move down:
     # rows 0 and 1 are gone from step 2 on (bucket 2), row 2 from step 3 (bucket 1).
@@ -124,7 +111,7 @@ def test_sampled_rows_draw_the_same_after_compaction(batch_invariant):
     (on, st_on), (off, _) = _on_and_off(model, prompts, gc, False)
     assert [len(c) for c in on.completion_ids[:2]] == [1, 1] and st_on.compactions >= 1
     assert st_on.buckets[0][:2] == [(0, 4), (1, 2)]  # rows 2 and 3 decode in slots 0 and 1 from step 1 on
-    _assert_same(on, off, record=False)
+    assert_same_rollout(on, off, record=False)
 
 
 def test_each_wave_compacts_in_its_own_rows(batch_invariant):
@@ -141,7 +128,7 @@ def test_each_wave_compacts_in_its_own_rows(batch_invariant):
     (on, st_on), (off, st_off) = _on_and_off(model, prompts, gc, False, max_rows=2)
     assert st_on.waves == 2 and st_on.buckets == [[(0, 2), (1, 1)], [(0, 2), (1, 1)]] and st_on.compactions == 2
     assert st_off.buckets == [[(0, 2)], [(0, 2)]]
-    _assert_same(on, off, record=False)
+    assert_same_rollout(on, off, record=False)
 
 
 def test_qwen35_compaction_moves_the_recurrent_states(batch_invariant):
@@ -155,7 +142,7 @@ def test_qwen35_compaction_moves_the_recurrent_states(batch_invariant):
     assert first[2] not in eos and first[3] not in eos
     (on, st_on), (off, _) = _on_and_off(model, prompts, greedy_config(max_new_tokens=4, eos_token_id=eos), True)
     assert st_on.compactions >= 1 and st_on.buckets[0][1] == (1, 2)
-    _assert_same(on, off, record=True)
+    assert_same_rollout(on, off, record=True)
 
 
 @pytest.mark.gpu
@@ -190,7 +177,7 @@ def test_compaction_graphs_match_eager_gpu(family):
     (a, st), (b, _), (c, st_off) = outs[True, True], outs[False, True], outs[True, False]
     rows = [b for _, b in st.buckets[0]]
     assert rows[0] == 64 and len(rows) >= 2 and rows == sorted(rows, reverse=True) and st_off.compactions == 0
-    _assert_same(a, b, record=True)
+    assert_same_rollout(a, b, record=True)
     same = sum(x == y for x, y in zip(a.completion_ids, c.completion_ids, strict=True))
     assert same >= 0.9 * len(prompts), same
     assert st.slot_occupancy > st_off.slot_occupancy

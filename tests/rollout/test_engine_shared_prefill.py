@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_inputs import greedy_config, random_prompts
+from rollout_inputs import assert_same_rollout, greedy_config, random_prompts
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
@@ -57,20 +57,6 @@ def _on_and_off(model, record: bool, **engine):
     return outs
 
 
-def _assert_same(a, b, record: bool) -> None:
-    assert a.completion_ids == b.completion_ids
-    assert a.logprobs == b.logprobs
-    if record:
-        ha, hb = a.hints, b.hints
-        for name in ("lengths", "token_ids", "mantissa_bits", "block_scale", "global_scale", "routing"):
-            x, y = getattr(ha, name), getattr(hb, name)
-            assert x.shape == y.shape and torch.equal(x, y), name
-        assert ha.sites == hb.sites and set(ha.site_hints) == {"experts_hidden", "kv"}
-        for site in ha.site_hints:
-            for x, y in zip(ha.site_hints[site], hb.site_hints[site], strict=True):
-                assert x.shape == y.shape and torch.equal(x, y), site
-
-
 @pytest.mark.parametrize(
     "family,fp4",
     [("qwen3_moe", True), ("qwen3_moe", False), ("qwen3_5_moe_text", True)],
@@ -81,7 +67,7 @@ def test_shared_prefill_changes_no_row(batch_invariant, family, fp4):
     the three distinct prompts, not the seven rows; rows with one prompt drew apart."""
     model = _model(family, fp4)
     (on, st_on, rows_on), (off, st_off, rows_off) = _on_and_off(model, record=fp4)
-    _assert_same(on, off, record=fp4)
+    assert_same_rollout(on, off, record=fp4)
     assert rows_on == [3] and rows_off == [len(ROWS)]  # the model's forwards: the prefill only (the engine decodes)
     assert st_on.prefill_rows == 3 and st_off.prefill_rows == len(ROWS)
     assert len({tuple(on.completion_ids[b]) for b in (0, 2, 5)}) > 1  # one prompt, independent draws
@@ -93,7 +79,7 @@ def test_shared_prefill_per_wave(batch_invariant):
     (on, st_on, rows_on), (off, st_off, rows_off) = _on_and_off(model, record=False, max_rows=4)
     assert st_on.waves == 2 and rows_on == [3, 3] and st_on.prefill_rows == 6
     assert rows_off == [4, 3] and st_off.prefill_rows == len(ROWS)
-    _assert_same(on, off, record=False)
+    assert_same_rollout(on, off, record=False)
 
 
 def test_trainer_passes_share_prefill_to_the_engine(engine_grpo_step):
