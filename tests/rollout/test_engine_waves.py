@@ -37,15 +37,19 @@ def _gc(**kw):
     return greedy_config(**{"max_new_tokens": 6, **kw})
 
 
-def _per_row(model, gc, record: bool) -> int:
-    """What one row takes, as the engine counts it (`bytes_per_row`)."""
+def _row_bytes(model, gc, record: bool, P: int = max(ROWS)):
+    """What one row takes, as the engine counts it (`bytes_per_row`: decoding, and its prefill)."""
     from trace_hf.rollout.engine import kv_format, weights_from_hf
     from trace_hf.rollout.engine.runner import bytes_per_row
     from trace_hf.rollout.sampling import SamplingSettings
 
     s = SamplingSettings.from_generation_config(gc)
-    P = max(ROWS)
     return bytes_per_row(weights_from_hf(model), P + s.max_new_tokens, P, s, kv_format(model) is not None, record)
+
+
+def _per_row(model, gc, record: bool) -> int:
+    """One row prefilled on its own: with distinct prompts, every row."""
+    return _row_bytes(model, gc, record).total
 
 
 def test_row_buckets_up_to_512_and_past():
@@ -121,6 +125,24 @@ def test_max_rows_waves_and_sampling_seeds():
     assert all(len(c) == 6 for c in waves.completion_ids)
 
 
+def test_a_shared_prefill_admits_more_rows():
+    """GRPO's repeated prompts (4 prompts x 2): a wave prefills only its distinct prompts, so a memory cap of 4 rows
+    decoding and 2 prefills runs 2 waves of 4 rows with ``share_prefill``, and 3 waves of 3 (3 prefills each)
+    without it. Greedy, both give every row the same tokens."""
+    model = _model(True)
+    base = random_prompts(model, (6, 6, 6, 6))
+    prompts = [p for p in base for _ in range(2)]
+    gc = _gc(eos_token_id=None)
+    rb = _row_bytes(model, gc, True, P=6)
+    assert 0 < rb.prefill < rb.decode
+    limit = rb.wave(4, 2)
+    shared, unshared = (EngineRollout(memory_limit=limit, share_prefill=on) for on in (True, False))
+    a, b = shared(model, prompts, gc, record=True), unshared(model, prompts, gc, record=True)
+    assert (shared.stats.waves, shared.stats.rows_per_wave, shared.stats.prefill_rows) == (2, 4, 4)
+    assert (unshared.stats.waves, unshared.stats.rows_per_wave, unshared.stats.prefill_rows) == (3, 3, 8)
+    assert a.completion_ids == b.completion_ids
+
+
 def test_a_row_that_cannot_fit_names_the_knob():
     model = _model(False)
     gc = _gc()
@@ -151,7 +173,7 @@ def test_waves_and_large_buckets_on_the_gpu():
     s = SamplingSettings.from_generation_config(gc)
     P = max(len(p) for p in prompts)
     per_row = bytes_per_row(weights_from_hf(model), 256, P, s, kv_format(model) is not None, True)  # length bucket
-    small = EngineRollout(memory_limit=192 * per_row)
+    small = EngineRollout(memory_limit=per_row.wave(192, 192))
     waves = small(model, prompts, gc, record=True)
     assert small.stats.waves == 2 and small.stats.rows_per_wave == 150 and small.stats.bucket_rows == 192
     same = sum(a == b for a, b in zip(waves.completion_ids, one.completion_ids, strict=True))

@@ -85,6 +85,9 @@ def main(out_dir: str) -> None:
     }
     with open(os.path.join(out_dir, f"fsdp2-{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Both ranks reach here before either tears the group down: a gloo group destroyed while its peer still has
+    # collectives in flight can abort the process ("terminate called without an active exception", CI on 4f1e7c0).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -16,8 +16,8 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
 * stop: rows that emit an EOS id stop (their later tokens are padding); the loop ends at max_new_tokens or once
   every row has stopped (checked every few steps, the only host synchronization);
 * admission: as many rows decode at once as fit in the memory the engine may take (`runner.bytes_per_row`: the
-  FP4 KV cache makes that several times more rows than BF16's); a rollout of more rows runs in equal waves, one
-  after the other, in one bucket;
+  FP4 KV cache makes that several times more rows than BF16's; a shared prefill holds one prompt cache per distinct
+  prompt, not per row); a rollout of more rows runs in equal waves, one after the other, in one bucket;
 * compaction (the long tail): a wave decodes until its longest row stops. Whenever the rows still needed fit a
   smaller bucket (checked every ``check_every`` steps, at the stop check's one synchronization), the engine swaps
   them into the first rows (K/V caches, linear-attention states, positions, input tokens, stop and sampler state:
@@ -67,7 +67,7 @@ from .kernels import kernels
 from .layouts import layout_of
 from .qwen35 import HybridDecoder
 from .recording import cat_hints
-from .runner import Runner, bytes_per_row, largest_bucket, row_bucket
+from .runner import RowBytes, Runner, bytes_per_row, largest_bucket, row_bucket
 from .support import kv_format, unsupported_reason
 from .weights import DecodeWeights, EngineWeights, ShardedWeights, engine_weights
 
@@ -88,6 +88,12 @@ def _cache_kwarg(lm) -> str:
 
 def _bucket(n: int, step: int) -> int:
     return -(-n // step) * step
+
+
+def prompt_index(prompt_ids) -> list[int]:
+    """Each row's prompt as an index among the distinct prompts, in order of first appearance."""
+    index: dict[tuple, int] = {}
+    return [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
 
 
 @dataclass
@@ -132,8 +138,8 @@ class EngineRollout:
     (rows, length, sampling) buckets, with their graphs, across calls.
 
     It decodes as many rows at once as fit: one row takes `bytes_per_row` (its KV cache, FP4 or in the model dtype,
-    the prefill's cache, sampler and record buffers), and a rollout of more rows than fit runs in waves of equal size
-    (see `EngineStats` for what the waves and the long tail of lengths cost).
+    sampler and record buffers, and the prefill's cache of each prompt the wave prefills), and a rollout of more rows
+    than fit runs in waves of equal size (see `EngineStats` for what the waves and the long tail of lengths cost).
 
     Args:
         max_buckets: decoders (KV caches and graphs) kept alive at once.
@@ -153,9 +159,9 @@ class EngineRollout:
             the moved rows' caches per compaction). Off: every wave decodes in its bucket to the end.
         share_prefill: prefill each distinct prompt of a wave once and give its KV cache (and linear-attention
             states), first-token logits and prompt hints to every row with that prompt (GRPO's ``num_generations``
-            copies). Changes nothing but the prefill's time and memory (up to the summation order of the prefill's
-            products over fewer rows, as with compaction): rows with the same prompt still sample independently (the
-            sampler keys its noise by row). Off: every row is prefilled.
+            copies). Changes nothing but the prefill's time and memory, so more rows fit a wave (up to the
+            summation order of the prefill's products over fewer rows, as with compaction): rows with the same
+            prompt still sample independently (the sampler keys its noise by row). Off: every row is prefilled.
     """
 
     name = "engine"
@@ -197,35 +203,48 @@ class EngineRollout:
         free += sum(r.nbytes for r in self._runners.values())  # evicted before a new bucket is allocated
         return int(free * self.free_memory_fraction)
 
-    def _waves(self, rows: int, per_row: int, prompt_len: int, max_new: int, dev) -> tuple[int, int]:
-        """(rows per wave, bucket rows) for a rollout of ``rows`` rows of ``per_row`` bytes each: as many rows as the
-        budget admits, in equal waves. Raises only when a single row does not fit."""
+    def _waves(self, prompt_ids, per_row: RowBytes, prompt_len: int, max_new: int, dev) -> tuple[int, int, int]:
+        """(rows per wave, bucket rows, the wave's bytes) for a rollout of ``prompt_ids``: the fewest equal waves
+        whose every wave fits the budget: its bucket's rows decoding, and its prefill, which with ``share_prefill``
+        runs the wave's distinct prompts only (GRPO's repeated prompts admit more rows). Raises only when a single
+        row does not fit."""
         budget = self._budget(dev)
         bucketed = dev.type == "cuda"
-        fit = rows if budget is None else budget // per_row
-        fit = largest_bucket(fit) if bucketed else fit
-        if fit < 1:
+        rows = len(prompt_ids)
+        if budget is not None and budget < per_row.total:
             knob = "memory_limit" if self.memory_limit is not None else "free_memory_fraction"
             raise torch.OutOfMemoryError(
                 f"The rollout engine cannot fit one row of {prompt_len} prompt + {max_new} completion tokens: it "
-                f"takes about {per_row / 2**20:.1f} MiB (KV cache, prefill cache, sampler and record buffers) and "
-                f"EngineRollout({knob}={getattr(self, knob)}) allows {budget / 2**20:.1f} MiB. Raise {knob} (or "
+                f"takes about {per_row.total / 2**20:.1f} MiB (KV cache, prefill cache, sampler and record buffers) "
+                f"and EngineRollout({knob}={getattr(self, knob)}) allows {budget / 2**20:.1f} MiB. Raise {knob} (or "
                 "free device memory), or lower max_completion_length / max_prompt_length."
             )
-        limit = min(fit, self.max_rows or rows, rows)
+        prompt_of = prompt_index(prompt_ids) if self.share_prefill else range(rows)
+        limit = min(self.max_rows or rows, rows)
+        if budget is not None:  # no wave holds more rows than fit decoding in its bucket
+            fit = budget // per_row.decode
+            limit = max(1, min(limit, largest_bucket(fit) if bucketed else fit))
         waves = -(-rows // limit)
-        wave = -(-rows // waves)
-        return wave, row_bucket(wave) if bucketed else wave
+        while True:
+            wave = -(-rows // waves)
+            bucket = row_bucket(wave) if bucketed else wave
+            prefilled = max(len(set(prompt_of[a : a + wave])) for a in range(0, rows, wave))
+            need = per_row.wave(bucket, prefilled)
+            if budget is None or need <= budget or waves == rows:  # one row a wave fits (checked above)
+                return wave, bucket, need
+            waves += 1
 
     def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool,
-                per_row: int = 0):  # fmt: skip
+                per_row: RowBytes, need: int):  # fmt: skip
+        """The runner of this bucket, built (after evicting the oldest ones while ``need``, the wave's bytes, does not
+        fit) or reused."""
         key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record, self.compaction)
         if key in self._runners:
             self._runners.move_to_end(key)
             return self._runners[key]
         dev = w.embed.device
         while len(self._runners) >= self.max_buckets or (self._runners and dev.type == "cuda"
-                                                          and batch * per_row > self._free(dev)):  # fmt: skip
+                                                          and need > self._free(dev)):  # fmt: skip
             self._runners.popitem(last=False)
             if dev.type == "cuda":
                 gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
@@ -242,7 +261,7 @@ class EngineRollout:
                 "and graph buffers) although its estimate fit. Lower EngineRollout(free_memory_fraction=...) or "
                 "max_rows, or max_completion_length / max_prompt_length."
             ) from e
-        runner.nbytes = batch * per_row
+        runner.nbytes = batch * per_row.decode  # what it keeps: the prefill's cache is gone after each wave
         self._runners[key] = runner
         return runner
 
@@ -282,13 +301,13 @@ class EngineRollout:
         length = _bucket(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
         kv_fp4 = kv_format(lm) is not None
         per_row = bytes_per_row(w, length, P, s, kv_fp4, record)
-        wave, batch = self._waves(len(prompt_ids), per_row, P, s.max_new_tokens, dev)
+        wave, batch, need = self._waves(prompt_ids, per_row, P, s.max_new_tokens, dev)
         self.stats = EngineStats(len(prompt_ids), -(-len(prompt_ids) // wave), wave, batch)
         ids, lps, hints = [], [], []
         for k, a in enumerate(range(0, len(prompt_ids), wave)):
             # Wave k draws with seed + k: its rows' draws are independent of the other waves' rows of the same slots.
             sk = s if k == 0 else dataclasses.replace(s, seed=s.seed + k)
-            r = self._runner(w, batch, length, sk, kv_fp4, record, per_row)
+            r = self._runner(w, batch, length, sk, kv_fp4, record, per_row, need)
             c, lp, h = self._wave(lm, r, prompt_ids[a : a + wave], P, sk, record, dev)
             ids += c
             lps += lp
@@ -379,9 +398,8 @@ class EngineRollout:
     def _distinct(prompt_ids, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The wave's distinct prompts, found on the host: (the first row of each, in order of first appearance;
         each row's index among them), as device int64 tensors; (None, None) when every prompt is distinct."""
-        index: dict[tuple, int] = {}
-        shared = [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
-        if len(index) == len(prompt_ids):
+        shared = prompt_index(prompt_ids)
+        if len(set(shared)) == len(prompt_ids):
             return None, None
         first: dict[int, int] = {}
         for b, u in enumerate(shared):

@@ -5,12 +5,13 @@ step records, and (on CUDA) the decode step captured in a CUDA graph, replayed o
 Buckets: rows round up to a power of two up to 64 and to a multiple of 64 above (`row_bucket`: at most 1.5x the
 rows at 65-128 and then less, instead of 2x for powers of two past 64); cache lengths to a multiple of the engine's
 ``length_bucket``. So a rollout of the same shape replays the same graph, and one of 257-320 rows does not pay for
-512. `bytes_per_row` is what the engine admits by: the memory one row of a bucket takes.
+512. `bytes_per_row` is what the engine admits by: the memory one row of a bucket takes, and its prefill.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -48,22 +49,41 @@ def largest_bucket(cap: int) -> int:
     return cap // ROW_STEP * ROW_STEP
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBytes:
+    """Device bytes a wave takes, per row (what the engine admits by). ``decode``: what each row of the bucket
+    holds while the wave decodes (its static KV cache, linear-attention states, logits and the sampler's
+    temporaries, output buffers, step records); ``prefill``: the transformers cache of one prefilled prompt, alive
+    until it is copied into the static cache. With a shared prefill a wave prefills its distinct prompts only."""
+
+    decode: int
+    prefill: int
+
+    def wave(self, bucket_rows: int, prefilled: int) -> int:
+        """Bytes of a wave decoding in ``bucket_rows`` rows whose prefill ran ``prefilled`` prompts."""
+        return bucket_rows * self.decode + prefilled * self.prefill
+
+    @property
+    def total(self) -> int:
+        """One row that is prefilled on its own: the least a wave needs."""
+        return self.decode + self.prefill
+
+
 def bytes_per_row(w: DecodeWeights, length: int, prompt_len: int, s: SamplingSettings, kv_fp4: bool,
-                  record: bool) -> int:  # fmt: skip
-    """Device bytes one row of a bucket takes: its static KV cache of ``length`` tokens (FP4: codes and scales),
-    the prefill's transformers cache of its ``prompt_len`` tokens (alive until it is copied in), linear-attention
-    states, logits and the sampler's fp32 [V] temporaries, the output buffers and, when recording, the step records
-    (`StepRecords.bytes_per_row`)."""
+                  record: bool) -> RowBytes:  # fmt: skip
+    """What one row takes (`RowBytes`): its static KV cache of ``length`` tokens (FP4: codes and scales),
+    linear-attention states, logits and the sampler's fp32 [V] temporaries, the output buffers and, when recording,
+    the step records (`StepRecords.bytes_per_row`); and the prefill's cache of its ``prompt_len`` tokens."""
     d = w.dims
     kv = kernels().attention.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size())
-    need = (length + prompt_len) * kv * w.num_kv_layers + w.state_bytes_per_row()
+    need = length * kv * w.num_kv_layers + w.state_bytes_per_row()
     need += 9 * d.vocab * 4 + (d.vocab if s.repetition_penalty else 0) + 12 * s.max_new_tokens
     if record:
         hinted = [lw for lw in w.layers if lw.hinted] if w.fp4_experts else []
         n_in = sum("experts_input" in lw.hint_sites for lw in hinted)
         n_hidden = sum("experts_hidden" in lw.hint_sites for lw in hinted)
         need += StepRecords.bytes_per_row(d, n_in, n_hidden, s.max_new_tokens)
-    return need
+    return RowBytes(need, prompt_len * kv * w.num_kv_layers)
 
 
 class Runner:
