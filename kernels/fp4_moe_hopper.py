@@ -202,10 +202,39 @@ def _mma8(w, ws, x, xs, acc):
 
 
 @gluon.jit
-def _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl.constexpr):
+def token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl.constexpr):
+    """Token block ``pid_m``'s sorted positions, their slot ids and which are real slots (not padding)."""
     offs_p = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=layout)
     slot = gl.load(sorted_ptr + offs_p)
     return offs_p, slot, slot < num_slots
+
+
+@gluon.jit
+def silu_mul_store(acc_g, acc_u, h_ptr, ag_ptr, wg_ptr, e, offs_p, slot, valid, n_o, top_k, NI: gl.constexpr):
+    """The gate/up epilogue of the Gluon expert kernels, on accumulators in a store layout (tokens along its columns:
+    sorted positions ``offs_p``, slots ``slot``, ``valid`` for real slots; hidden columns ``n_o`` along its rows):
+    the global scales (2^28 undoes the two 2^-14 of the decoded operands), SiLU(gate) * up, padding columns 0,
+    stored by sorted position."""
+    gx = gl.load(ag_ptr + gl.where(valid, slot // top_k, 0), mask=valid, other=0.0)
+    scale = (gx * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
+    acc_g = acc_g * scale
+    acc_u = acc_u * scale
+    h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+    h = gl.where(valid[None, :], h, 0.0)
+    gl.store(h_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h)
+
+
+@gluon.jit
+def down_store(acc, y_ptr, ag_ptr, tw_ptr, wg_ptr, e, offs_p, slot, valid, pid_n, pid_k, H: gl.constexpr,
+               BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr, out_l: gl.constexpr):  # fmt: skip
+    """The down epilogue of the Gluon expert kernels, on the accumulator in the store layout ``out_l`` (tokens along
+    its columns, as in `silu_mul_store`): the hidden's row scale, the routing weight and the weights' global scale
+    (times 2^28), each real slot's row written (split ``pid_k`` of ``SPLIT_K`` side by side in it)."""
+    scale = gl.load(ag_ptr + offs_p, mask=valid, other=0.0) * gl.load(tw_ptr + slot, mask=valid, other=0.0)
+    acc = acc * (scale * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
+    n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+    out = y_ptr + (gl.where(valid, slot, 0).to(gl.int64) * SPLIT_K + pid_k)[None, :] * H + n_o[:, None]
+    gl.store(out, acc, mask=valid[None, :])
 
 
 @gluon.jit
@@ -288,9 +317,9 @@ def _gate_up_x_ptrs(a_ptr, as_ptr, sorted_ptr, pid_m, num_slots, top_k, k_off, H
                     BLOCK_T: gl.constexpr, KW: gl.constexpr, lb: gl.constexpr, lb1: gl.constexpr):  # fmt: skip
     """Pointers to the first K tile of the gate/up program's activation rows (its token block's tokens; padding
     reads row 0): code words in the B operand layout, scale bytes in its k_width=1 layout."""
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+    offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
     tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[None, :]
-    offs_p1, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
+    offs_p1, slot1, valid1 = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb1))
     tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[None, :]
     x_ptrs = (
         a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
@@ -388,7 +417,7 @@ def gate_up_kernel(
         for st in gl.static_range(STAGES - 1):
             _ring_copy(bufs, st, srcs, st, offs, K_TILES, BLOCK_N, KW)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
-        _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+        _p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
@@ -407,7 +436,7 @@ def gate_up_kernel(
         g, gs = gl.load(g_ptrs), gl.load(gs_ptrs)
         u, us = gl.load(g_ptrs + u_off), gl.load(gs_ptrs + us_off)
         xsm = gl.allocate_shared_memory(gl.float16, [K_TILES * 8, KW, BLOCK_T], _X_SMEM)
-        _p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
+        _p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, lb))
         rows = gl.where(valid, slot // top_k, 0).to(gl.int64)
         _stage_x(xsm, a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True), as_ptr, rows, k_off, H // 8, KW, K_TILES,
                  NUM_WARPS)  # fmt: skip
@@ -438,11 +467,11 @@ def gate_up_kernel(
         xs2 = pair_scales_t(xs, lb)
         acc_g = _mma8(g, pair_scales(gs, la), x, xs2, acc_g)
         acc_u = _mma8(u, pair_scales(us, la), x, xs2, acc_u)
-    # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
+    # Epilogue in a store-friendly layout (`silu_mul_store`).
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
     acc_u = gl.convert_layout(acc_u, out_l)
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
+    offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
     n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
     if SPLIT_K > 1:
         part = h_ptr + (pid_k * gl.num_programs(0) * BLOCK_T + offs_p).to(gl.int64)[None, :] * (2 * NI) + n_o[:, None]
@@ -450,13 +479,7 @@ def gate_up_kernel(
         gl.store(part, acc_g * 268435456.0, mask=valid[None, :])
         gl.store(part + NI, acc_u * 268435456.0, mask=valid[None, :])
         return
-    gx = gl.load(ag_ptr + gl.where(valid, slot // top_k, 0), mask=valid, other=0.0)
-    scale = (gx * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
-    acc_g = acc_g * scale
-    acc_u = acc_u * scale
-    h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-    h = gl.where(valid[None, :], h, 0.0)
-    gl.store(h_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h)
+    silu_mul_store(acc_g, acc_u, h_ptr, ag_ptr, wg_ptr, e, offs_p, slot, valid, n_o, top_k, NI)
     if FUSED_HIDDEN:
         quantize_token_block(h_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr, num_slots, pid_m, NI // BLOCK_N,
                              BLOCK_T, NI, NUM_WARPS)  # fmt: skip
@@ -632,9 +655,5 @@ def down_kernel(
         acc = _mma8(w, pair_scales(ws, la), x, pair_scales_t(xs, lb), acc)
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     acc = gl.convert_layout(acc, out_l)
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
-    scale = gl.load(ag_ptr + offs_p, mask=valid, other=0.0) * gl.load(tw_ptr + slot, mask=valid, other=0.0)
-    acc = acc * (scale * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
-    n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-    out = y_ptr + (gl.where(valid, slot, 0).to(gl.int64) * SPLIT_K + pid_k)[None, :] * H + n_o[:, None]
-    gl.store(out, acc, mask=valid[None, :])
+    offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
+    down_store(acc, y_ptr, ag_ptr, tw_ptr, wg_ptr, e, offs_p, slot, valid, pid_n, pid_k, H, BLOCK_N, SPLIT_K, out_l)

@@ -37,9 +37,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
     cta_barrier,
     decode8,
+    down_store,
     gdc_wait_for_producer,
     pair_scales,
     quantize_token_block,
+    silu_mul_store,
+    token_block,
 )
 
 
@@ -88,13 +91,6 @@ def _mma_tile(wd, bufs, base, acc, SLICE_BUFFERS: gl.constexpr):
     for j in gl.static_range(8):
         acc = warpgroup_mma(wd[j], _x_slice(bufs, base, j, SLICE_BUFFERS).permute((1, 0)), acc, is_async=True)
     return acc
-
-
-@gluon.jit
-def _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T: gl.constexpr, layout: gl.constexpr):
-    offs_p = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=layout)
-    slot = gl.load(sorted_ptr + offs_p)
-    return offs_p, slot, slot < num_slots
 
 
 @gluon.jit
@@ -161,9 +157,9 @@ def gate_up_kernel(
     lw: gl.constexpr = gl.BlockedLayout([1, 2], [32 // (KW // 2), KW // 2], [NUM_WARPS, 1], [1, 0])
     ls: gl.constexpr = gl.BlockedLayout([1, 1], [32 // (KW // 2), KW // 2], [NUM_WARPS, 1], [1, 0])
     # The token rows of the block (padding reads row 0; its columns are dropped in the epilogue).
-    _, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(1, lw))
+    _, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(1, lw))
     tok = gl.where(valid, slot // top_k, 0).to(gl.int64)[:, None]
-    _, slot1, valid1 = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(1, ls))
+    _, slot1, valid1 = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(1, ls))
     tok1 = gl.where(valid1, slot1 // top_k, 0).to(gl.int64)[:, None]
     x_w = a_ptr.to(gl.pointer_type(gl.uint32), bitcast=True)
     xw_off = tok * (H // 8) + gl.arange(0, KW, layout=gl.SliceLayout(0, lw)).to(gl.int64)[None, :]
@@ -219,19 +215,13 @@ def gate_up_kernel(
     acc_g = _mma_tile(gd, buf, cur, acc_g, SLICE_BUFFERS)
     acc_u = _mma_tile(ud, buf, cur, acc_u, SLICE_BUFFERS)
     acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u) + gd + ud)[:2]
-    # Epilogue in a store-friendly layout: global scales (2^28 undoes the two 2^-14), SiLU(gate) * up.
+    # Epilogue in a store-friendly layout (`silu_mul_store`).
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])
     acc_g = gl.convert_layout(acc_g, out_l)
     acc_u = gl.convert_layout(acc_u, out_l)
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
+    offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
     n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-    gx = gl.load(ag_ptr + gl.where(valid, slot // top_k, 0), mask=valid, other=0.0)
-    scale = (gx * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
-    acc_g = acc_g * scale
-    acc_u = acc_u * scale
-    h = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-    h = gl.where(valid[None, :], h, 0.0)
-    gl.store(h_ptr + offs_p.to(gl.int64)[None, :] * NI + n_o[:, None], h)
+    silu_mul_store(acc_g, acc_u, h_ptr, ag_ptr, wg_ptr, e, offs_p, slot, valid, n_o, top_k, NI)
     if FUSED_HIDDEN:
         quantize_token_block(h_ptr, hq_ptr, hs_ptr, hg_ptr, cnt_ptr, sorted_ptr, num_slots, pid_m, NI // BLOCK_N,
                              BLOCK_T, NI, NUM_WARPS)  # fmt: skip
@@ -307,9 +297,5 @@ def down_kernel(
     acc = warpgroup_mma_wait(0, deps=(acc,) + wd)[0]
     out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS // 2, 2], [0, 1])
     acc = gl.convert_layout(acc, out_l)
-    offs_p, slot, valid = _token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
-    scale = gl.load(ag_ptr + offs_p, mask=valid, other=0.0) * gl.load(tw_ptr + slot, mask=valid, other=0.0)
-    acc = acc * (scale * (gl.load(wg_ptr + e) * 268435456.0))[None, :]
-    n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-    out = y_ptr + gl.where(valid, slot, 0).to(gl.int64)[None, :] * H + n_o[:, None]
-    gl.store(out, acc, mask=valid[None, :])
+    offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
+    down_store(acc, y_ptr, ag_ptr, tw_ptr, wg_ptr, e, offs_p, slot, valid, pid_n, 0, H, BLOCK_N, 1, out_l)

@@ -3,6 +3,7 @@
 per value in the quantization kernel, in sm_90 machine code, without a GPU.
 
     python -m benchmarks.kernels.sass_counts    # the Gluon kernels (experts, attention) and the Triton ones, ~1 minute
+    python -m benchmarks.kernels.sass_counts --dump DIR   # every table kernel's whole SASS, to diff a change
 
 Compiles each kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled ptxas), disassembles
 the cubin with the bundled cuobjdump, finds the loop (the backward branch) and counts its instructions by opcode
@@ -254,6 +255,60 @@ def gemv_early_counts(early: int, x_bcast: bool = False) -> dict:
     }
 
 
+def table_kernels():
+    """(name, kernel, signature, constexprs, num_warps, compile options) of every Gluon expert kernel as the tables
+    launch it (Qwen3-30B-A3B shapes, PDL on): each `HOPPER` and `WGMMA` entry's gate/up (with and without the fused
+    hidden quantization, and at each split-K the entry uses) and down kernels, under the entry's register caps."""
+    from trace_hf.kernels import fp4_moe_configs as configs
+    from trace_hf.kernels import fp4_moe_hopper as hop
+    from trace_hf.kernels import fp4_moe_wgmma as wg
+
+    fused = {"hq_ptr": "*u8", "hs_ptr": "*u8", "hg_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for i, (_limit, c) in enumerate(configs.HOPPER):
+        tile = {"H": 2048, "NI": 768, "BLOCK_T": c["block_t"], "BLOCK_K": c["block_k"], "NUM_WARPS": c["num_warps"],
+                "X_SHARED": c.get("x_shared", False), "STAGES": c.get("stages", 0), "PDL": True}  # fmt: skip
+        cap, cap_down = c.get("maxnreg"), c.get("maxnreg_down") or c.get("maxnreg")
+        for split in sorted({1, c.get("split_k", 1)}):
+            for f in (False, True) if split == 1 else (False,):
+                consts = (
+                    tile | {"SPLIT_K": split, "BLOCK_N": c["block_n_gate_up"]} | ({"FUSED_HIDDEN": True} if f else {})
+                )
+                sig = _signature("h_ptr", True) | (fused if f else {})
+                yield (f"hopper{i}_gate_up_split{split}{'_fused' if f else ''}", hop.gate_up_kernel, sig, consts,
+                       c["num_warps"], {"maxnreg": cap} if cap else {})  # fmt: skip
+        for split in sorted({1, c.get("split_k_down", 1)}):
+            consts = tile | {"SPLIT_K": split, "BLOCK_N": c["block_n_down"],
+                             "EARLY_WEIGHTS": int(c.get("early_weights", 0))}  # fmt: skip
+            yield (f"hopper{i}_down_split{split}", hop.down_kernel, _signature("y_ptr", False), consts, c["num_warps"],
+                   {"maxnreg": cap_down} if cap_down else {})  # fmt: skip
+    for i, (_start, c) in enumerate(configs.WGMMA):
+        tile = {"H": 2048, "NI": 768, "BLOCK_T": c["block_t"], "BLOCK_K": c["block_k"], "NUM_WARPS": c["num_warps"],
+                "SLICE_BUFFERS": bool(c.get("slice_buffers")), "PDL": True}  # fmt: skip
+        cap, cap_down = c.get("maxnreg"), c.get("maxnreg_down") or c.get("maxnreg")
+        for f in (False, True):
+            consts = tile | {"BLOCK_N": c["block_n_gate_up"], "GATE_FIRST": bool(c.get("gate_first"))}
+            consts |= {"FUSED_HIDDEN": True} if f else {}
+            sig = _signature("h_ptr", True) | (fused if f else {})
+            yield (f"wgmma{i}_gate_up{'_fused' if f else ''}", wg.gate_up_kernel, sig, consts, c["num_warps"],
+                   {"maxnreg": cap} if cap else {})  # fmt: skip
+        yield (f"wgmma{i}_down", wg.down_kernel, _signature("y_ptr", False), tile | {"BLOCK_N": c["block_n_down"]},
+               c["num_warps"], {"maxnreg": cap_down} if cap_down else {})  # fmt: skip
+
+
+def dump(out_dir: str) -> list[str]:
+    """Write the whole sm_90 SASS of each `table_kernels` kernel to ``out_dir``/<name>.sass (instructions only, one a
+    line): run it before and after a change and diff the folders. Why: a refactor of the Gluon kernels whose machine
+    code is unchanged needs no device time to show that it changes nothing."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = []
+    for name, fn, sig, consts, nw, opts in table_kernels():
+        lines = compile_sass(fn, sig, consts, nw, **opts)
+        with open(os.path.join(out_dir, f"{name}.sass"), "w") as f:
+            f.write("\n".join(text for _, text in lines) + "\n")
+        names.append(name)
+    return names
+
+
 def _top(ops: dict) -> dict:
     return dict(list(ops.items())[:8])
 
@@ -261,7 +316,11 @@ def _top(ops: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the Gluon kernels' records as JSON")
+    p.add_argument("--dump", metavar="DIR", help="write every table kernel's whole SASS to DIR instead (`dump`)")
     args = p.parse_args(argv)
+    if args.dump:
+        print("\n".join(dump(args.dump)))
+        return 0
     records = gluon_counts()
     if args.json:
         print(json.dumps(records))

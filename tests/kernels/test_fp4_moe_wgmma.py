@@ -394,6 +394,28 @@ def test_fused_hidden_compiles_for_sm90(cfg):
     assert len(plain) == len(fused) == 1 and plain == fused, (plain, fused)
 
 
+def test_sass_dump_covers_every_table_kernel():
+    """`sass_counts.table_kernels` (what ``--dump`` compiles, to diff a change's machine code without a device): every
+    `HOPPER` and `WGMMA` entry's gate/up, fused-hidden gate/up and down kernels, each under a name of its own, with
+    constexprs the kernel takes and the entry's register caps."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from benchmarks.kernels import sass_counts
+
+    kernels = list(sass_counts.table_kernels())
+    names = [k[0] for k in kernels]
+    assert len(set(names)) == len(names)
+    for prefix, table in (("hopper", configs.HOPPER), ("wgmma", configs.WGMMA)):
+        for i, (_, cfg) in enumerate(table):
+            mine = [k for k in kernels if k[0].startswith(f"{prefix}{i}_")]
+            assert {"gate_up", "down"} <= {"gate_up" if "gate_up" in k[0] else "down" for k in mine}
+            assert any("fused" in k[0] for k in mine)
+            for name, fn, sig, consts, nw, opts in mine:
+                assert set(consts) <= set(fn.arg_names) and set(sig) <= set(fn.arg_names), name
+                assert nw == cfg["num_warps"]
+                cap = cfg.get("maxnreg_down") or cfg.get("maxnreg") if "down" in name else cfg.get("maxnreg")
+                assert opts == ({"maxnreg": cap} if cap else {}), name
+
+
 def test_hopper_ab_patches_the_wgmma_table():
     """`benchmarks/kernels/hopper_ab.py` patches `WGMMA` entries by their start (``WGMMA<from>``) or all (``WGMMA*``), or
     replaces the table (``WGMMA``); a start the table lacks is an error, and the `HOPPER` patch leaves these keys alone."""
