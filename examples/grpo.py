@@ -356,7 +356,7 @@ def build_trainer(script, args, model_args, regime: str, model_path: str, datase
     attn = attn or model_args.attn_implementation
     extra = {"attn_implementation": attn} if attn else {}
     if model_args.model_name_or_path:
-        extra.update(revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
+        extra["revision"] = model_args.model_revision  # (TRL 1.16's ModelConfig has no trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant, **extra)
     if script.freeze_experts and quant is None:  # the BF16 comparison: the same experts, BF16, without gradients
         for module in model.modules():

@@ -95,6 +95,21 @@ def test_frozen_experts_with_lora_train_only_the_adapter(grpo, tmp_path):
             assert not experts and fused and not any(p.requires_grad for m in fused for p in m.parameters())
 
 
+def test_a_model_from_the_command_line_trains(grpo, tmp_path):
+    """``--model_name_or_path`` (what a user with a checkpoint types): the model is loaded from there, with no SFT
+    warm-up, and the regime trains and reports."""
+    path = T.save_tiny_model(tmp_path / "my-moe")
+    out = grpo.main(
+        ["--model_name_or_path", path, "--regimes", "trace", "--output_dir", str(tmp_path / "out"), "--run_name", "r"]
+        + ["--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4"]
+        + ["--max_completion_length", "3"]
+    )
+    assert [r["regime"] for r in out["regimes"]] == ["trace"] and out["regimes"][0]["steps"] == 1
+    assert not os.path.exists(tmp_path / "out" / "sft-warm")
+    with open(os.path.join(out["run_dir"], "summary.json")) as f:
+        assert json.load(f)["args"]["model"]["model_name_or_path"] == path
+
+
 def test_an_existing_run_is_refused_without_overwrite(grpo, tmp_path):
     run = grpo.prepare_run_dir(str(tmp_path), "r", False, PartialState())
     open(os.path.join(run, "table.md"), "w").close()
