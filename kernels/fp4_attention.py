@@ -427,7 +427,11 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: 8K, 64 x 32K, 64 x 1K and 1 x 32K (h200_88). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads
 #: docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us
 #: a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel
-#: everywhere.
+#: everywhere. Off until measured on the H200 (docs/lab-notes.md 15 has the A/B command): ``round_splits_up`` (the
+#: Gluon kernel's split count rounded up, not down, from ``target_programs``: at 96 rows it now gets 2 splits, 768
+#: programs each as long as 128 rows' 1,024) and ``split_pdl_max_programs`` (the split kernels of both caches take
+#: PDL, where the step does, when their grid has at most this many programs; 0: never; long programs scheduled early
+#: landed unevenly on the SMs, 15% slower at 32K and batch 20-24, docs/lab-notes.md 2f).
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
     "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
@@ -438,6 +442,7 @@ CONFIG = {
         "prefetch": True,
         "maxnreg": None,
         "target_programs": 1056,
+        "round_splits_up": False,
         "min_chunk": 64,
         "max_splits": 128,
         "wide_heads": {
@@ -450,6 +455,7 @@ CONFIG = {
     "target_programs": 264,
     "min_chunk": 256,
     "ptx": True,
+    "split_pdl_max_programs": 0,
 }
 
 
@@ -538,10 +544,18 @@ def num_splits(
     ``head_dim``)."""
     cfg = hopper_config(batch, head_dim) if hopper else CONFIG
     bt = cfg["block_t"] if hopper else max(CONFIG["fp4"]["block_t"], CONFIG["dense"]["block_t"])
-    want = max(1, cfg["target_programs"] // max(1, batch * num_kv_heads))
+    per_split = max(1, batch * num_kv_heads)
+    up = hopper and cfg.get("round_splits_up", False)
+    want = max(1, -(-cfg["target_programs"] // per_split) if up else cfg["target_programs"] // per_split)
     chunk = max(cfg["min_chunk"], triton.cdiv(max_len, want), triton.cdiv(max_len, cfg.get("max_splits", max_len)))
     chunk = triton.cdiv(chunk, bt) * bt
     return triton.cdiv(max_len, chunk), chunk
+
+
+def split_launch_options(programs: int, device: torch.device) -> dict:
+    """The split kernels' PDL arguments: `launch_options` for a grid of at most ``CONFIG["split_pdl_max_programs"]``
+    programs, else none (the few long programs of a large grid, scheduled early, land unevenly on the SMs)."""
+    return launch_options(device) if programs <= CONFIG["split_pdl_max_programs"] else {"PDL": False}
 
 
 def decode_attention(
@@ -564,15 +578,14 @@ def decode_attention(
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
-    # The split kernels take no PDL: scheduled early, their few long programs land unevenly on the SMs, and at 32K
-    # tokens and batch 20-24 the step was 15% slower with it (docs/lab-notes.md, `h200_31`).
+    pdl = split_launch_options(B * HKV * S, q.device)
     if hopper:
         cfg = hopper_config(B, D)
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], STAGES=cfg["stages"], num_warps=1, maxnreg=cfg["maxnreg"],
-            PDL=False,
+            **pdl,
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]
@@ -581,7 +594,7 @@ def decode_attention(
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
             PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=False,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
         )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
     s_pad = max(2, triton.next_power_of_2(S))

@@ -7,7 +7,8 @@ has finished. Every such kernel begins with `wait_for_producer`: ``griddepcontro
 predecessor has finished and its writes are visible, so nothing is read or written early, and then
 ``griddepcontrol.launch_dependents`` lets its own successor be scheduled as soon as all of its programs run
 (releasing only after the GEMMs' main loops was slower for both paths, `h200_29`). The experts' Triton kernels with
-BF16 weights and the attention's split kernels take no PDL: each was slower with it (docs/lab-notes.md 2f). CUDA
+BF16 weights and the attention's split kernels take no PDL: each was slower with it (docs/lab-notes.md 2f; the split
+kernels of small grids may, `fp4_attention.split_launch_options`). CUDA
 graphs keep these edges. Off in the interpreter and below sm_90, where the kernels take ``PDL=False``.
 """
 

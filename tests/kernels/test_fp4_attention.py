@@ -104,6 +104,32 @@ def test_default_splits_cover_the_cache():
         )
 
 
+def test_splits_rounded_up_cover_the_cache_with_more_programs(monkeypatch):
+    """``CONFIG["hopper"]["round_splits_up"]`` (off until measured): the Gluon kernel's splits rounded up from
+    ``target_programs``, never fewer than rounded down, never more than ``max_splits``, still covering the cache in
+    tiles; at 96 rows of 32K, 3 splits (1,152 programs) where rounding down gives 2 (768)."""
+    down = {(B, T): A.num_splits(B, 4, T, True) for B in (1, 20, 64, 96, 192, 384) for T in (1064, 8448, 33024)}
+    monkeypatch.setitem(A.CONFIG["hopper"], "round_splits_up", True)
+    for (B, T), (s0, _) in down.items():
+        S, chunk = A.num_splits(B, 4, T, True)
+        assert s0 <= S <= A.CONFIG["hopper"]["max_splits"] and S * chunk >= T and (S - 1) * chunk < T
+        assert chunk % A.hopper_config(B, 128)["block_t"] == 0
+    assert (down[96, 33024][0], A.num_splits(96, 4, 33024, True)[0]) == (2, 3)
+    assert A.num_splits(96, 4, 33024, False) == A.num_splits(96, 4, 33024)  # the Triton kernels' rule is unchanged
+
+
+def test_split_kernels_take_pdl_only_on_small_grids(monkeypatch):
+    """``CONFIG["split_pdl_max_programs"]``: 0 (the default) keeps the split kernels off PDL; a limit gives them the
+    step's launch options up to that many programs."""
+    on = {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(A, "launch_options", lambda device: on)
+    cpu = torch.device("cpu")
+    assert A.split_launch_options(72, cpu) == {"PDL": False}
+    monkeypatch.setitem(A.CONFIG, "split_pdl_max_programs", 128)
+    assert A.split_launch_options(72, cpu) == on and A.split_launch_options(128, cpu) == on
+    assert A.split_launch_options(129, cpu) == {"PDL": False}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_fp4", [True, False])
 def test_decode_attention_gpu(kv_fp4):
