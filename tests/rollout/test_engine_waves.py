@@ -143,6 +143,28 @@ def test_a_shared_prefill_admits_more_rows():
     assert a.completion_ids == b.completion_ids
 
 
+def test_bucketed_admission_arithmetic():
+    """What a CUDA device admits (buckets of 64 past 64 rows; `memory_limit` set, so nothing is measured): a wave's
+    bucket rows decode and its prefilled prompts wait to be copied in. 300 distinct prompts under 192 decoding rows'
+    and 150 prefills' bytes: 2 waves of 150 in buckets of 192; 75 prompts x 4 with room for 320 decoding rows and 75
+    prefills: one wave of 300 in a bucket of 320, which unshared would need 2 waves."""
+    from trace_hf.rollout.engine.runner import RowBytes
+
+    cuda = torch.device("cuda")  # only its type is read
+    rb = RowBytes(decode=100, prefill=10)
+    distinct = [[i] for i in range(300)]
+    repeated = [[i // 4] for i in range(300)]
+    cap = EngineRollout(memory_limit=rb.wave(192, 150))
+    assert cap._waves(distinct, rb, 1, 8, cuda) == (150, 192, rb.wave(192, 150))
+    cap = EngineRollout(memory_limit=rb.wave(320, 75))
+    assert cap._waves(repeated, rb, 1, 8, cuda) == (300, 320, rb.wave(320, 75))
+    unshared = EngineRollout(memory_limit=rb.wave(320, 75), share_prefill=False)
+    assert unshared._waves(repeated, rb, 1, 8, cuda) == (150, 192, rb.wave(192, 150))
+    assert EngineRollout(memory_limit=rb.total)._waves(distinct, rb, 1, 8, cuda) == (1, 1, rb.total)
+    with pytest.raises(torch.OutOfMemoryError, match="Raise memory_limit"):
+        EngineRollout(memory_limit=rb.total - 1)._waves(distinct, rb, 1, 8, cuda)
+
+
 def test_a_row_that_cannot_fit_names_the_knob():
     model = _model(False)
     gc = _gc()
