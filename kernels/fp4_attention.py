@@ -427,22 +427,28 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: 8K, 64 x 32K, 64 x 1K and 1 x 32K (h200_88). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads
 #: docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us
 #: a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel
-#: everywhere. Off until measured on the H200 (docs/lab-notes.md 15 has the A/B command): ``round_splits_up`` (the
-#: Gluon kernel's split count rounded up, not down, from ``target_programs``: at 96 rows it now gets 2 splits, 768
-#: programs each as long as 128 rows' 1,024) and ``split_pdl_max_programs`` (the split kernels of both caches take
-#: PDL, where the step does, when their grid has at most this many programs; 0: never; long programs scheduled early
-#: landed unevenly on the SMs, 15% slower at 32K and batch 20-24, docs/lab-notes.md 2f).
+#: everywhere. ``round_splits_up``: the fewest splits that reach ``target_programs`` (rounded up), where without it
+#: the most that stay under (rounded down). Rounding down left 96 and 192 rows with 768 programs of 128-wide heads
+#: (2 and 1 splits); 1,024 rounded up gives them 1,152 and 1,536 and every batch of 20, 64, 128, 256 and 512 rows
+#: the split count it had: 192 x 8K +8.3%, 96 x 32K +1.3-2.0%, 192 x 1K +0.3-0.5%, 96 x 8K even (two rounds each,
+#: h200_96 and h200_97); 1,056 rounded up lost 3-5% at 64 x 8K, 128 x 8K and 64 x 32K (their grids grow past
+#: 1,024), and 2 or 3 splits at 256 x 1K lost 2% and 4%. ``pdl_max_programs``: a split kernel takes the step's
+#: PDL when its grid has at most this many programs (0: never; long programs scheduled early land unevenly on the
+#: SMs, 15% slower at 32K and batch 20-24, docs/lab-notes.md 2f). Batch 1 at 1K (h200_96, two rounds): the Gluon
+#: kernel's 72 programs +1.9% in the step, 256 at batch 4 -7%; the BF16 kernel's 16 +0.7%, 64 at batch 4 -1.4%.
+#: The Triton FP4 kernel and the wide heads are not measured with it.
 CONFIG = {
-    "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3},
-    "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2},
+    "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3, "pdl_max_programs": 0},
+    "dense": {"block_t": 64, "num_warps": 4, "num_stages": 2, "pdl_max_programs": 16},
     "hopper": {
         "block_t": 64,
+        "pdl_max_programs": 128,
         "stages": 2,
         "small_batch": {"max_batch": 4, "block_t": 32, "stages": 3},
         "prefetch": True,
         "maxnreg": None,
-        "target_programs": 1056,
-        "round_splits_up": False,
+        "target_programs": 1024,
+        "round_splits_up": True,
         "min_chunk": 64,
         "max_splits": 128,
         "wide_heads": {
@@ -450,12 +456,13 @@ CONFIG = {
             "block_t": 32,
             "stages": 2,
             "target_programs": 2112,
+            "round_splits_up": False,
+            "pdl_max_programs": 0,
         },
     },
     "target_programs": 264,
     "min_chunk": 256,
     "ptx": True,
-    "split_pdl_max_programs": 0,
 }
 
 
@@ -552,10 +559,10 @@ def num_splits(
     return triton.cdiv(max_len, chunk), chunk
 
 
-def split_launch_options(programs: int, device: torch.device) -> dict:
-    """The split kernels' PDL arguments: `launch_options` for a grid of at most ``CONFIG["split_pdl_max_programs"]``
-    programs, else none (the few long programs of a large grid, scheduled early, land unevenly on the SMs)."""
-    return launch_options(device) if programs <= CONFIG["split_pdl_max_programs"] else {"PDL": False}
+def split_launch_options(programs: int, cfg: dict, device: torch.device) -> dict:
+    """A split kernel's PDL arguments: `launch_options` for a grid of at most ``cfg["pdl_max_programs"]`` programs,
+    else none (the few long programs of a large grid, scheduled early, land unevenly on the SMs)."""
+    return launch_options(device) if programs <= cfg.get("pdl_max_programs", 0) else {"PDL": False}
 
 
 def decode_attention(
@@ -578,9 +585,9 @@ def decode_attention(
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     o = torch.empty(B, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
-    pdl = split_launch_options(B * HKV * S, q.device)
     if hopper:
         cfg = hopper_config(B, D)
+        pdl = split_launch_options(B * HKV * S, cfg, q.device)
         gluon_module("fp4_attention_hopper").attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
@@ -589,6 +596,7 @@ def decode_attention(
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]
+        pdl = split_launch_options(B * HKV * S, cfg, q.device)
         _attn_split_kernel[(B, HKV, S)](
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),

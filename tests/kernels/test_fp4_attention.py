@@ -104,30 +104,40 @@ def test_default_splits_cover_the_cache():
         )
 
 
-def test_splits_rounded_up_cover_the_cache_with_more_programs(monkeypatch):
-    """``CONFIG["hopper"]["round_splits_up"]`` (off until measured): the Gluon kernel's splits rounded up from
-    ``target_programs``, never fewer than rounded down, never more than ``max_splits``, still covering the cache in
-    tiles; at 96 rows of 32K, 3 splits (1,152 programs) where rounding down gives 2 (768)."""
-    down = {(B, T): A.num_splits(B, 4, T, True) for B in (1, 20, 64, 96, 192, 384) for T in (1064, 8448, 33024)}
-    monkeypatch.setitem(A.CONFIG["hopper"], "round_splits_up", True)
-    for (B, T), (s0, _) in down.items():
-        S, chunk = A.num_splits(B, 4, T, True)
-        assert s0 <= S <= A.CONFIG["hopper"]["max_splits"] and S * chunk >= T and (S - 1) * chunk < T
-        assert chunk % A.hopper_config(B, 128)["block_t"] == 0
-    assert (down[96, 33024][0], A.num_splits(96, 4, 33024, True)[0]) == (2, 3)
-    assert A.num_splits(96, 4, 33024, False) == A.num_splits(96, 4, 33024)  # the Triton kernels' rule is unchanged
+def test_gluon_splits_are_the_fewest_that_reach_the_target():
+    """The Gluon kernel's split count for 128-wide heads (``round_splits_up``): the fewest splits whose grid reaches
+    ``target_programs``, unless the chunk floor or ``max_splits`` bounds it; the cache is covered in whole tiles.
+    96 and 192 rows get 3 and 2 splits (1,152 and 1,536 programs), where rounding down gave 2 and 1 (768 each); the
+    wide heads keep rounding down; the Triton kernels' rule is unchanged."""
+    cfg = A.CONFIG["hopper"]
+    for B in (1, 4, 20, 48, 64, 96, 128, 192, 256, 384, 512):
+        want = -(-cfg["target_programs"] // (B * 4))  # the fewest splits that reach the target
+        for T in (1064, 8448, 33024):
+            S, chunk = A.num_splits(B, 4, T, True)
+            bt = A.hopper_config(B, 128)["block_t"]
+            assert S * chunk >= T and (S - 1) * chunk < T and chunk % bt == 0 and S <= min(want, cfg["max_splits"])
+            # the smallest whole-tile chunk that keeps to want splits, min_chunk and max_splits
+            assert chunk - bt < max(cfg["min_chunk"], -(-T // want), -(-T // cfg["max_splits"])), (B, T, S, chunk)
+    assert [A.num_splits(B, 4, 33024, True)[0] for B in (20, 64, 96, 128, 192, 256)] == [13, 4, 3, 2, 2, 1]
+    wide = A.hopper_config(384, 256)
+    assert not wide["round_splits_up"] and A.num_splits(384, 2, 33024, True, 256)[0] == wide["target_programs"] // 768
+    assert A.num_splits(96, 4, 33024, False) == A.num_splits(96, 4, 33024)
 
 
 def test_split_kernels_take_pdl_only_on_small_grids(monkeypatch):
-    """``CONFIG["split_pdl_max_programs"]``: 0 (the default) keeps the split kernels off PDL; a limit gives them the
-    step's launch options up to that many programs."""
+    """Each split kernel's ``pdl_max_programs``: the step's launch options up to that many programs, none past it
+    (0: never). As measured (h200_96): the Gluon FP4 kernel up to 128 (batch 1's 72 gained, batch 4's 256 lost);
+    the BF16 kernel up to 16 (batch 1's 16 gained, batch 4's 64 lost); the unmeasured ones never."""
     on = {"PDL": True, "launch_pdl": True}
     monkeypatch.setattr(A, "launch_options", lambda device: on)
     cpu = torch.device("cpu")
-    assert A.split_launch_options(72, cpu) == {"PDL": False}
-    monkeypatch.setitem(A.CONFIG, "split_pdl_max_programs", 128)
-    assert A.split_launch_options(72, cpu) == on and A.split_launch_options(128, cpu) == on
-    assert A.split_launch_options(129, cpu) == {"PDL": False}
+    hopper, dense = A.CONFIG["hopper"], A.CONFIG["dense"]
+    assert A.split_launch_options(72, hopper, cpu) == on and A.split_launch_options(128, hopper, cpu) == on
+    assert A.split_launch_options(129, hopper, cpu) == {"PDL": False}
+    assert A.split_launch_options(16, dense, cpu) == on and A.split_launch_options(64, dense, cpu) == {"PDL": False}
+    assert A.split_launch_options(1, A.CONFIG["fp4"], cpu) == {"PDL": False}
+    assert A.split_launch_options(1, A.hopper_config(1, 256), cpu) == {"PDL": False}  # wide heads: not measured
+    assert A.split_launch_options(1, {}, cpu) == {"PDL": False}
 
 
 @pytest.mark.gpu
