@@ -671,9 +671,11 @@ def _fused_hidden(cfg, off, P, NI, block_t, block_n, device) -> tuple[dict, tupl
 
 def _quantize_hidden(h, sorted_ids, num_slots, return_hidden):
     """The hidden activation [P, I] quantized per row as ``fp4.quantize(h, "nvfp4", "row")``, and its
-    `QuantizedHidden` (codes with hints, in sorted order) when ``return_hidden``, else None."""
+    `QuantizedHidden` (codes with hints, in sorted order) when ``return_hidden``, else None. Without it the
+    padding rows are skipped (uninitialized), as in the fused quantization: only the down kernel reads them, for
+    outputs it drops. With it every row is quantized."""
     if not return_hidden:
-        return fp4_quant.quantize(h, "nvfp4", "row"), None
+        return fp4_quant.quantize(h, "nvfp4", "row", row_ids=sorted_ids, pad_id=num_slots), None
     hq, hints = fp4_quant.quantize(h, "nvfp4", "row", return_hints=True)
     return hq, QuantizedHidden(hq, hints, sorted_ids, num_slots)
 

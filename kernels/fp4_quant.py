@@ -225,9 +225,11 @@ def _fp4_kernel(
     hb_ptr,  # mantissa bits [M, K / 8]: written if WRITE_BITS, read in MODE_GUIDED
     q_ptr,  # packed codes [M, K / 2]
     out_ptr,  # dequantized values [M, K]
+    ids_ptr,  # ROW_IDS: an id per row [M]; rows whose id is pad_id or more are skipped
     M,
     K,
     rows_per_g,
+    pad_id,
     MODE: tl.constexpr,
     NVFP4: tl.constexpr,
     IN_KIND: tl.constexpr,
@@ -235,6 +237,7 @@ def _fp4_kernel(
     WRITE_Q: tl.constexpr,
     WRITE_BITS: tl.constexpr,
     WRITE_OUT: tl.constexpr,
+    ROW_IDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BS: tl.constexpr,
@@ -248,7 +251,14 @@ def _fp4_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     blks = tl.program_id(1) * NBT + tl.arange(0, NBT)
     row64 = rows.to(tl.int64)
-    bmask = (rows < M)[:, None] & (blks < NB)[None, :]  # [BLOCK_M, NBT]
+    row_ok = rows < M
+    if ROW_IDS:
+        # The experts' sorted, padded rows: a padding row's output is never read, and most of a decode step's rows
+        # are padding (a static bound), so a program of padding rows only returns.
+        row_ok &= tl.load(ids_ptr + rows, mask=row_ok, other=pad_id) < pad_id
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+            return
+    bmask = row_ok[:, None] & (blks < NB)[None, :]  # [BLOCK_M, NBT]
     mask = bmask[:, :, None]
     e = tl.arange(0, BS)[None, None, :]
     base = (row64 * K)[:, None, None]
@@ -275,7 +285,7 @@ def _fp4_kernel(
         if MODE == 0:
             g = _nvfp4_row_global(amax_i)
             if WRITE_Q:
-                tl.store(g_ptr + rows, g, mask=rows < M)
+                tl.store(g_ptr + rows, g, mask=row_ok)
             g = g[:, None]
         else:
             g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
@@ -442,7 +452,8 @@ def _global_scale(amax: torch.Tensor) -> torch.Tensor:
     return amax / torch.full_like(amax, 6.0 * 448.0)
 
 
-def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, out_kind=0, write_q, write_bits):
+def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, out_kind=0, write_q, write_bits,
+                row_ids=None, pad_id=0):  # fmt: skip
     M, K = x2.shape
     bs = 16 if nvfp4 else 32
     block_m, block_k, n_col, warps = _tiles(M, K, bs, mode == _MODE_ROW and nvfp4, path)
@@ -454,9 +465,11 @@ def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, o
         hb if hb is not None else dummy,
         q if q is not None else dummy,
         out if out is not None else dummy,
+        row_ids if row_ids is not None else dummy,
         M,
         K,
         rows_per_g,
+        pad_id,
         MODE=mode,
         NVFP4=nvfp4,
         IN_KIND=kind,
@@ -464,6 +477,7 @@ def _launch_fp4(x2, kind, g, sb, hb, q, out, rows_per_g, *, path, mode, nvfp4, o
         WRITE_Q=write_q,
         WRITE_BITS=write_bits,
         WRITE_OUT=out is not None,
+        ROW_IDS=row_ids is not None,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         BS=bs,
@@ -502,14 +516,31 @@ def _hint_tensors(x: torch.Tensor, hints: FP4Hints) -> tuple[torch.Tensor, torch
     return sb, hb, g
 
 
-def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hints: bool = False):
+def quantize(
+    x: torch.Tensor,
+    fmt: str = "nvfp4",
+    scale: str = "row",
+    return_hints: bool = False,
+    row_ids: torch.Tensor | None = None,
+    pad_id: int = 0,
+):
     """`trace_hf.fp4.quantize` in one pass (plus a global amax pass for ``scale`` "tensor" / "expert").
 
     With ``return_hints`` also returns the `FP4Hints` of the result (mantissa bits written in the same pass).
+    ``row_ids`` (int32, one per row of a 2-D ``x``, ``scale`` "row"): rows whose id is ``pad_id`` or more are
+    skipped, their codes, scales and hints left as allocated (uninitialized); every other row is what it would be
+    without. For `moe_align`'s sorted, padded rows, whose padding nothing reads.
     """
     f = check_input(x, fmt)
     check_scale(x, scale)
     check_device(x)
+    if row_ids is not None and (x.ndim != 2 or scale != "row" or row_ids.shape != x.shape[:1]
+                                or row_ids.dtype != torch.int32 or row_ids.device != x.device):  # fmt: skip
+        raise ValueError(
+            f"row_ids must be an int32 tensor of one id per row of a 2-D input on its device, with scale='row'; got "
+            f"row_ids {tuple(row_ids.shape)} {row_ids.dtype} on {row_ids.device} for x {tuple(x.shape)} on "
+            f"{x.device}, scale={scale!r}."
+        )
     if x.numel() == 0:
         q = fp4.quantize(x, f.name, scale, backend="torch")
         return (q, fp4.extract_hints(q)) if return_hints else q
@@ -524,7 +555,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", scale: str = "row", return_hin
         mode, g, rows_per_g = _MODE_ROW, torch.ones(lead + (1,), dtype=torch.float32, device=x.device), 1
     _launch_fp4(
         x2, kind, g, sb, hb, packed, None, rows_per_g, path="quantize",
-        mode=mode, nvfp4=f.has_global_scale, write_q=True, write_bits=return_hints,
+        mode=mode, nvfp4=f.has_global_scale, write_q=True, write_bits=return_hints, row_ids=row_ids, pad_id=pad_id,
     )  # fmt: skip
     q = FP4Tensor(packed, sb, g, f.name)
     return (q, FP4Hints(hb, sb, g, f.name)) if return_hints else q

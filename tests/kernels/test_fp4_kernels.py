@@ -290,6 +290,50 @@ def test_inputs_of_other_layouts(device):
     check_all(x.view(2, 2, 16, 64), "nvfp4", "expert")
 
 
+class _SentinelTorch:
+    """torch, whose ``empty`` fills what it allocates with a sentinel (NaN, or 0xAB bytes): shows what a kernel
+    left unwritten."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 0xAB)
+
+
+@pytest.mark.parametrize("pad_rows", ["some", "all"])
+def test_quantize_skips_padding_rows(device, pad_rows, monkeypatch):
+    """``row_ids``: rows whose id is ``pad_id`` or more are left as allocated (the experts' padding, which nothing
+    reads); every other row has the reference's bits, hints included. On the GPU, with two rows a program, whole
+    programs of padding rows return early; "all" is that case in the interpreter too."""
+    monkeypatch.setattr(K, "torch", _SentinelTorch())
+    x = random_rows(48, 768, seed=21).to(device)
+    ids = torch.randperm(48, generator=torch.Generator().manual_seed(22)).to(device=device, dtype=torch.int32)
+    pad_id = 30 if pad_rows == "some" else 0
+    q, h = K.quantize(x, "nvfp4", "row", return_hints=True, row_ids=ids, pad_id=pad_id)
+    ref = fp4.quantize(x, "nvfp4", "row", backend="torch")
+    real, pad = ids < pad_id, ids >= pad_id
+    assert int(pad.sum()) == 48 - pad_id
+    same_bits(q.packed[real], ref.packed[real], "codes")
+    same_bits(q.block_scale[real], ref.block_scale[real], "scale bytes")
+    same_bits(q.global_scale[real], ref.global_scale[real], "row scales")
+    same_bits(h.mantissa_bits[real], fp4.extract_hints(ref).mantissa_bits[real], "hint bits")
+    assert (q.packed[pad] == 0xAB).all() and (q.block_scale[pad] == 0xAB).all() and (h.mantissa_bits[pad] == 0xAB).all()
+    assert torch.isnan(q.global_scale[pad]).all()
+
+
+def test_row_ids_that_do_not_fit_are_an_error(device):
+    x = torch.zeros(4, 32, device=device)
+    ok = torch.zeros(4, dtype=torch.int32, device=device)
+    for bad in (ok.long(), ok[:3]):
+        with pytest.raises(ValueError, match="int32 tensor of one id per row"):
+            K.quantize(x, row_ids=bad, pad_id=1)
+    with pytest.raises(ValueError, match="scale='row'"):
+        K.quantize(x, scale="tensor", row_ids=ok, pad_id=1)
+
+
 def test_errors(device):
     with pytest.raises(ValueError, match="blocks of 16"):
         K.quantize(torch.zeros(4, 24, device=device))

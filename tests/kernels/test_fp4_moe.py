@@ -211,6 +211,31 @@ def test_fp4_experts_match_module_eval_path(M, E, H, NI, K, operand_layout):
     assert _rel(moe.moe_experts_reference(x, ids, w, gu, d), ref) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+def test_padding_rows_of_the_hidden_are_never_read(layout, monkeypatch):
+    """The hidden activation's quantization skips `moe_align`'s padding rows (`fp4_quant.quantize` with
+    ``row_ids``), so they hold whatever was allocated. Poisoned with NaN codes, scales and row scales, they must
+    leave every token's output as it was."""
+    _use_layout(monkeypatch, layout)
+    quantize, poisoned = moe.fp4_quant.quantize, []
+
+    def poisoning_quantize(x, *args, row_ids=None, pad_id=0, **kwargs):
+        out = quantize(x, *args, row_ids=row_ids, pad_id=pad_id, **kwargs)
+        if row_ids is not None:
+            q, pad = out[0] if isinstance(out, tuple) else out, row_ids >= pad_id
+            q.packed[pad], q.block_scale[pad], q.global_scale[pad] = 0x77, 0x7F, float("nan")  # 0x7F: E4M3 NaN
+            poisoned.append(int(pad.sum()))
+        return out
+
+    monkeypatch.setattr(moe.fp4_quant, "quantize", poisoning_quantize)
+    mod = _experts(8, 64, 32, seed=16)
+    ids, w = _routing(13, 8, 2, seed=17)
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(18))
+    out = moe.fp4_moe_experts(x, ids, w, *mod.packed_weights())
+    assert poisoned and poisoned[0] > 0  # the hidden was quantized with padding rows skipped, and there were some
+    assert torch.isfinite(out).all() and _rel(out, mod(x, ids, w)) < 1e-5
+
+
 @pytest.mark.parametrize("block_m", [32, 64])
 def test_larger_expert_blocks_compute_the_same(block_m, monkeypatch):
     """A launch config's ``block_m`` (prefill: fewer re-reads of each expert's weights) changes the padded layout, not
