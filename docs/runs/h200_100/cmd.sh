@@ -28,7 +28,7 @@ grep -E "^(base|unfused) " "$R/ab.log" | sed -E 's/^([a-z0-9_]+ [12]) .*(\{.fast
 timeout 60 python3 -m benchmarks.rollout.rollout_decode --setups fast_bf16 --batches 128,192,256,512 --contexts 1024 \
   --out "$OUT/bf16_1k.json" > "$R/bf16.log" 2>&1
 echo "bf16 rc=$? at $((SECONDS - START)) s"; grep -E "^setup=" "$R/bf16.log" | cut -c1-90
-timeout $((540 - (SECONDS - START))) python3 -m benchmarks.training.grpo_step --prompts 32 --completion 512 \
+timeout $((480 - (SECONDS - START))) python3 -m benchmarks.training.grpo_step --prompts 32 --completion 512 \
   --eos-mean 192 --setups engine_bf16,engine_fp4 --steps 3 --out "$OUT/grpo_step.json" > "$R/grpo.log" 2>&1
 echo "grpo_step rc=$? at $((SECONDS - START)) s"
 python3 - "$OUT/grpo_step.json" <<'PY'
