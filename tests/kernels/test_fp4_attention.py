@@ -115,7 +115,7 @@ def test_gluon_splits_are_the_fewest_that_reach_the_target():
         for T in (1064, 8448, 33024):
             S, chunk = A.num_splits(B, 4, T, True)
             bt = A.hopper_config(B, 128)["block_t"]
-            assert S * chunk >= T and (S - 1) * chunk < T and chunk % bt == 0 and S <= min(want, cfg["max_splits"])
+            assert S * chunk >= T and (S - 1) * chunk < T and chunk % bt == 0 and min(want, cfg["max_splits"]) >= S
             # the smallest whole-tile chunk that keeps to want splits, min_chunk and max_splits
             assert chunk - bt < max(cfg["min_chunk"], -(-T // want), -(-T // cfg["max_splits"])), (B, T, S, chunk)
     assert [A.num_splits(B, 4, 33024, True)[0] for B in (20, 64, 96, 128, 192, 256)] == [13, 4, 3, 2, 2, 1]
