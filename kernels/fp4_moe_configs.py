@@ -155,17 +155,14 @@ HOPPER = [
 #: gate/up cap 174.2), the decode step +5.2% (10,608 against 10,076-10,087 tokens/s, two rounds, h200_88); batch 64
 #: stays on `HOPPER` (4 per expert: 157.8 against 140.2 us). With the decoding of `HOPPER`'s note the 16-token
 #: blocks' fewer weight decodes per layer now pay, which they did not before it (206 against 190 us, h200_73). 12-15
-#: per expert (batch 192) keeps the entry without it (not measured).
+#: per expert (batch 192) keeps the entry without it (not measured). Since the separate quantization skips
+#: `moe_align`'s padding rows (`fp4_quant.quantize` with ``row_ids``: at 256 rows, 2,048 slots in a static 3,968
+#: rows), no entry has ``fused_hidden``: without it, +1.1% in the decode step at batch 128 and +2.5% at 256 (two
+#: rounds each, h200_100), so 8-15 and 16-47 per expert are one entry each.
 WGMMA = [
     (8, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-         "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64,
-         "fused_hidden": True}),
-    (12, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
+         "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72,
-          "fused_hidden": True}),
-    (24, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
           "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
 ]  # fmt: skip
