@@ -156,7 +156,7 @@ HOPPER = [
 #: stays on `HOPPER` (4 per expert: 157.8 against 140.2 us). With the decoding of `HOPPER`'s note the 16-token
 #: blocks' fewer weight decodes per layer now pay, which they did not before it (206 against 190 us, h200_73). 12-15
 #: per expert (batch 192) keeps the entry without it (not measured). Since the separate quantization skips
-#: `moe_align`'s padding rows (`fp4_quant.quantize` with ``row_ids``: at 256 rows, 2,048 slots in a static 3,968
+#: `moe_align`'s padding rows (`fp4_quant.quantize` with ``row_ids``: at 256 rows, 2,048 slots in a static 6,016
 #: rows), no entry has ``fused_hidden``: without it, +1.1% in the decode step at batch 128 and +2.5% at 256 (two
 #: rounds each, h200_100), so 8-15 and 16-47 per expert are one entry each.
 WGMMA = [
