@@ -112,7 +112,7 @@ def quant_counts(K: int = 2048) -> list[dict]:
     from trace_hf.kernels import fp4_quant as Q
 
     sig = {"x_ptr": "*i16", "g_ptr": "*fp32", "sb_ptr": "*u8", "hb_ptr": "*u8", "q_ptr": "*u8", "out_ptr": "*i16",
-           "M": "i32", "K": "i32", "rows_per_g": "i32"}  # fmt: skip
+           "ids_ptr": "*i32", "M": "i32", "K": "i32", "rows_per_g": "i32", "pad_id": "i32"}  # fmt: skip
     out = []
     for name, path, mode, outs in (
         ("quantize + hint recording", "quantize", 0, {"WRITE_Q": True, "WRITE_BITS": True, "WRITE_OUT": False}),
@@ -121,7 +121,7 @@ def quant_counts(K: int = 2048) -> list[dict]:
     ):
         block_m, block_k, _, warps = Q._tiles(1 << 16, K, 16, mode == 0, path)
         consts = {"MODE": mode, "NVFP4": True, "IN_KIND": 1, "OUT_KIND": 1, "BLOCK_M": block_m, "BLOCK_K": block_k,
-                  "BS": 16, **outs}  # fmt: skip
+                  "BS": 16, "ROW_IDS": False, **outs}  # fmt: skip
         ops = _opcodes([t for _, t in compile_sass(Q._fp4_kernel, sig, consts, warps, enable_fp_fusion=False)])
         out.append({"kernel": name, "tile": f"{block_m} x {block_k}, {warps} warps", "instructions": sum(ops.values()),
                     "elements": block_m * block_k // (32 * warps), "ops": ops})  # fmt: skip

@@ -336,3 +336,16 @@ def test_hopper_entries_are_checked():
         configs.check_hopper_entry(cfg)
     with pytest.raises(ValueError, match="stages"):
         configs.check_hopper_entry({"stages": 2})
+
+
+def test_quantization_kernel_compiles_for_sm90_without_spills():
+    """`sass_counts.quant_counts`: the quantization kernel's three training paths build for sm_90 from the kernel's
+    whole signature (the padding-row ids included) without register spills."""
+    records = _sm90_counts("s.quant_counts()")
+    assert [r["kernel"] for r in records] == [
+        "quantize + hint recording",
+        "nearest fake-quant, bf16 out",
+        "guided fake-quant, bf16 out",
+    ]
+    for r in records:
+        assert r["instructions"] > 0 and "LDL" not in r["ops"] and "STL" not in r["ops"], r
