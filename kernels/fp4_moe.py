@@ -69,6 +69,7 @@ from trace_hf.kernels.fp4_moe_configs import (  # noqa: E402
     check_grouped_fp32,
     check_hopper_entry,
     check_wgmma_entry,
+    gate_up_cap,
     grouped_config,
     hopper_config,
     launch_config,
@@ -727,8 +728,8 @@ def _experts_wgmma(cfg, x, xs, xg, topk_weights, wgu, wgus, wgug, wd, wds, wdg, 
 
     n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
     slices = bool(cfg.get("slice_buffers", False))
-    cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
-    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
+    cap = gate_up_cap(cfg, n, wgu.shape[0], NI, x.device)
+    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cfg.get("maxnreg_down") or cap))
     P = sorted_ids.numel()
     h = _gate_up_out(1, P, NI, x.device)
     fused, grid = _fused_hidden(cfg, return_hidden, P, NI, bt, cfg["block_n_gate_up"], x.device)

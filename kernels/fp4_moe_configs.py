@@ -10,6 +10,9 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe_configs (see kernels/README.md), not kernels.fp4_moe_configs.")
 
+import functools  # noqa: E402
+import math  # noqa: E402
+
 import torch  # noqa: E402
 
 from trace_hf.kernels.common import INTERPRETED, gluon_module  # noqa: E402
@@ -159,11 +162,20 @@ HOPPER = [
 #: `moe_align`'s padding rows (`fp4_quant.quantize` with ``row_ids``: at 256 rows, 2,048 slots in a static 6,016
 #: rows), no entry has ``fused_hidden``: without it, +1.1% in the decode step at batch 128 and +2.5% at 256 (two
 #: rounds each, h200_100), so 8-15 and 16-47 per expert are one entry each.
+#: ``maxnreg`` as a tuple: the gate/up caps to choose from per call (`gate_up_cap`), the one whose programs fill their
+#: last wave best (``maxnreg_down`` then set). A decode step's gate/up runs ~2 waves of programs, so where the last
+#: wave is a sliver it costs almost a whole program's time: one expert call (h200_102, 16-token entry) took 164.8,
+#: 167.0, 182.5, 184.7, 189.1, 195.6 us at batch 128, 160, 176, 192, 208, 224 under a cap of 80 (6 programs an SM)
+#: and 170.4, 173.8, 174.8, 176.3, 180.1, 201.6 under 72 (7; 71 registers, no spills, the same loop): steps where
+#: the expected program count passes a multiple of 792 and 924 (132 SMs). The rule picks the faster cap at all six
+#: batches. Decode step at 192 rows, 72 against 80: 14,064 / 14,097 against 13,506 / 13,523 tokens/s (+4.2%); at
+#: 128, 80 is kept (72: -2.4%). 32-token entry at 256 rows, 80 against 96: 16,665 / 16,596 against 16,328 / 16,329
+#: (+1.8-2.1%; under Triton 3.9's ptxas cap 80 reloads 14 values a K tile).
 WGMMA = [
     (8, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-         "slice_buffers": True, "gate_first": True, "maxnreg": 80, "maxnreg_down": 64}),
+         "slice_buffers": True, "gate_first": True, "maxnreg": (80, 72), "maxnreg_down": 64}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": (96, 80), "maxnreg_down": 72}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
 ]  # fmt: skip
 
@@ -181,6 +193,44 @@ def wgmma_config(num_slots: int, num_experts: int, device: torch.device) -> dict
     if cfg is None or INTERPRETED or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return None
     return cfg if gluon_module("fp4_moe_wgmma") is not None else None
+
+
+def programs_per_sm(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps that an sm_90 SM's 64K registers hold at ``registers`` per thread (allocated
+    per warp in units of 256), at most 32 programs and 64 warps."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * num_warps), 32, 64 // num_warps)
+
+
+@functools.lru_cache(maxsize=256)
+def expected_token_blocks(num_slots: int, num_experts: int, block_t: int) -> float:
+    """The token blocks `moe_align` makes on average when ``num_slots`` slots fall on ``num_experts`` experts evenly at
+    random (Poisson per expert): sum over experts of E[ceil(n / block_t)]. Why: a CUDA graph launches the static
+    worst-case grid, and how many of its programs do work is known only on the device; this is the count to plan
+    waves for (a trained router's skew makes a few more blocks)."""
+    lam = num_slots / max(num_experts, 1)
+    if lam <= 0:
+        return 0.0
+    lo, hi = max(0, int(lam - 12 * lam**0.5) - 8), int(lam + 12 * lam**0.5) + 8
+    mean = sum(math.exp(n * math.log(lam) - lam - math.lgamma(n + 1)) * -(-n // block_t) for n in range(lo, hi + 1))
+    return num_experts * mean
+
+
+def gate_up_cap(cfg: dict, num_slots: int, num_experts: int, width: int, device: torch.device) -> int | None:
+    """The gate/up kernel's register cap for a `WGMMA` entry's call: ``maxnreg``, or where it is a tuple, the cap whose
+    programs (`expected_token_blocks` x ``width / block_n_gate_up``) fill their last wave on ``device``'s SMs best,
+    the first on a tie (`WGMMA`'s note has the measurements)."""
+    caps = cfg.get("maxnreg")
+    if not isinstance(caps, (tuple, list)):
+        return caps
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = expected_token_blocks(num_slots, num_experts, cfg["block_t"]) * (width // cfg["block_n_gate_up"])
+
+    def fill(cap: int) -> float:
+        waves = programs / (programs_per_sm(cap, cfg["num_warps"]) * sms)
+        return waves / max(math.ceil(waves), 1)
+
+    return max(caps, key=fill)
 
 
 #: W4A4 where each expert serves so many tokens that the GEMMs are bound by compute, not bytes (prefill): Hopper has no
@@ -247,12 +297,14 @@ def check_wgmma_entry(cfg: dict, hidden: int, width: int) -> bool:
     run. A malformed entry (tiles the kernels cannot take) is a ValueError naming the fix."""
     bt, bk, nw = cfg["block_t"], cfg["block_k"], cfg["num_warps"]
     rows = 16 * nw
-    caps = [cfg.get(k) or 0 for k in ("maxnreg", "maxnreg_down")]
+    choices = isinstance(cfg.get("maxnreg"), (tuple, list))
+    caps = [*(cfg["maxnreg"] if choices else [cfg.get("maxnreg") or 0]), cfg.get("maxnreg_down") or 0]
     if bt % 8 or not 8 <= bt <= 256 or bk not in (128, 256) or nw not in (4, 8) or cfg["block_n_gate_up"] % rows \
-            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps):  # fmt: skip
+            or cfg["block_n_down"] % rows or any(c and not 56 <= c <= 255 for c in caps) \
+            or choices and not (cfg["maxnreg"] and all(caps)):  # fmt: skip
         raise ValueError(f"WGMMA entry {cfg}: block_t a multiple of 8 up to 256, block_k 128 or 256, num_warps 4 or 8, "
                          f"block_n_gate_up and block_n_down multiples of 16 * num_warps ({rows}), maxnreg and "
-                         f"maxnreg_down 0 (none) or 56-255.")  # fmt: skip
+                         f"maxnreg_down 0 (none) or 56-255; a tuple of maxnreg caps needs maxnreg_down.")  # fmt: skip
     return not (hidden % bk or width % bk or width % cfg["block_n_gate_up"] or hidden % cfg["block_n_down"])
 
 

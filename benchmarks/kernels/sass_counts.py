@@ -161,13 +161,6 @@ def attention_counts(
     return n, bt * 2 * 128 // 32, ops
 
 
-def programs_per_sm(registers: int, num_warps: int) -> int:
-    """Programs of ``num_warps`` warps that an sm_90 SM's 64K registers hold at ``registers`` per thread (allocated
-    per warp in units of 256), at most 32 programs and 64 warps."""
-    per_warp = -(-registers * 32 // 256) * 256
-    return min(65536 // (per_warp * num_warps), 32, 64 // num_warps)
-
-
 def gluon_counts() -> list[dict]:
     """Loop counts of every `fp4_moe_configs.HOPPER` config of both expert kernels (under the entry's ``maxnreg``) and
     of the attention: records with the kernel, its tile, the instructions, the FP4 elements per thread per iteration,
@@ -196,7 +189,7 @@ def gluon_counts() -> list[dict]:
             r = resources(*args, **regs)["REG"]
             out.append({"kernel": name, "tile": tile, "instructions": n, "elements": per_thread, "ops": ops,
                         "x_shared": consts["X_SHARED"], "registers": r, "num_warps": nw, "maxnreg": cap,
-                        "programs_per_sm": programs_per_sm(r, nw)})  # fmt: skip
+                        "programs_per_sm": configs.programs_per_sm(r, nw)})  # fmt: skip
     n, per_thread, ops = attention_counts()
     out.append(
         {"kernel": "gluon attention", "tile": CONFIG_NOTE, "instructions": n, "elements": per_thread, "ops": ops}
@@ -236,6 +229,7 @@ def gemv_early_counts(early: int, x_bcast: bool = False) -> dict:
     after it, its registers, spills, programs per SM, and the weights per thread of one K tile. Why: the early
     weight loads help only if ptxas leaves them ahead of the wait, and only if they cost no programs per SM."""
     from trace_hf.kernels import decode_ops as D
+    from trace_hf.kernels.fp4_moe_configs import programs_per_sm
 
     c = D.GEMV
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"}
@@ -284,13 +278,17 @@ def table_kernels():
     for i, (_start, c) in enumerate(configs.WGMMA):
         tile = {"H": 2048, "NI": 768, "BLOCK_T": c["block_t"], "BLOCK_K": c["block_k"], "NUM_WARPS": c["num_warps"],
                 "SLICE_BUFFERS": bool(c.get("slice_buffers")), "PDL": True}  # fmt: skip
-        cap, cap_down = c.get("maxnreg"), c.get("maxnreg_down") or c.get("maxnreg")
-        for f in (False, True):
-            consts = tile | {"BLOCK_N": c["block_n_gate_up"], "GATE_FIRST": bool(c.get("gate_first"))}
-            consts |= {"FUSED_HIDDEN": True} if f else {}
-            sig = _signature("h_ptr", True) | (fused if f else {})
-            yield (f"wgmma{i}_gate_up{'_fused' if f else ''}", wg.gate_up_kernel, sig, consts, c["num_warps"],
-                   {"maxnreg": cap} if cap else {})  # fmt: skip
+        choices = isinstance(c.get("maxnreg"), (tuple, list))
+        caps = list(c["maxnreg"]) if choices else [c.get("maxnreg")]
+        cap_down = c.get("maxnreg_down") or caps[0]
+        for cap in caps:  # each gate/up cap `gate_up_cap` may pick, named by it where there are several
+            name = f"wgmma{i}_gate_up" + (f"_cap{cap}" if choices else "")
+            for f in (False, True):
+                consts = tile | {"BLOCK_N": c["block_n_gate_up"], "GATE_FIRST": bool(c.get("gate_first"))}
+                consts |= {"FUSED_HIDDEN": True} if f else {}
+                sig = _signature("h_ptr", True) | (fused if f else {})
+                yield (f"{name}{'_fused' if f else ''}", wg.gate_up_kernel, sig, consts, c["num_warps"],
+                       {"maxnreg": cap} if cap else {})  # fmt: skip
         yield (f"wgmma{i}_down", wg.down_kernel, _signature("y_ptr", False), tile | {"BLOCK_N": c["block_n_down"]},
                c["num_warps"], {"maxnreg": cap_down} if cap_down else {})  # fmt: skip
 

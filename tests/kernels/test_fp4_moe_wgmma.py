@@ -12,7 +12,9 @@ ptxas: every table entry builds, keeps its wgmma instructions in the loop and do
 from __future__ import annotations
 
 import json
+import math
 import os
+import types
 
 import pytest
 import torch
@@ -63,6 +65,12 @@ def _input(M, H, seed):
 
 def _entries():
     return [cfg for _, cfg in configs.WGMMA]
+
+
+def _gate_up_caps(cfg):
+    """The gate/up register caps an entry may launch with (`fp4_moe_configs.gate_up_cap`): one, or its choices."""
+    caps = cfg.get("maxnreg")
+    return list(caps) if isinstance(caps, (tuple, list)) else [caps]
 
 
 def _with_table(monkeypatch, cfg):
@@ -225,7 +233,8 @@ def test_fused_hidden_gives_the_same_bits(M, monkeypatch):
         xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
         wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt, BLOCK_N=bn,
         BLOCK_K=cfg["block_k"], NUM_WARPS=nw, SLICE_BUFFERS=bool(cfg.get("slice_buffers")),
-        GATE_FIRST=bool(cfg.get("gate_first")), PDL=False, num_warps=nw, maxnreg=cfg.get("maxnreg"), **fused,
+        GATE_FIRST=bool(cfg.get("gate_first")), PDL=False, num_warps=nw,
+        maxnreg=configs.gate_up_cap(cfg, M * K, E, NI, x.device), **fused,
     )  # fmt: skip
     want = fp4_quant.quantize(h, "nvfp4", "row")
     real = sorted_ids < M * K
@@ -291,6 +300,52 @@ def test_dispatch_by_slots_per_expert(monkeypatch):
     assert configs.wgmma_config(1 << 20, E, dev) is None
 
 
+def test_expected_token_blocks_match_random_routing():
+    """`expected_token_blocks` (the blocks `moe_align` makes, which the gate/up cap plans waves for) against routing
+    drawn at random the way a router with balanced load spreads its top-8 over 128 experts: within 2% from 4 to 48
+    slots an expert, at 16- and 32-token blocks; and at least one block per expert hit, at most one per slot."""
+    g = torch.Generator().manual_seed(0)
+    E, K = 128, 8
+    for rows in (64, 128, 192, 224, 256, 512, 768):
+        for bt in (16, 32):
+            ids = torch.rand(200, rows, E, generator=g).topk(K, dim=-1).indices  # 200 draws of distinct top-8
+            counts = torch.nn.functional.one_hot(ids.flatten(1), E).sum(1)  # [draws, E]
+            drawn = (-(-counts // bt)).sum(1).float().mean().item()
+            want = configs.expected_token_blocks(rows * K, E, bt)
+            assert abs(want - drawn) / drawn < 0.02, (rows, bt, want, drawn)
+            assert E * (1 - math.exp(-rows * K / E)) - 1 <= want <= rows * K
+    assert configs.expected_token_blocks(0, E, 16) == 0.0
+
+
+def test_gate_up_cap_fills_whole_waves(monkeypatch):
+    """`gate_up_cap`: an entry with one cap launches with it; with a tuple, the cap whose expected programs fill their
+    last wave best, the first on a tie. On 132 SMs that is the faster cap at each batch timed in h200_102 (one
+    expert call: 80 at batch 128, 160 and 224, 72 at 176, 192 and 208 for 16-token blocks; 80 against 96 at 256 for
+    32-token blocks)."""
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=132)
+    )
+    dev = torch.device("cuda")
+    t16 = {"block_t": 16, "block_n_gate_up": 64, "num_warps": 4, "maxnreg": (80, 72), "maxnreg_down": 64}
+    t32 = dict(t16, block_t=32, maxnreg=(96, 80), maxnreg_down=72)
+    faster = {128: 80, 160: 80, 176: 72, 192: 72, 208: 72, 224: 80}
+    for rows, cap in faster.items():
+        assert configs.gate_up_cap(t16, rows * 8, 128, 768, dev) == cap, rows
+    assert configs.gate_up_cap(t32, 256 * 8, 128, 768, dev) == 80
+    assert configs.gate_up_cap(dict(t16, maxnreg=80), 192 * 8, 128, 768, dev) == 80
+    assert configs.gate_up_cap(dict(t16, maxnreg=None), 192 * 8, 128, 768, dev) is None
+    assert configs.gate_up_cap(dict(t16, maxnreg=(80, 80)), 192 * 8, 128, 768, dev) == 80
+    for rows in range(129, 256):  # the pick never leaves a worse last wave than the entry's first cap
+        cap = configs.gate_up_cap(t16, rows * 8, 128, 768, dev)
+        progs = configs.expected_token_blocks(rows * 8, 128, 16) * 12
+
+        def fill(c, progs=progs):
+            w = progs / (configs.programs_per_sm(c, 4) * 132)
+            return w / math.ceil(w)
+
+        assert fill(cap) >= fill(80), rows
+
+
 def test_wgmma_entries_are_checked():
     """Entries that the kernels cannot take are errors naming the fix; shapes the tiles do not divide fall back."""
     for cfg in _entries():
@@ -304,6 +359,9 @@ def test_wgmma_entries_are_checked():
         {"block_n_gate_up": 16 * good["num_warps"] + 8},
         {"maxnreg": 32},
         {"maxnreg_down": 300},
+        {"maxnreg": (80, 40), "maxnreg_down": 64},
+        {"maxnreg": (80, 72), "maxnreg_down": None},
+        {"maxnreg": (), "maxnreg_down": 64},
     ):
         with pytest.raises(ValueError, match="WGMMA entry"):
             configs.check_wgmma_entry(dict(good, **bad), 2048, 768)
@@ -357,19 +415,22 @@ def test_wgmma_kernels_compile_for_sm90_without_spills(cfg, slices):
                   "SLICE_BUFFERS": slices, "PDL": False}  # fmt: skip
         if fn is wg.gate_up_kernel:
             consts["GATE_FIRST"] = bool(cfg.get("gate_first", False))
-        cap = (cfg.get("maxnreg_down") if fn is wg.down_kernel else None) or cfg.get("maxnreg")
-        regs = {"maxnreg": cap} if cap else {}
-        n, ops = _loop_counts_clean(fn.__name__, sig, consts, nw, regs)
-        if slices == cfg.get("slice_buffers", False):  # the entry as it runs: no spills, or with its register cap
-            # (``maxnreg``) a few reloads of values kept across the loop (the decode entry: 2 per K tile) and no stores
-            assert "STL" not in ops and ops.get("LDL", 0) <= (4 if regs else 0), f"{fn.__name__} {cfg}: spills {ops}"
-        m_reps = bn // (16 * nw)  # 64-row wgmma tiles per warpgroup
-        assert ops.get("HGMMA", 0) == ops_per_tile * m_reps * bk // 128, f"{fn.__name__} {cfg}: {ops}"
-        weights = (2 if ops_per_tile == 16 else 1) * bn * bk // (32 * nw)
-        elements = weights + bt * bk // (32 * nw)
-        assert n / elements < 4.5, f"{fn.__name__} {cfg}: {n / elements:.2f} instructions per element"
-        if slices:  # the eight slice stores of a tile need no barrier between them: one before, one after
-            assert ops.get("BAR", 0) <= 2, f"{fn.__name__} {cfg}: {ops}"
+        caps = [cfg.get("maxnreg_down") or _gate_up_caps(cfg)[0]] if fn is wg.down_kernel else _gate_up_caps(cfg)
+        for i, cap in enumerate(caps):
+            regs = {"maxnreg": cap} if cap else {}
+            n, ops = _loop_counts_clean(fn.__name__, sig, consts, nw, regs)
+            if slices == cfg.get("slice_buffers", False):  # the entry as it runs: no spills, or with its register cap
+                # (``maxnreg``) a few reloads of values kept across the loop (the decode entry: 2 per K tile) and no
+                # stores; a further gate/up cap (picked where its programs fill the last wave better) up to 16 reloads
+                most = (4 if i == 0 else 16) if regs else 0
+                assert "STL" not in ops and ops.get("LDL", 0) <= most, f"{fn.__name__} {cfg} cap {cap}: spills {ops}"
+            m_reps = bn // (16 * nw)  # 64-row wgmma tiles per warpgroup
+            assert ops.get("HGMMA", 0) == ops_per_tile * m_reps * bk // 128, f"{fn.__name__} {cfg}: {ops}"
+            weights = (2 if ops_per_tile == 16 else 1) * bn * bk // (32 * nw)
+            elements = weights + bt * bk // (32 * nw)
+            assert n / elements < 4.5, f"{fn.__name__} {cfg} cap {cap}: {n / elements:.2f} instructions per element"
+            if slices:  # the eight slice stores of a tile need no barrier between them: one before, one after
+                assert ops.get("BAR", 0) <= 2, f"{fn.__name__} {cfg}: {ops}"
 
 
 @pytest.mark.parametrize("cfg", _entries()[:2], ids=lambda c: f"t{c['block_t']}w{c['num_warps']}")
@@ -385,7 +446,8 @@ def test_fused_hidden_compiles_for_sm90(cfg):
     consts = {"H": 2048, "NI": 768, "BLOCK_T": cfg["block_t"], "BLOCK_N": cfg["block_n_gate_up"],
               "BLOCK_K": cfg["block_k"], "NUM_WARPS": cfg["num_warps"], "SLICE_BUFFERS": bool(cfg.get("slice_buffers")),
               "GATE_FIRST": bool(cfg.get("gate_first")), "PDL": False}  # fmt: skip
-    opts = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    cap = _gate_up_caps(cfg)[0]
+    opts = {"maxnreg": cap} if cap else {}
     plain, fused = (
         sass.clean_python(code, *(json.dumps(a) for a in (sig, dict(consts, FUSED_HIDDEN=f), cfg["num_warps"],
                                                             opts)))
@@ -409,11 +471,18 @@ def test_sass_dump_covers_every_table_kernel():
             mine = [k for k in kernels if k[0].startswith(f"{prefix}{i}_")]
             assert {"gate_up", "down"} <= {"gate_up" if "gate_up" in k[0] else "down" for k in mine}
             assert any("fused" in k[0] for k in mine)
+            caps = cfg.get("maxnreg")
+            choices = prefix == "wgmma" and isinstance(caps, (tuple, list))
             for name, fn, sig, consts, nw, opts in mine:
                 assert set(consts) <= set(fn.arg_names) and set(sig) <= set(fn.arg_names), name
                 assert nw == cfg["num_warps"]
-                cap = cfg.get("maxnreg_down") or cfg.get("maxnreg") if "down" in name else cfg.get("maxnreg")
+                if "down" in name:
+                    cap = cfg.get("maxnreg_down") or (caps[0] if choices else caps)
+                else:  # a gate/up kernel per cap that `gate_up_cap` may pick, named by it
+                    cap = int(name.split("_cap")[1].split("_")[0]) if choices else caps
                 assert opts == ({"maxnreg": cap} if cap else {}), name
+            if choices:
+                assert {f"wgmma{i}_gate_up_cap{c}" for c in caps} <= {k[0] for k in mine}
 
 
 def test_hopper_ab_patches_the_wgmma_table():
