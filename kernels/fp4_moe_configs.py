@@ -168,14 +168,16 @@ HOPPER = [
 #: 167.0, 182.5, 184.7, 189.1, 195.6 us at batch 128, 160, 176, 192, 208, 224 under a cap of 80 (6 programs an SM)
 #: and 170.4, 173.8, 174.8, 176.3, 180.1, 201.6 under 72 (7; 71 registers, no spills, the same loop): steps where
 #: the expected program count passes a multiple of 792 and 924 (132 SMs). The rule picks the faster cap at all six
-#: batches. Decode step at 192 rows, 72 against 80: 14,064 / 14,097 against 13,506 / 13,523 tokens/s (+4.2%); at
-#: 128, 80 is kept (72: -2.4%). 32-token entry at 256 rows, 80 against 96: 16,665 / 16,596 against 16,328 / 16,329
-#: (+1.8-2.1%; under Triton 3.9's ptxas cap 80 reloads 14 values a K tile).
+#: batches. Decode step at 192 rows, 72 against 80: 14,064 / 14,097 against 13,506 / 13,523 tokens/s (+4.2%; again
+#: +4.3% in h200_103); at 128, 80 is kept (72: -2.4%). The 32-token entry keeps one cap: 80 against 96 gained
+#: 1.8-2.1% at 256 rows (h200_102) but lost 0.9-1.1% at 512 (21,692 / 21,653 against 21,886 / 21,901, h200_103),
+#: where the rule would pick 80 (2.82 waves against 3.38): there a second block of an expert re-reads weights its
+#: first block just read (L2), so its programs are not a wave's worth of time, and 80 reloads 14 values a K tile.
 WGMMA = [
     (8, {"block_t": 16, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
          "slice_buffers": True, "gate_first": True, "maxnreg": (80, 72), "maxnreg_down": 64}),
     (16, {"block_t": 32, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 128, "num_warps": 4,
-          "slice_buffers": True, "gate_first": True, "maxnreg": (96, 80), "maxnreg_down": 72}),
+          "slice_buffers": True, "gate_first": True, "maxnreg": 96, "maxnreg_down": 72}),
     (48, {"block_t": 64, "block_n_gate_up": 128, "block_n_down": 128, "block_k": 128, "num_warps": 4}),
 ]  # fmt: skip
 
