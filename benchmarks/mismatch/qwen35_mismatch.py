@@ -99,11 +99,12 @@ def _module():
 
 
 def torch_kernels() -> dict:
-    """transformers' torch chunked and recurrent gated delta rule (unwrapped: transformers binds fla's in their
-    place when fla imports)."""
-    M = _module()
-    return {"chunk": inspect.unwrap(M.torch_chunk_gated_delta_rule),
-            "recurrent": inspect.unwrap(M.torch_recurrent_gated_delta_rule)}  # fmt: skip
+    """transformers' torch chunked and recurrent gated delta rule (behind its wrappers: transformers binds fla's in
+    their place when fla imports)."""
+    from trace_hf.train.delta_rule import torch_rules
+
+    chunk, recurrent = torch_rules(_module())
+    return {"chunk": chunk, "recurrent": recurrent}
 
 
 def pin_fla_autotune() -> int:

@@ -374,14 +374,20 @@ def test_cpu_without_interpreter_raises(tmp_path):
 
 
 def test_folder_does_not_import_as_top_level_kernels():
-    """From the repository root (cwd on sys.path) kernels/ is at most a namespace shadow, and its module refuses
-    to load under the top-level name that belongs to the Hugging Face Kernels package."""
+    """From the repository root (cwd on sys.path) `import kernels` gives the Hugging Face Kernels package where it is
+    installed (transformers >= 5.25 depends on it) and at most a namespace shadow of kernels/ where it is not; either
+    way none of kernels/'s modules load under the top-level name, and trace_hf.kernels is still ours."""
     code = (
-        "import kernels\nassert getattr(kernels, '__file__', None) is None, kernels.__file__\n"
+        "import os, sys\nimport kernels\n"
+        "assert not (getattr(kernels, '__file__', None) or '').startswith(sys.argv[1]), kernels.__file__\n"
         "try:\n    import kernels.fp4_quant\nexcept ImportError as e:\n    print('REFUSED', e)\n"
+        "import trace_hf.kernels.fp4_quant as k\nprint('OURS', os.path.dirname(os.path.realpath(k.__file__)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "REFUSED" in out.stdout and "trace_hf.kernels" in out.stdout, out
+    root = os.path.realpath(ROOT)
+    ours = os.path.join(root, "kernels") + os.sep
+    out = subprocess.run([sys.executable, "-c", code, ours], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "REFUSED" in out.stdout, out
+    assert f"OURS {os.path.join(root, 'kernels')}" in out.stdout, out
 
 
 @pytest.mark.gpu

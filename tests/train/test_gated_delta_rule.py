@@ -4,20 +4,18 @@ rollout's recurrent values and the chunked form's gradient (trace_hf/train/delta
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 from trace_hf import TraceFP4Config, TraceGRPOConfig
 from trace_hf import testing as T
-from trace_hf.train.delta_rule import delta_rule_modules, recurrent_values
+from trace_hf.train.delta_rule import delta_rule_modules, recurrent_values, torch_rule, torch_rules
 
 
 def _rules():
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as M
 
-    return M, inspect.unwrap(M.torch_chunk_gated_delta_rule), inspect.unwrap(M.torch_recurrent_gated_delta_rule)
+    return M, *torch_rules(M)
 
 
 def _inputs(seq=80, seed=0):
@@ -43,6 +41,7 @@ def test_values_are_recurrent_and_gradient_is_chunked():
     ref_c, _ = chunk(*x, **kw)
     ref_r, state_r = recurrent(*x, **kw)
     assert not torch.equal(ref_c, ref_r)  # 80 tokens: the chunked sums round otherwise
+    original = M.torch_chunk_gated_delta_rule
     with recurrent_values(model):
         out, state = M.torch_chunk_gated_delta_rule(*x, **kw)
         with torch.no_grad():
@@ -50,7 +49,7 @@ def test_values_are_recurrent_and_gradient_is_chunked():
     assert torch.equal(out, ref_r) and torch.equal(state, state_r) and torch.equal(out_ng, ref_r)
     for a, b in zip(_grads(out, x), _grads(ref_c, x), strict=True):
         assert torch.equal(a, b)
-    assert M.torch_chunk_gated_delta_rule.__wrapped__ is chunk  # the context restored transformers' function
+    assert M.torch_chunk_gated_delta_rule is original  # the context restored transformers' function
 
 
 def test_model_forward_takes_the_recurrent_values_and_nests():
@@ -111,7 +110,7 @@ def test_trainer_trains_qwen35_with_recurrent_values(tmp_path, engine_grpo_step,
     for key in engine_grpo_metrics:
         assert key in logged, key
     assert any("linear_attn" in n for n in changed)
-    assert inspect.unwrap(M.torch_chunk_gated_delta_rule) is chunk  # nothing left rebound after training
+    assert torch_rule(M.torch_chunk_gated_delta_rule) is chunk  # nothing left rebound after training
 
 
 def test_trainer_refuses_recurrent_without_gated_deltanet(tmp_path, engine_grpo_step):

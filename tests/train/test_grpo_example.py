@@ -72,6 +72,21 @@ def test_the_one_gpu_lora_recipe_freezes_the_experts_and_refuses_naive(grpo):
     assert grpo.parse_args(["--config", recipe, "--regimes", "all"])[0].regimes == ["bf16", "fp4", "trace"]
 
 
+def test_the_qwen35_one_gpu_lora_recipe_targets_what_the_engine_folds(grpo):
+    """The Qwen3.5-35B-A3B one-GPU recipe: frozen FP4 experts, LoRA r=32 on exactly the linears the hybrid engine
+    folds (so a LoRA run rolls out through the engine, not generate), 256 rows a step."""
+    from trace_hf.rollout.engine import LORA_TARGETS
+
+    recipe = os.path.join(PROJECT_ROOT, "examples", "recipes", "qwen35_35b_a3b_lora_1gpu.yaml")
+    script, config, model_args = grpo.parse_args(["--config", recipe, "--max_steps", "3"])
+    assert script.freeze_experts and script.regimes == ["trace"] and config.rollout_compaction
+    assert (model_args.model_name_or_path, model_args.dtype) == ("Qwen/Qwen3.5-35B-A3B", "bfloat16")
+    assert model_args.use_peft and (model_args.lora_r, model_args.lora_alpha) == (32, 64)
+    assert sorted(model_args.lora_target_modules) == sorted(t.rsplit(".", 1)[-1] for t in LORA_TARGETS["qwen3_5_moe"])
+    assert config.per_device_train_batch_size * config.gradient_accumulation_steps == 256
+    assert config.gated_delta_rule == "chunk" and config.max_steps == 3
+
+
 def test_frozen_experts_with_lora_train_only_the_adapter(grpo, tmp_path):
     """--freeze_experts --use_peft on the tiny offline model: the FP4 regime's experts are packed FP4 with no
     parameters, the BF16 regime's have no gradients, and what trains is the adapter."""

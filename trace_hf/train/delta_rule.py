@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +45,28 @@ def delta_rule_modules(model: torch.nn.Module) -> list:
         ):
             found[mod.__name__] = mod
     return list(found.values())
+
+
+def torch_rule(fn) -> Callable:
+    """transformers' own torch function behind the hub-kernel wrappers it puts on its delta rules.
+
+    Without the `kernels` package (transformers < 5.25) the wrappers are `functools.wraps` chains; with it (a
+    transformers dependency from 5.25) each rule is a `kernels` `Func` module whose forward closes over the wrapped
+    function. Either way the torch rule is what the engine's decode step follows, also where fla is installed.
+    """
+    if isinstance(fn, torch.nn.Module):
+        fn = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        if not callable(fn):
+            raise RuntimeError(
+                "trace-hf cannot find transformers' torch gated delta rule behind this `kernels` version's wrapper; "
+                "install the versions pyproject.toml lists (README.md, Install) or report the versions in use."
+            )
+    return inspect.unwrap(fn)
+
+
+def torch_rules(module) -> tuple[Callable, Callable]:
+    """The torch chunked and recurrent gated delta rules of a modeling module (e.g. transformers' modeling_qwen3_5_moe)."""
+    return torch_rule(getattr(module, _CHUNK)), torch_rule(getattr(module, _RECURRENT))
 
 
 def _recurrent_values(chunk, recurrent):
@@ -82,9 +105,9 @@ def recurrent_values(model: torch.nn.Module):
         )
     saved = [(mod, getattr(mod, _CHUNK)) for mod in modules if getattr(mod, _CHUNK) not in _WRAPPERS]
     for mod, chunk in saved:
-        # The torch recurrent rule, unwrapped: transformers binds flash-linear-attention's kernel in its place when
-        # that imports, and the engine follows the torch one.
-        setattr(mod, _CHUNK, _recurrent_values(chunk, inspect.unwrap(getattr(mod, _RECURRENT))))
+        # The torch recurrent rule: transformers binds flash-linear-attention's kernel in its place when that imports,
+        # and the engine follows the torch one.
+        setattr(mod, _CHUNK, _recurrent_values(chunk, torch_rule(getattr(mod, _RECURRENT))))
     try:
         yield
     finally:

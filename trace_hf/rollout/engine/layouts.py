@@ -33,6 +33,8 @@ class Layout:
             multiplied by ``sigmoid(gate)`` before ``o_proj``.
         norm_offset: the model's RMSNorms scale by ``norm_offset + weight`` (Qwen3.5 stores ``weight`` centred on 0).
         shared_expert: MoE-block attributes of the shared expert MLP and its sigmoid gate (None: no shared expert).
+        lora_targets: the linears, by path inside a decoder layer, whose PEFT LoRA adapters ``read_layer`` folds into
+            the decode weights (`fold`); `support` refuses adapters anywhere else.
         dims: the `Dims` class read off the config.
         weights_type: the `DecodeWeights` class of the family.
         read_layer: the layout map: ``read_layer(layout, layer, i, dims, reader)`` -> the layer's decode weights,
@@ -46,6 +48,7 @@ class Layout:
     gated_attention: bool
     norm_offset: float
     shared_expert: tuple[str, str] | None
+    lora_targets: tuple[str, ...]
     dims: type
     weights_type: type
     read_layer: Callable
@@ -63,14 +66,24 @@ class Layout:
         return Derived(lambda full: full(module.weight).float() + off)
 
 
+def fold(full, linear) -> torch.Tensor:
+    """The weight a linear computes with, LoRA folded in: the one folding rule of every layout (`lora_weight`: PEFT's
+    `get_delta_weight`, so ``lora_alpha / r`` or rsLoRA scaling, of each active adapter)."""
+    return full(lora_weight(linear))
+
+
+def linear_weight(linear) -> torch.Tensor | Derived:
+    """A linear's decode weight: its parameter, read in place, or with an adapter the folded weight, recomputed at
+    every refresh (after each optimizer step)."""
+    return Derived(lambda full: fold(full, linear)) if has_lora(linear) else linear.weight
+
+
 def _qwen3_layer(lay: Layout, layer, i: int, dims: Dims, r: Reader) -> LayerWeights:
-    """Qwen3 MoE: a fused [q; k; v] projection (LoRA folded), q/k norms, o_proj (LoRA folded where it has one)."""
+    """Qwen3 MoE: a fused [q; k; v] projection, q/k norms, o_proj (each with its LoRA folded)."""
     a, m = layer.self_attn, layer.mlp
-    qkv = Derived(lambda full: torch.cat([full(lora_weight(a.q_proj)), full(lora_weight(a.k_proj)),
-                                          full(lora_weight(a.v_proj))]))  # fmt: skip
-    w_o = Derived(lambda full: full(lora_weight(a.o_proj))) if has_lora(a.o_proj) else a.o_proj.weight
+    qkv = Derived(lambda full: torch.cat([fold(full, a.q_proj), fold(full, a.k_proj), fold(full, a.v_proj)]))
     ln_in, w_qkv, q_norm, k_norm, w_o = (r.tensor(x) for x in (lay.norm(layer.input_layernorm), qkv,
-                                         lay.norm(a.q_norm), lay.norm(a.k_norm), w_o))  # fmt: skip
+                                         lay.norm(a.q_norm), lay.norm(a.k_norm), linear_weight(a.o_proj)))  # fmt: skip
     ln_post, w_router = r.tensor(lay.norm(layer.post_attention_layernorm)), r.tensor(m.gate.weight)
     gu, d, hinted, sites = r.experts(m.experts)
     return LayerWeights(ln_in, w_qkv, q_norm, k_norm, w_o, ln_post, w_router, gu, d, hinted, sites)
@@ -79,7 +92,7 @@ def _qwen3_layer(lay: Layout, layer, i: int, dims: Dims, r: Reader) -> LayerWeig
 def _qwen35_layer(lay: Layout, layer, i: int, dims: HybridDims, r: Reader) -> HybridLayerWeights:
     """Qwen3.5 MoE: full attention's [q; k; v; gate] rows (``q_proj`` holds, per head, query then gate rows), or
     Gated DeltaNet's [qkv; z; b; a] rows with its conv, decay and gated norm; ``1 + w`` norms; the routed experts
-    and the shared expert's [gate; up; sigmoid gate] rows."""
+    and the shared expert's [gate; up; sigmoid gate] rows. Every projection with its LoRA folded."""
     kind = dims.layer_types[i]
     mixer, mlp = getattr(layer, lay.mixers[kind]), layer.mlp
     D, Hq = dims.head_dim, dims.num_heads
@@ -87,35 +100,46 @@ def _qwen35_layer(lay: Layout, layer, i: int, dims: HybridDims, r: Reader) -> Hy
     if kind == "full_attention":
 
         def qkvg(full, a=mixer):
-            q = full(a.q_proj.weight).view(Hq, 2 * D, -1)  # per head: query rows, then gate rows
+            q = fold(full, a.q_proj).view(Hq, 2 * D, -1)  # per head: query rows, then gate rows
             H = q.shape[-1]
-            return torch.cat([q[:, :D].reshape(-1, H), full(a.k_proj.weight), full(a.v_proj.weight),
+            return torch.cat([q[:, :D].reshape(-1, H), fold(full, a.k_proj), fold(full, a.v_proj),
                               q[:, D:].reshape(-1, H)])  # fmt: skip
 
-        w_in, w_out = r.tensor(Derived(qkvg)), r.tensor(mixer.o_proj.weight)
+        w_in, w_out = r.tensor(Derived(qkvg)), r.tensor(linear_weight(mixer.o_proj))
         extra = {"q_norm": r.tensor(lay.norm(mixer.q_norm)), "k_norm": r.tensor(lay.norm(mixer.k_norm))}
     else:
         a = mixer
-        w_in = r.tensor(Derived(lambda full: torch.cat([full(a.in_proj_qkv.weight), full(a.in_proj_z.weight),
-                                                        full(a.in_proj_b.weight), full(a.in_proj_a.weight)])))  # fmt: skip
-        w_out = r.tensor(mixer.out_proj.weight)
+        w_in = r.tensor(Derived(lambda full: torch.cat([fold(full, a.in_proj_qkv), fold(full, a.in_proj_z),
+                                                        fold(full, a.in_proj_b), fold(full, a.in_proj_a)])))  # fmt: skip
+        w_out = r.tensor(linear_weight(mixer.out_proj))
         extra = {"conv": r.tensor(mixer.conv1d.weight).squeeze(1), "a_log": r.tensor(mixer.A_log),
                  "dt_bias": r.tensor(mixer.dt_bias), "gate_norm": r.tensor(mixer.norm.weight)}  # fmt: skip
     ln_post, w_router = r.tensor(lay.norm(layer.post_attention_layernorm)), r.tensor(mlp.gate.weight)
     gu, dn, hinted, sites = r.experts(mlp.experts)
     sh, sg = getattr(mlp, lay.shared_expert[0]), getattr(mlp, lay.shared_expert[1])
-    w_shared = r.tensor(Derived(lambda full: pad_rows(torch.cat([full(sh.gate_proj.weight), full(sh.up_proj.weight),
-                                                                 full(sg.weight)]))))  # fmt: skip
+    w_shared = r.tensor(Derived(lambda full: pad_rows(torch.cat([fold(full, sh.gate_proj), fold(full, sh.up_proj),
+                                                                 fold(full, sg)]))))  # fmt: skip
     return HybridLayerWeights(kind, ln_in, w_in, w_out, ln_post, w_router, gu, dn, w_shared,
-                              r.tensor(sh.down_proj.weight), hinted=hinted, hint_sites=sites, **extra)  # fmt: skip
+                              r.tensor(linear_weight(sh.down_proj)), hinted=hinted, hint_sites=sites,
+                              **extra)  # fmt: skip
 
 
+#: The LoRA targets each layout folds (`Layout.lora_targets`): the attention projections, and on Qwen3.5 also the
+#: Gated DeltaNet projections and the shared expert with its gate. Qwen3 MoE's engine has no dense or shared MLP.
+ATTENTION_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+HYBRID_LORA = (
+    *ATTENTION_LORA,
+    *(f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
+    *(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")),
+    "mlp.shared_expert_gate",
+)
 QWEN3_MOE = Layout("qwen3_moe", ("qwen3_moe",), {"full_attention": "self_attn"}, gated_attention=False,
-                   norm_offset=0.0, shared_expert=None, dims=Dims, weights_type=DecodeWeights,
-                   read_layer=_qwen3_layer, decoder=FastDecoder)  # fmt: skip
+                   norm_offset=0.0, shared_expert=None, lora_targets=ATTENTION_LORA, dims=Dims,
+                   weights_type=DecodeWeights, read_layer=_qwen3_layer, decoder=FastDecoder)  # fmt: skip
 QWEN3_5_MOE = Layout("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"),
                      {"full_attention": "self_attn", "linear_attention": "linear_attn"}, gated_attention=True,
-                     norm_offset=1.0, shared_expert=("shared_expert", "shared_expert_gate"), dims=HybridDims,
+                     norm_offset=1.0, shared_expert=("shared_expert", "shared_expert_gate"),
+                     lora_targets=HYBRID_LORA, dims=HybridDims,
                      weights_type=HybridDecodeWeights, read_layer=_qwen35_layer, decoder=HybridDecoder)  # fmt: skip
 #: Every family the engine implements.
 LAYOUTS: tuple[Layout, ...] = (QWEN3_MOE, QWEN3_5_MOE)

@@ -5,11 +5,12 @@ reads off the model, and the PEFT adapters it folds."""
 from __future__ import annotations
 
 import os
+import re
 
 from ...quant.experts import fp4_experts
 from ...quant.kv_cache import kv_format
 from ..base import causal_lm
-from .layouts import layout_of, supported_model_types
+from .layouts import LAYOUTS, Layout, layout_of, supported_model_types
 from .weights import Dims, sharded
 
 
@@ -19,14 +20,14 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     RoPE, SiLU experts, softmax top-k router), and Qwen3.5 MoE (Gated DeltaNet and gated full attention, shared
     expert)."""
     lm = causal_lm(model)
-    adapters = _adapter_problems(lm)
-    if adapters:
-        return adapters
     text = lm.config.get_text_config(decoder=True)
     layout = layout_of(lm.config)
     if layout is None:
         return (f"model type {getattr(text, 'model_type', None)!r} is not one the engine implements "
                 f"({', '.join(supported_model_types())})")  # fmt: skip
+    adapters = _adapter_problems(lm, layout)
+    if adapters:
+        return adapters
     try:
         Dims.from_config(lm.config)
     except ValueError as e:
@@ -34,8 +35,6 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     mixers = set(getattr(text, "layer_types", None) or ["full_attention"])
     if not mixers <= set(layout.mixers):
         return f"layer types {sorted(mixers - set(layout.mixers))} are not implemented for {layout.family}"
-    if layout.hybrid and any(hasattr(m, "lora_A") for m in lm.modules()):
-        return f"LoRA adapters are not folded into the {layout.family} engine's weights"
     if layout.hybrid and sharded(lm):
         return f"FSDP2-sharded {layout.family} models are not implemented (Qwen3 MoE ones are)"
     if getattr(text, "use_sliding_window", False):
@@ -60,12 +59,17 @@ def unsupported_reason(model, require_cuda: bool = True) -> str | None:
     return None
 
 
-#: The linears whose PEFT LoRA adapters the engine folds into its own copies of their weights at every rollout.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: By family, the linears (paths inside a decoder layer) whose PEFT LoRA adapters the engine folds into its own
+#: copies of their weights at every rollout (`Layout.lora_targets`).
+LORA_TARGETS = {lay.family: lay.lora_targets for lay in LAYOUTS}
 
 
-def _adapter_problems(lm) -> str | None:
-    """Why the engine cannot fold this model's PEFT adapters into its weights (None: it can, or there are none)."""
+def _adapter_problems(lm, layout: Layout) -> str | None:
+    """Why the engine cannot fold this model's PEFT adapters into its weights (None: it can, or there are none).
+    Refused, so that no rollout decodes without an adapter the model computes with: adapters on the router, lm_head
+    or embeddings (the engine reads those weights in place), on the routed experts' fused parameters (their packed
+    FP4 codes come from the base weights), DoRA and other variants and lora_bias (not a plain ``B @ A`` delta), and
+    modules_to_save."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -80,7 +84,8 @@ def _adapter_problems(lm) -> str | None:
             bad.append(f"{name} ({type(m).__name__}: modules_to_save / trainable tokens)")
         elif isinstance(m, BaseTunerLayer):
             leaf = name.rsplit(".", 1)[-1]
-            if not isinstance(m, LoraLinear) or leaf not in LORA_TARGETS or ".self_attn." not in f".{name}":
+            inside = re.search(r"(?:^|\.)layers\.\d+\.(.+)$", name)
+            if not isinstance(m, LoraLinear) or not inside or inside.group(1) not in layout.lora_targets:
                 bad.append(f"{name} ({type(m).__module__.split('.')[-2]} on {leaf})")
             elif any(
                 getattr(m, attr, {}).get(a)
@@ -91,7 +96,7 @@ def _adapter_problems(lm) -> str | None:
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         return (
-            f"its PEFT adapters on {shown} are not folded into the engine's weights (it folds plain LoRA on the "
-            f"attention projections {list(LORA_TARGETS)})"
+            f"its PEFT adapters on {shown} are not folded into the engine's weights (the {layout.family} engine "
+            f"folds plain LoRA on {list(layout.lora_targets)} of each decoder layer)"
         )
     return None
