@@ -86,7 +86,12 @@ def parse_args(argv=None):
         action="store_true",
         help="FP4 setups: TraceFP4Config(prefill_bf16_gemms=True), the prefill's experts as bf16 grouped GEMMs",
     )
-    p.add_argument("--lora-r", type=int, default=0, help="PEFT LoRA rank on q/k/v/o (0: full fine-tune)")
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="PEFT LoRA rank on every projection the engine folds for the family (0: full fine-tune)",
+    )
     p.add_argument(
         "--eos-mean", type=int, default=0, help="mean completion length via a calibrated EOS logit (0: off)"
     )
@@ -528,8 +533,11 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     if args.lora_r:
         from peft import LoraConfig
 
+        from trace_hf.rollout.engine.layouts import layout_of
+
+        # Qwen3: the attention's q/k/v/o; Qwen3.5: those, the Gated DeltaNet's projections and the shared expert.
         peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+                                 target_modules=list(layout_of(model.config).lora_targets))  # fmt: skip
     lr = args.learning_rate or (1e-5 if args.lora_r else 1e-6)
     mb = args.micro_batch
     cfg = TraceGRPOConfig(

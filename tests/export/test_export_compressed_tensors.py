@@ -299,7 +299,7 @@ def test_transformers_from_pretrained_loads_the_export(exported):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="transformers (5.24) dequantizes NVFP4 MoE experts without weight_global_scale "
+    reason="transformers (up to at least 5.25.0) dequantizes NVFP4 MoE experts without weight_global_scale "
     "(huggingface/transformers#48371, fix in #48372): its experts come back scaled by 448*6/amax",
 )
 def test_transformers_from_pretrained_experts_equal_the_fp4_weights(exported):
