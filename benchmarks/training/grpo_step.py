@@ -109,6 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
     p.add_argument("--group-by-length", action="store_true",
                    help="micro-batches of rows of similar length (train_sampling_strategy='group_by_length')")  # fmt: skip
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="padding-free packed training-side forwards (TraceGRPOConfig.token_budget; default: off)")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -549,6 +551,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         rollout_precision="fp4" if fp4 else "bf16", trace_hints=fp4, routing_replay=fp4,
         rollout_engine="generate" if name.startswith("generate") else "engine",
         train_sampling_strategy="group_by_length" if args.group_by_length else "random",
+        token_budget=args.token_budget,
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
@@ -597,6 +600,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "wave_rows": args.wave_rows or None,
         "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
+        "token_budget": args.token_budget,
         "freeze_experts": args.freeze_experts,
         "prefill_bf16_gemms": args.prefill_bf16_gemms,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

@@ -27,6 +27,7 @@ from transformers.utils import logging
 
 from .. import fp4
 from ..quant.experts import TraceFP4Experts
+from .destination import checkpoint_files, remove_files
 
 
 logger = logging.get_logger(__name__)
@@ -151,6 +152,29 @@ def _calibration_batches(calibration) -> Iterable[dict]:
             )
 
 
+def _check_calibration_ids(ids, vocab_size: int, index: int) -> None:
+    """Token ids the embedding can look up, checked before the forward: there a float tensor or an id outside the
+    vocabulary is torch's bare embedding error (a device-side assert on the GPU), which never names `calibration`."""
+    where = f"calibration batch {index}"
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{where}: input_ids is a {type(ids).__name__}; give a tensor of token ids [batch, seq].")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(
+            f"{where} holds input_ids of dtype {ids.dtype}; give integer token ids (the tokenizer's input_ids, "
+            "torch.long), not embeddings, probabilities or masks."
+        )
+    if ids.ndim != 2:
+        raise ValueError(f"{where} holds input_ids of shape {tuple(ids.shape)}; give token ids [batch, seq].")
+    if ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size):
+        return
+    row, col = ((ids < 0) | (ids >= vocab_size)).nonzero()[0].tolist()
+    raise ValueError(
+        f"{where} holds token id {int(ids[row, col])} at row {row}, position {col}, outside the model's vocabulary "
+        f"[0, {vocab_size}) (padding too: the forward embeds every position). Calibrate on ids of the model's own "
+        "tokenizer, e.g. the training prompts, or the HintBatch of recorded rollouts."
+    )
+
+
 @torch.no_grad()
 def calibrate_input_amax(model, calibration) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per experts module: (amax of its input over all real tokens [1], amax of each expert's hidden [E]).
@@ -160,6 +184,8 @@ def calibrate_input_amax(model, calibration) -> dict[str, tuple[torch.Tensor, to
     input over the tokens routed to it, computed as the rollout computes it (FP4 input per token, FP4 weights). An
     expert no calibration token reached gets the layer's largest hidden amax.
     """
+    from ..rollout.base import vocab_size_of
+
     experts = _fp4_experts(model, "calibration")
     found = {n: [torch.zeros(()), torch.zeros(m.num_experts)] for n, m in experts.items()}
     state = {"mask": None}
@@ -195,9 +221,11 @@ def calibrate_input_amax(model, calibration) -> dict[str, tuple[torch.Tensor, to
     was_training = model.training
     model.eval()
     seen = 0
+    vocab_size = vocab_size_of(model)
     try:
         device = next(model.parameters()).device
         for batch in _calibration_batches(calibration):
+            _check_calibration_ids(batch["input_ids"], vocab_size, seen)
             batch = {k: v.to(device) for k, v in batch.items()}
             mask = batch.get("attention_mask")
             state["mask"] = None if mask is None else mask.reshape(-1).bool()
@@ -305,6 +333,7 @@ def export_compressed_tensors(
     scheme: str = "NVFP4",
     calibration=None,
     tokenizer=None,
+    overwrite: bool = False,
 ) -> dict[str, int]:
     """Write `model` (FP4 experts, `TraceFP4Config(fmt="nvfp4")`) as a compressed-tensors NVFP4 checkpoint.
 
@@ -315,6 +344,8 @@ def export_compressed_tensors(
             `input_ids` (and `attention_mask`), or `HintBatch` records of rollouts (their tokens), one or an
             iterable of them. Each Linear's `input_global_scale` is 448 * 6 over the largest amax it saw.
         tokenizer: saved beside the weights when given. The model's generation config is saved when it has one.
+        overwrite: delete the checkpoint files `directory` already holds just before writing; without it such a
+            directory is refused, before calibration (`trace_hf.export.destination`).
 
     Returns the bytes written for the experts and for the other weights.
     """
@@ -331,6 +362,7 @@ def export_compressed_tensors(
         )
     if scheme == "NVFP4A16" and calibration is not None:
         raise ValueError("scheme='NVFP4A16' is weight-only and takes no calibration; drop it or use scheme='NVFP4'.")
+    stale = checkpoint_files(directory, overwrite)
     amax = calibrate_input_amax(model, calibration) if calibration is not None else None
 
     tensors: dict[str, torch.Tensor] = {}
@@ -361,6 +393,7 @@ def export_compressed_tensors(
     rest = _bf16_state(model, set(experts))
     if set(rest) & set(tensors):
         raise RuntimeError(f"Expert and dense weight names collide: {sorted(set(rest) & set(tensors))[:3]}.")
+    remove_files(directory, stale)
     os.makedirs(directory, exist_ok=True)
     save_file({**rest, **tensors}, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
 
@@ -377,6 +410,12 @@ def export_compressed_tensors(
         generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    logger.warning(
+        f"Wrote {directory}. Load it with trace_hf.export.load_fp4 (or serve it with vLLM or SGLang), not with "
+        "transformers' AutoModelForCausalLM.from_pretrained: through 5.25.0 at least, transformers dequantizes "
+        "NVFP4 MoE experts without their weight_global_scale, so they load 448 * 6 / amax times too large "
+        "(huggingface/transformers#48371)."
+    )
     return {"experts": expert_bytes, "other": sum(t.nbytes for t in rest.values())}
 
 
@@ -429,6 +468,9 @@ class _Checkpoint:
 
     def __iter__(self):
         return iter(self._where)
+
+    def path(self, key: str) -> str:
+        return self._where[key]
 
     def __getitem__(self, key: str) -> torch.Tensor:
         path = self._where[key]
@@ -548,6 +590,8 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
                         "checkpoint of this model's experts; copy it again or re-export."
                     )
                 by_field[f] = [state[k] for k in keys]
+                for k, t in zip(keys, by_field[f]):
+                    _check_expert_tensor(t, k, state.path(k), m, proj)
                 used.update(keys)
             e, parts = m.num_experts, len(names) // m.num_experts
             G = torch.stack([t.reshape(()) for t in by_field["weight_global_scale"]]).reshape(e, parts).float()
@@ -587,6 +631,25 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
             with torch.no_grad():
                 param.copy_(w.to(param.dtype))
     return model.eval()
+
+
+def _check_expert_tensor(t: torch.Tensor, key: str, path: str, m: TraceFP4Experts, proj: str) -> None:
+    """One expert tensor of the checkpoint, checked against the experts module built from its config before the
+    experts are stacked, where a mismatch would be torch's bare `stack` error naming neither file nor tensor."""
+    rows, cols = (m.intermediate_dim, m.hidden_dim) if proj == "gate_up_proj" else (m.hidden_dim, m.intermediate_dim)
+    field = key.rsplit(".", 1)[-1]
+    if field == "weight_global_scale":
+        ok, want = t.numel() == 1, "one value"
+    else:
+        shape = (rows, cols // 2) if field == "weight_packed" else (rows, cols // 16)
+        ok, want = tuple(t.shape) == shape and t.element_size() == 1, f"shape {shape} of one-byte values"
+    if not ok:
+        raise ValueError(
+            f"{path} holds {key} of shape {tuple(t.shape)} and dtype {t.dtype}, but the experts its config.json "
+            f"describes ({m.num_experts} experts, hidden {m.hidden_dim}, width {m.intermediate_dim}) need {want}: "
+            "the file is damaged or belongs to another model. Copy the checkpoint again (with its config.json), or "
+            "re-export it."
+        )
 
 
 def _install(m: TraceFP4Experts, name: str, packed: list[fp4.FP4Tensor]) -> None:

@@ -26,6 +26,7 @@ from transformers.utils import logging
 
 from .. import fp4
 from ..quant.experts import TraceFP4Experts
+from .destination import checkpoint_files, remove_files
 
 
 logger = logging.get_logger(__name__)
@@ -82,13 +83,18 @@ def _unique_state(model, skip: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", **options) -> dict[str, int]:
+def export_fp4(
+    model, directory: str | os.PathLike, format: str = "trace_fp4", overwrite: bool = False, **options
+) -> dict[str, int]:
     """Write the packed export of a `TraceFP4Config` model; returns the bytes of experts and other weights.
 
     `format="trace_fp4"` (trace-hf's own, read by `load_fp4`); `format="compressed-tensors"`: the NVFP4 checkpoint
     vLLM, SGLang and transformers load, with `options` (`scheme`, `calibration`, `tokenizer`) as in
     `trace_hf.export.compressed.export_compressed_tensors`. For `"trace_fp4"` a PEFT model is exported with its LoRA
     adapters merged into the dense weights (the experts are FP4 already).
+
+    `directory` must be new or hold no checkpoint files (`trace_hf.export.destination`): an export beside another
+    checkpoint would load as a mix of both. `overwrite=True` deletes those files just before writing.
     """
     from accelerate.utils import is_peft_model
 
@@ -100,7 +106,7 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
             )
         from .compressed import export_compressed_tensors
 
-        return export_compressed_tensors(model, directory, **options)
+        return export_compressed_tensors(model, directory, overwrite=overwrite, **options)
     if format != "trace_fp4":
         raise ValueError(f"export_fp4(format={format!r}): use 'trace_fp4' or 'compressed-tensors'.")
     if options:
@@ -110,7 +116,7 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
     experts = {n: m for n, m in model.named_modules() if isinstance(m, TraceFP4Experts)}
     if not experts:
         raise ValueError("export_fp4 needs a model loaded with quantization_config=TraceFP4Config().")
-    os.makedirs(directory, exist_ok=True)
+    stale = checkpoint_files(directory, overwrite)
     packed = {}
     for name, m in experts.items():
         for pname, q in zip(_PROJS, m.packed_weights()):
@@ -131,6 +137,8 @@ def export_fp4(model, directory: str | os.PathLike, format: str = "trace_fp4", *
     # Frozen experts keep their packed weights as buffers beside the codes; the experts file holds all of them.
     suffixes = ("", "_block_scale", "_global_scale")
     rest = _unique_state(model, {f"{n}.{p}{s}" for n in experts for p in _PROJS for s in suffixes})
+    remove_files(directory, stale)
+    os.makedirs(directory, exist_ok=True)
     save_file(packed, os.path.join(directory, EXPERTS_FILE), metadata=metadata)
     save_file(rest, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt", "export_id": export_id})
     model.config.save_pretrained(directory)

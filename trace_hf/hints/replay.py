@@ -126,6 +126,7 @@ def use_hints(
     routing_replay: bool = True,
     apply_hints: bool = True,
     align_positions: bool = True,
+    packed: bool = False,
 ):
     """Apply hints (and optionally routing replay) to the training forwards inside the block.
 
@@ -139,6 +140,10 @@ def use_hints(
     ``position_ids`` gets them from the attention mask
     (``cumsum - 1``), as `generate` computes them for left-padded prompts; TRL's training forward passes none,
     and the shifted rotary positions alone change the activations enough to flip many FP4 codes.
+
+    With ``packed`` the forwards feed the rows' real tokens (the ones of ``attention_mask``) concatenated row after
+    row into one sequence [1, N] (padding-free packing): every hint, recorded route and token check is the one of
+    the [B, S] layout at the same (row, position), so each row meets its own hints wherever it is packed.
 
     Yields a `MismatchReport` that fills as forwards run.
     """
@@ -195,12 +200,18 @@ def use_hints(
         real_tokens=int(mask.sum()),
         hint_bytes_per_token=hint_batch.bytes_per_token(),
     )
-    has_flat = has.flatten()
+    # The forward's tokens, flattened: every [B * S] column, or (packed) its real ones in the same order.
+    real = mask.flatten().nonzero().flatten() if packed else None
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:
+        return t if real is None else t[real.to(t.device)]
+
+    has_flat = tokens(has.flatten())
     handles, guided = [], []
     try:
         for site in plan:
             for j, layer in enumerate(plan[site]):
-                bits, scales, gscale = (_gather(t[:, :, j], pos) for t in hint_batch.site(site))
+                bits, scales, gscale = (tokens(_gather(t[:, :, j], pos)) for t in hint_batch.site(site))
                 hints = fp4.FP4Hints(bits, scales, gscale.unsqueeze(-1), hint_batch.fmt)
                 m = experts[layer]
                 routing = None
@@ -210,16 +221,16 @@ def use_hints(
                             f"use_hints: experts_hidden hints of width {hints.width} for experts of intermediate "
                             f"size {m.intermediate_dim}; record and train the same model."
                         )
-                    routing = _gather(hint_batch.routing[:, :, layer], pos).long()
+                    routing = tokens(_gather(hint_batch.routing[:, :, layer], pos)).long()
                 point = m.sites[site]
                 point.guide = Guide(site, hints, has_flat.to(bits.device), layer, report, apply_hints, routing)
                 guided.append(point)
         if align_positions:
-            handles.append(_register_position_hook(model, attention_mask))
+            handles.append(_register_position_hook(model, attention_mask, packed))
         if hint_batch.token_ids is not None:
-            handles.append(_register_token_check(model, hint_batch.token_ids, pos, has))
+            handles.append(_register_token_check(model, hint_batch.token_ids, pos, has, mask if packed else None))
         for m, router in zip(experts, routers, strict=True):
-            recorded = _gather(hint_batch.routing[:, :, m.moe_index], pos).long()
+            recorded = tokens(_gather(hint_batch.routing[:, :, m.moe_index], pos)).long()
             hook = routing_hook(recorded, has_flat, routing_replay, report, n_has)
             handles.append(router.register_forward_hook(hook))
         yield report
@@ -231,9 +242,18 @@ def use_hints(
             h.remove()
 
 
-def _register_token_check(model: torch.nn.Module, token_ids: torch.Tensor, pos: torch.Tensor, has: torch.Tensor):
+def _register_token_check(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    pos: torch.Tensor,
+    has: torch.Tensor,
+    packed_mask: torch.Tensor | None = None,
+):
     """Every forward inside `use_hints` must feed, at each hinted position, the token the rollout fed there."""
     want = torch.gather(token_ids, 1, pos.to(token_ids.device))
+    if packed_mask is not None:  # the packed forward's [1, N] tokens: the real columns, row after row
+        real = packed_mask.to(want.device)
+        want, has = want[real].unsqueeze(0), has.to(want.device)[real].unsqueeze(0)
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -257,25 +277,28 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _register_position_hook(model: torch.nn.Module, attention_mask: torch.Tensor):
+def _register_position_hook(model: torch.nn.Module, attention_mask: torch.Tensor, packed: bool = False):
     def hook(module, args, kwargs):
         if kwargs.get("position_ids") is None:
             mask = kwargs.get("attention_mask")
             mask = attention_mask if mask is None else mask
-            kwargs["position_ids"] = position_ids_from_mask(mask).to(mask.device)
+            pos = position_ids_from_mask(mask)
+            pos = pos[mask.bool()].unsqueeze(0) if packed else pos  # packed: each row's own, restarting at 0
+            kwargs["position_ids"] = pos.to(mask.device)
         return args, kwargs
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 @contextlib.contextmanager
-def aligned_positions(model: torch.nn.Module, attention_mask: torch.Tensor):
+def aligned_positions(model: torch.nn.Module, attention_mask: torch.Tensor, packed: bool = False):
     """Forwards inside get ``position_ids`` from the attention mask when they pass none, as `generate` does.
 
     TRL's training forward passes none, so left-padded rows would otherwise see rotary positions shifted by their
-    padding, in every regime (BF16 included), and compute other activations than the rollout did.
+    padding, in every regime (BF16 included), and compute other activations than the rollout did. With ``packed``
+    (the rows' real tokens fed as one sequence, as `use_hints`) the positions restart at each row.
     """
-    handle = _register_position_hook(model, attention_mask)
+    handle = _register_position_hook(model, attention_mask, packed)
     try:
         yield
     finally:

@@ -23,6 +23,47 @@ _TRL_IS_FIELDS = (
     "vllm_importance_sampling_clip_max",
 )
 ROLLOUT_PRECISIONS = ("fp4", "bf16")
+# The TRACE fields checked by type, not only by value: a string such as "false" is truthy, so a bool field given
+# one would stay on, and a string or float count fails far from the config (or only on the GPU path).
+_BOOL_FIELDS = (
+    "rollout_compaction",
+    "rollout_share_prefill",
+    "trace_hints",
+    "routing_replay",
+    "rollout_importance_sampling",
+    "trace_metrics",
+)
+_FLOAT_FIELDS = (  # int accepted, bool not; the optional ones take None
+    "rollout_free_memory_fraction",
+    "rollout_importance_sampling_clip_max",
+    "rollout_importance_sampling_clip_min",
+)
+
+
+def _check_types(config) -> None:
+    """Refuse TRACE fields of the wrong type by name, before any value check compares them."""
+    for name in _BOOL_FIELDS:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"TraceGRPOConfig.{name}={value!r}: give True or False (a string such as 'false' is truthy and would "
+                "leave the option on)."
+            )
+    for name in _FLOAT_FIELDS:
+        value = getattr(config, name)
+        optional = name != "rollout_free_memory_fraction"
+        if (value is None and optional) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            continue
+        raise ValueError(
+            f"TraceGRPOConfig.{name}={value!r}: give a number (int or float, not a string or bool)"
+            + (", or None." if optional else ".")
+        )
+    rows = config.rollout_max_rows
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
+        raise ValueError(
+            f"TraceGRPOConfig.rollout_max_rows={rows!r}: give an int number of rows >= 1 (not a bool), or None for as "
+            "many as fit."
+        )
 
 
 @dataclass
@@ -65,6 +106,14 @@ class TraceGRPOConfig(GRPOConfig):
             decode steps compute) with the chunked form's gradient; on a warmed Qwen3.5 MoE this removed most of the
             BF16 rollout/training KL (docs/results.md section 7), at the cost of one step per token in every
             training-side forward. Models without Gated DeltaNet layers must keep `"chunk"`.
+        token_budget (`int`, *optional*):
+            Padding-free packed training-side forwards (TRL's name, from its async GRPO trainer): the real tokens of
+            a forward's rows go into one sequence, position ids restarting at each row, so no padding is computed.
+            A scoring forward (old and reference log-probs) packs rows, in order, up to `token_budget` real tokens
+            (a row longer than that gets a forward of its own, never dropped); a training forward packs exactly
+            TRL's micro-batch (`per_device_train_batch_size` rows), so the loss and its normalisation are TRL's.
+            `None` (default): TRL's padded row micro-batches (each cut to the columns its rows use). Refused for
+            models with Gated DeltaNet layers (Qwen3.5) and attention that cannot keep packed rows apart.
 
         > Parameters that control the importance-sampling correction against the FP4 sampler
 
@@ -156,6 +205,14 @@ class TraceGRPOConfig(GRPOConfig):
             "choices": list(GATED_DELTA_RULES),
         },
     )
+    token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Pack training-side forwards padding-free: scoring forwards take rows up to this many real "
+            "tokens (a longer row runs alone, never dropped), training forwards their whole micro-batch. None: TRL's "
+            "padded row micro-batches."
+        },
+    )
     rollout_importance_sampling: bool = field(
         default=True,
         metadata={"help": "Correct the loss with the importance-sampling ratio trainer/sampler probability."},
@@ -197,6 +254,7 @@ class TraceGRPOConfig(GRPOConfig):
         super().__post_init__()
         check_trl_options(self)  # TRL options this trainer cannot honour (trace_hf.train.trl_options)
         check_sampling_strategy(self)  # group_by_length: micro-batches by length (trace_hf.train.grouping)
+        _check_types(self)
         if self.use_vllm:
             raise ValueError(
                 "TraceGRPOConfig(use_vllm=True) is not supported: TraceGRPOTrainer generates through the model's own "
@@ -243,6 +301,18 @@ class TraceGRPOConfig(GRPOConfig):
             )
         if self.trace_hint_storage not in ("device", "cpu"):
             raise ValueError(f"TraceGRPOConfig.trace_hint_storage={self.trace_hint_storage!r}: use 'device' or 'cpu'.")
+        budget = self.token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"TraceGRPOConfig.token_budget={budget!r}: give an int number of tokens >= 1 to pack forwards, or None "
+                "for TRL's padded row micro-batches."
+            )
+        if budget is not None and self.gated_delta_rule == "recurrent":
+            raise ValueError(
+                "TraceGRPOConfig(token_budget=..., gated_delta_rule='recurrent'): the recurrent rule steps each row "
+                "on its own and cannot split packed rows (cu_seqlens). Set token_budget=None, or use "
+                "gated_delta_rule='chunk' (on a model without Gated DeltaNet layers)."
+            )
         if self.rollout_importance_sampling_mode not in IS_MODES:
             raise ValueError(
                 f"TraceGRPOConfig.rollout_importance_sampling_mode={self.rollout_importance_sampling_mode!r}: use one "

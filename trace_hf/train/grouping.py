@@ -10,9 +10,13 @@ sampling strategy ``"group_by_length"``; TRL's GRPO sampler ignores the field, s
 generation batch, where the lengths are known.
 
 The policy gradient of the optimizer step is the same in any order when every micro-batch weighs its rows alike,
-which holds for the loss types whose normalizer does not depend on which rows share a micro-batch, and when one
-generation batch makes one optimizer step. Otherwise the option is refused. The MoE router's aux loss
-(``router_aux_loss_coef``) is TRL's per micro-batch, so it follows which tokens share one, in TRL's random order too.
+which holds for the loss types whose normalizer does not depend on which rows share a micro-batch, and when every
+optimizer step takes all the rows of a generation batch (``steps_per_generation = gradient_accumulation_steps``).
+``num_iterations > 1`` keeps that, and is accepted: each of its repeated steps again takes the whole generation
+batch. Otherwise the option is refused: with ``steps_per_generation`` above ``gradient_accumulation_steps`` one
+generation batch is split over several optimizer steps, and sorted, each would see rows of one length only. The MoE
+router's aux loss (``router_aux_loss_coef``) is TRL's per micro-batch, so it follows which tokens share one, in TRL's
+random order too.
 """
 
 from __future__ import annotations

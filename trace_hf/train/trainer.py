@@ -12,7 +12,8 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   ratio against the sampler's log-probs, and the ``trace/*`` metrics.
 * `_get_per_token_logps_and_entropies`: every row chunk runs inside `use_hints` for exactly its rows, and in every
   regime with position ids from the attention mask, as `generate` makes them for left-padded prompts; each chunk
-  runs only the columns its rows use (TRL pads every completion to the batch's longest).
+  runs only the columns its rows use (TRL pads every completion to the batch's longest). With
+  ``token_budget`` the forwards are packed padding-free instead (`_packed_logps_and_entropies`).
 * `_prepare_inputs`: with ``train_sampling_strategy="group_by_length"``, the micro-batches hold rows of similar
   length instead of TRL's random order (`trace_hf.train.grouping`).
 * `training_step`: keeps the hint context open until backward is done, because gradient checkpointing recomputes
@@ -88,8 +89,9 @@ class TraceGRPOTrainer(GRPOTrainer):
 
     PEFT (`peft_config=LoraConfig(...)` or a `PeftModel`): LoRA on non-expert linears (e.g. `q_proj`, `v_proj`) is
     supported; the FP4 experts are then frozen and keep their QAT forward, or are frozen packed FP4 with
-    `TraceFP4Config(freeze_experts=True)`. The rollout engine merges LoRA on the attention projections into its
-    weights at every rollout. LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout
+    `TraceFP4Config(freeze_experts=True)`. The rollout engine folds LoRA into its weights at every rollout, on the
+    projections its family's `Layout.lora_targets` names (Qwen3: attention; Qwen3.5: attention, Gated DeltaNet and
+    shared expert). LoRA on the fused experts (`target_parameters`) is refused: the packed FP4 rollout
     weights are quantized from the base parameters (or are frozen codes) and would not contain the adapter.
     """
 
@@ -112,6 +114,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.rollout = None  # the rollout path (`trace_hf.rollout`), chosen at the first rollout
         self._trace_state = StepState()
         experts = self._trace_validate_model()
+        _check_packing(self.accelerator.unwrap_model(self.model), self.args)
         self._fp4 = bool(experts)  # an FP4 model (TraceFP4Config), not the BF16 baseline
         self._fmt = experts[0].fmt if experts else None
         self._hint_layers = tuple(m.moe_index for m in experts if m.hinted)  # what HintBatch.from_inputs rebuilds
@@ -170,8 +173,9 @@ class TraceGRPOTrainer(GRPOTrainer):
         return self._fp4 and (self.args.trace_hints or self.args.routing_replay)
 
     @contextlib.contextmanager
-    def _trace_forward(self, model, hints: HintBatch | None, attention_mask: torch.Tensor):
-        """The context of one training-side forward: hints and routing replay for its rows, position ids always."""
+    def _trace_forward(self, model, hints: HintBatch | None, attention_mask: torch.Tensor, packed: bool = False):
+        """The context of one training-side forward: hints and routing replay for its rows, position ids always.
+        ``packed``: the forward feeds the real tokens of ``attention_mask``'s rows as one sequence (`use_hints`)."""
         core = self._trace_core(model)
         with contextlib.ExitStack() as stack:
             if self.args.gated_delta_rule == "recurrent":
@@ -179,11 +183,13 @@ class TraceGRPOTrainer(GRPOTrainer):
             # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to
             # guide).
             if hints is None or not core.training or not any(isinstance(m, TraceFP4Experts) for m in core.modules()):
-                stack.enter_context(aligned_positions(core, attention_mask))
+                stack.enter_context(aligned_positions(core, attention_mask, packed))
                 yield None
                 return
             replay, apply = self.args.routing_replay, self.args.trace_hints
-            yield stack.enter_context(use_hints(core, hints, attention_mask, routing_replay=replay, apply_hints=apply))
+            yield stack.enter_context(
+                use_hints(core, hints, attention_mask, routing_replay=replay, apply_hints=apply, packed=packed)
+            )
 
     # ------------------------------------------------------------------------------------------------------
     # Rollout
@@ -384,6 +390,14 @@ class TraceGRPOTrainer(GRPOTrainer):
             )
         n = input_ids.size(0)
         keep_open = step.stack is not None and torch.is_grad_enabled()
+        if self.args.token_budget is not None:
+            # A loss forward (TRL passes no batch_size) keeps its micro-batch in one forward, so the loss, its
+            # normalisation and the router aux loss see TRL's rows; scoring forwards take as many rows as fit.
+            budget = None if keep_open or batch_size is None else self.args.token_budget
+            return self._packed_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, budget, rows, keep_open, compute_entropy,
+                compute_aux_loss,
+            )  # fmt: skip
         # A training forward keeps its context until backward: one chunk, so one set of hooks is installed.
         batch_size = n if keep_open else (batch_size or n)
         order, logps, entropies, aux = [], [], [], []
@@ -411,6 +425,57 @@ class TraceGRPOTrainer(GRPOTrainer):
         return (
             torch.cat(logps, dim=0)[back],
             torch.cat(entropies, dim=0)[back] if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
+
+    def _packed_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, budget, rows, keep_open, compute_entropy,
+        compute_aux_loss,
+    ):  # fmt: skip
+        """`_get_per_token_logps_and_entropies` padding-free (``token_budget``): the real tokens of a forward's rows
+        are concatenated into one sequence [1, N], position ids restarting at 0 at each row, and no attention mask.
+
+        transformers keeps the rows apart itself, so the model keeps its own attention implementation (no extra
+        package; `_check_packing` refuses the others): its mask utilities find the rows from the restarting position
+        ids (`masking_utils.find_packed_sequence_indices`) and build a block-diagonal causal mask for sdpa (the
+        default, on CPU and GPU), eager and flex attention; flash-attention runs varlen from the same ids. The hints,
+        recorded routes and token checks follow each row by (row, position) (`use_hints(packed=True)`); the FP4 fake
+        quantization of K/V and activations is per token (and head), so it sees the same values as padded. Only GEMM
+        summation order can differ. The labels mark each row's completion tokens (whose predecessor is always in
+        their row), and the results go back to TRL's [rows, logits_to_keep] layout, 0 at padding.
+
+        ``budget``: the most real tokens one forward packs, rows in their order (a row longer than it gets a forward
+        of its own, never dropped); None packs all rows into one forward."""
+        step = self._trace_state
+        mask = attention_mask.bool()
+        width = input_ids.size(1)
+        labels = input_ids.masked_fill(~mask, -100)
+        labels[:, : width - logits_to_keep] = -100
+        logps, entropies, aux = [], [], []
+        for lo, hi in _token_chunks(mask.sum(1).tolist(), budget):
+            m = mask[lo:hi]
+            positions = (m.long().cumsum(1) - 1)[m].unsqueeze(0)
+            extra = {"output_router_logits": True} if compute_aux_loss else {}
+            ctx = self._trace_forward(model, None if rows is None else rows[lo:hi], attention_mask[lo:hi], packed=True)
+            # The training forward's context goes on the step's stack (closed after backward); a scoring one closes here.
+            with contextlib.ExitStack() as local:
+                report = (step.stack if keep_open else local).enter_context(ctx)
+                with self.accelerator.autocast():
+                    out = model(
+                        input_ids=input_ids[lo:hi][m].unsqueeze(0), position_ids=positions,
+                        labels=labels[lo:hi][m].unsqueeze(0), fused_lm_head=True, **extra,
+                    )  # fmt: skip
+            if report is not None and keep_open:
+                step.train_reports.append(report)
+            if report is not None and step.reports is not None:
+                step.reports.append(report)
+            logps.append(_unpack(out.log_probs, m)[:, width - logits_to_keep :])
+            if compute_entropy:
+                entropies.append(_unpack(out.entropy, m)[:, width - logits_to_keep :])
+            aux.append(out.aux_loss)
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
             torch.stack(aux).mean() if compute_aux_loss else None,
         )
 
@@ -493,15 +558,70 @@ def _row_chunks(attention_mask: torch.Tensor, logits_to_keep: int, batch_size: i
     return [(torch.tensor(sorted(c)), lo, hi) for c, lo, hi in chunks]  # CPU row ids index hints wherever they are
 
 
+def _token_chunks(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
+    """Packed forwards as row ranges [lo, hi): rows in their order, as many as fit ``budget`` real tokens (next
+    fit, so the count never rises with the budget); a row longer than the budget has a forward of its own."""
+    chunks, lo, tokens = [], 0, 0
+    for r, n in enumerate(lengths):
+        if budget is not None and r > lo and tokens + n > budget:
+            chunks.append((lo, r))
+            lo, tokens = r, 0
+        tokens += n
+    return [*chunks, (lo, len(lengths))]
+
+
+def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The fused LM head's [1, N - 1] per-token values of a packed forward (entry i scores packed token i + 1) ->
+    [rows, width] in the rows' own columns, 0 at padding and at each row's first token (never a completion token)."""
+    values = torch.cat([values.new_zeros(1), values[0]])
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+#: Attention implementations whose packed sequences transformers keeps apart from the position ids alone.
+_PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def _check_packing(model, args) -> None:
+    """Refuse ``token_budget`` where a packed forward would not compute each row on its own."""
+    if args.token_budget is None:
+        return
+    text = model.config.get_text_config()
+    impl = text._attn_implementation or "eager"
+    base = impl.split(":")[2] if impl.startswith("trace_fp4_kv:") else impl  # the FP4 KV wrapper's own base
+    if base not in _PACKABLE_ATTENTION and "flash" not in base:
+        raise ValueError(
+            f"TraceGRPOConfig(token_budget={args.token_budget}) packs rows into one sequence, which attention "
+            f"{base!r} would not keep apart. Load the model with attn_implementation='sdpa' (or 'eager', "
+            "'flex_attention', 'flash_attention_2'), or set token_budget=None."
+        )
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other or delta_rule_modules(model):
+        raise ValueError(
+            f"TraceGRPOConfig(token_budget={args.token_budget}): this {text.model_type} model has "
+            f"{other or 'Gated DeltaNet'} layers, whose state would run on from one packed row into the next: "
+            "transformers' torch Gated DeltaNet cannot reset it per row (it raises for cu_seqlens without "
+            "flash-linear-attention, whose chunked kernel computes other values than the padded path), and "
+            "gated_delta_rule='recurrent' steps whole rows. Set token_budget=None for this model."
+        )
+
+
 def _check_peft_targets(model, peft_config) -> None:
-    """A list of target_modules that names a module the model lacks is a typo, not a wish to skip it."""
+    """A list of target_modules that names a module the model lacks is a typo, not a wish to skip it: PEFT wraps
+    the names that match and says nothing of the others. On a `PeftModel` the user wrapped, the names are its base
+    model's, without the adapters' own modules (`lora_A`, `base_layer`)."""
     targets = getattr(peft_config, "target_modules", None)
     if not isinstance(targets, (list, tuple, set)) or getattr(peft_config, "target_parameters", None):
         return  # a regex or "all-linear" is PEFT's to match; with target_parameters PEFT may match modules differently
-    names = [n for n, _ in model.named_modules() if n]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if is_peft_model(model):
+        model = model.get_base_model()
+    names = {}  # module name -> whether it is (or wraps) a Linear
+    for n, m in model.named_modules():
+        if n and ".lora_" not in n:
+            key = n.removesuffix(".base_layer")
+            names[key] = names.get(key, False) or isinstance(m, torch.nn.Linear)
+    missing = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in names))
     if missing:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, linear in names.items() if linear})
         raise ValueError(
             f"The PEFT config's target_modules {missing} name no module of {type(model).__name__}; its linear layers "
             f"are {leaves}. For LoRA on the attention use target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
@@ -512,8 +632,7 @@ def _check_peft(model, peft_config) -> None:
     """Refuse adapters on the FP4 experts: the packed rollout weights are quantized from the base parameters only."""
     if peft_config is None or not isinstance(model, torch.nn.Module):
         return
-    if not is_peft_model(model):
-        _check_peft_targets(model, peft_config)
+    _check_peft_targets(model, peft_config)
     experts = {name for name, m in model.named_modules() if isinstance(m, TraceFP4Experts)}
     if not experts:
         return

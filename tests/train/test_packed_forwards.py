@@ -1,0 +1,280 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Padding-free packed training-side forwards (`TraceGRPOConfig.token_budget`) on the tiny Qwen3 MoE: the same
+log-probs, hints, routing and step as TRL's padded row micro-batches, rows kept apart, fewer forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trace_hf import TraceFP4Config
+from trace_hf import data as D
+from trace_hf import testing as T
+from trace_hf.hints import HintBatch, MismatchReport
+from trace_hf.train import TraceGRPOConfig, TraceGRPOTrainer
+from trace_hf.train.trainer import HINT_PREFIX
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SITES = ["experts_input", "experts_hidden", "kv"]
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return T.save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    # prompts of several lengths, so that rows are left-padded differently
+    rows = [(a, b) for a in (1, 22, 333, 4444) for b in range(4)]
+    return Dataset.from_dict(
+        {"prompt": [D.format_prompt(f"{a}+{b}") for a, b in rows], "answer": [f"#### {a + b}" for a, b in rows]}
+    )
+
+
+def load(path, **quant):
+    quant = {"hint_layers": 4, "hint_sites": SITES, **quant}  # every MoE layer hinted, at every site
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=TraceFP4Config(**quant)
+    )
+    with torch.no_grad():  # EOS likely enough that completions stop at many lengths: rows right-padded too
+        ids = T.build_char_tokenizer()(D.format_prompt("12+3"), return_tensors="pt").input_ids
+        d = model.model(input_ids=ids).last_hidden_state[0].mean(0)
+        model.lm_head.weight[model.config.eos_token_id] = 5 * d / d.dot(d)
+    # The rollout's own rounding, as in test_trainer: noise on the MoE input in eval mode, so hints and replay act.
+    gen = torch.Generator().manual_seed(0)
+
+    def hook(module, args, output):
+        return output if module.training else output * (1 + 1e-2 * torch.randn(output.shape, generator=gen))
+
+    for layer in model.model.layers:
+        layer.post_attention_layernorm.register_forward_hook(hook)
+    return model
+
+
+def varied_reward(completions, **kwargs):
+    return [float(sum(map(ord, c)) % 7) / 7 for c in completions]
+
+
+def make(model, tmp_path, dataset, **kw):
+    base = {
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "num_generations": 4, "max_completion_length": 8, "max_steps": 1, "learning_rate": 0.1, "optim": "sgd",
+        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0, "bf16": False, "use_cpu": True,
+        "dataloader_pin_memory": False, "disable_tqdm": True,
+    }  # fmt: skip
+    return TraceGRPOTrainer(
+        model,
+        [D.arithmetic_reward, varied_reward],
+        args=TraceGRPOConfig(**{**base, **kw}),
+        train_dataset=dataset,
+        processing_class=T.build_char_tokenizer(),
+    )
+
+
+def loss_inputs(trainer) -> list[dict]:
+    """The micro-batches TRL's loss saw during `trainer.train()` (hint columns, IS ratio and all)."""
+    seen, compute = [], trainer._compute_loss
+
+    def spy(model, inputs):
+        seen.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        return compute(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.train()
+    trainer._compute_loss = compute
+    return seen
+
+
+def score(trainer, inputs, budget, batch_size=1):
+    """A scoring pass over ``inputs``'s rows with their hints: (log-probs, entropies, merged report)."""
+    trainer.args.token_budget = budget
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    step, reports = trainer._trace_state, []
+    step.rows = HintBatch.from_inputs(inputs, trainer._fmt, trainer._hint_layers, HINT_PREFIX)
+    step.reports = reports
+    try:
+        with torch.no_grad():
+            logps, ent, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, inputs["completion_ids"].size(1), batch_size, compute_entropy=True
+            )
+    finally:
+        step.rows = step.reports = None
+    return logps, ent, MismatchReport.merged(reports)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (1) The same log-probs, hints and routing as the padded path
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_packed_logps_equal_padded_with_hints_and_replay(tmp_path, model_dir, dataset):
+    trainer = make(load(model_dir), tmp_path, dataset, learning_rate=0.0)  # hints stay the policy's own
+    batches = loss_inputs(trainer)
+    assert all("importance_sampling_ratio" in b for b in batches)  # IS on: the inputs TRL's loss saw
+    inputs = {k: torch.cat([b[k] for b in batches]) for k, v in batches[0].items() if torch.is_tensor(v) and v.dim()}
+    real = inputs["completion_mask"].bool()
+    trainer.model.train()
+    padded, ent_padded, rep_padded = score(trainer, inputs, None)
+    for budget in (1, 40, 10_000):  # a forward per row, a few rows per forward, all rows in one
+        packed, ent_packed, rep_packed = score(trainer, inputs, budget)
+        torch.testing.assert_close(packed[real], padded[real], **TOL)
+        torch.testing.assert_close(ent_packed[real], ent_padded[real], **TOL)
+        assert torch.all(packed[~real] == 0) and torch.all(ent_packed[~real] == 0)  # TRL's layout: 0 at padding
+        # Every row met its own hints and recorded routes: the same flips, routes and coverage as padded.
+        assert rep_packed.counts_by_site() == rep_padded.counts_by_site()
+        assert int(rep_packed.routing_diff) == int(rep_padded.routing_diff)
+        assert rep_packed.routing_total == rep_padded.routing_total
+        assert (rep_packed.hinted_tokens, rep_packed.real_tokens) == (rep_padded.hinted_tokens, rep_padded.real_tokens)
+    assert rep_padded.total_flips > 0 and rep_padded.hinted_tokens > 0  # the hints had something to correct
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (2) No packed row attends to another
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_other_rows_are_bit_identical_when_one_row_changes(tmp_path, model_dir, dataset):
+    trainer = make(load(model_dir), tmp_path, dataset, token_budget=10_000)
+    g = torch.Generator().manual_seed(0)
+    prompt, completion = (5, 2, 4), (6, 8, 3)
+    P, C = max(prompt), max(completion)
+    ids = torch.randint(4, 60, (3, P + C), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, (p, c) in enumerate(zip(prompt, completion, strict=True)):
+        mask[r, P - p : P + c] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    other = ids.clone()
+    other[1] = torch.where(mask[1].bool(), torch.randint(4, 60, (P + C,), generator=g), 0)
+    model = trainer.model.train()
+    with torch.no_grad():
+        a = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, 3, compute_entropy=True)
+        b = trainer._get_per_token_logps_and_entropies(model, other, mask, C, 3, compute_entropy=True)
+    assert not torch.equal(a[0][1], b[0][1])
+    for r in (0, 2):
+        assert torch.equal(a[0][r], b[0][r]) and torch.equal(a[1][r], b[1][r]), r
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (3) One optimizer step: packed == padded
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _metrics(trainer) -> dict:
+    skip = ("seconds", "tokens_per_second", "runtime", "per_second", "step_time")
+    out = {}
+    for h in trainer.state.log_history:
+        out.update({k: v for k, v in h.items() if isinstance(v, (int, float)) and not any(s in k for s in skip)})
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_type": "grpo"},
+        {"loss_type": "bnpo"},
+        {"loss_type": "dr_grpo"},
+        {"loss_type": "dapo"},
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
+        {"loss_type": "dapo", "beta": 0.05, "top_entropy_quantile": 0.5},  # reference model, entropy mask
+    ],
+    ids=["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "dapo-ref-entropy"],
+)
+def test_one_step_packed_equals_padded(tmp_path, model_dir, dataset, kw):
+    params, metrics, rows = {}, {}, {}
+    for budget in (None, 24):
+        model = load(model_dir)
+        trainer = make(model, tmp_path / str(budget), dataset, token_budget=budget, **kw)
+        rows[budget] = []
+
+        def spy(module, args, kwargs, log=rows[budget]):
+            if module.training:  # the training-side forwards (the rollout runs in eval mode)
+                log.append((kwargs["input_ids"].shape[0], torch.is_grad_enabled()))
+
+        hook = model.register_forward_pre_hook(spy, with_kwargs=True)
+        trainer.train()
+        hook.remove()
+        params[budget] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        metrics[budget] = _metrics(trainer)
+    # Packed: one sequence per forward; the two loss forwards hold TRL's micro-batches of 4 rows, padded or not.
+    assert {b for b, _ in rows[24]} == {1} and [g for _, g in rows[24]].count(True) == 2, rows
+    assert [b for b, g in rows[None] if g] == [4, 4], rows
+    assert len(rows[24]) > len(rows[None]), rows  # rows of 10-20 tokens: one or two per 24-token forward
+    before = dict(load(model_dir).named_parameters())
+    assert any(not torch.equal(before[n], p) for n, p in params[None].items()), "the step changed nothing"
+    for name, p in params[None].items():
+        torch.testing.assert_close(params[24][name], p, rtol=1e-5, atol=1e-6, msg=name)
+    assert metrics[24].keys() == metrics[None].keys()
+    for key, value in metrics[None].items():
+        assert metrics[24][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (4) Fewer scoring forwards as the budget grows; a long row is never dropped
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_scoring_forwards_fall_as_the_budget_grows(tmp_path, model_dir, dataset):
+    trainer = make(load(model_dir), tmp_path, dataset, trace_hints=False, routing_replay=False)
+    g = torch.Generator().manual_seed(2)
+    completion = (2, 30, 1, 3, 30, 2, 5, 4)
+    P, C = 4, max(completion)
+    ids = torch.randint(4, 60, (len(completion), P + C), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, c in enumerate(completion):
+        mask[r, : P + c] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    model = trainer.model.train()
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+    counts, out = {}, {}
+    with torch.no_grad():
+        for budget in (None, 8, 20, 40, 80, 10_000):
+            trainer.args.token_budget, shapes[:] = budget, []
+            out[budget] = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, 2)[0]
+            counts[budget] = len(shapes)
+            if budget is not None:
+                assert all(s[0] == 1 for s in shapes)  # one packed sequence per forward
+                assert sum(s[1] for s in shapes) == int(mask.sum())  # every real token, no padding, none dropped
+    hook.remove()
+    packed = [counts[b] for b in (8, 20, 40, 80, 10_000)]
+    assert packed == sorted(packed, reverse=True) and packed[0] > packed[-1] == 1, counts
+    assert packed[0] == len(completion)  # a budget below every row: each row alone (rows of 34 tokens > 8 too)
+    real = mask[:, P:].bool()
+    for budget in (8, 20, 40, 80, 10_000):
+        torch.testing.assert_close(out[budget][real], out[None][real], **TOL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (5) Refusals name the fix
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_refusals(tmp_path, dataset):
+    base = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "report_to": "none"}
+    for bad in (0, -1, 1.5, "4096", True):
+        with pytest.raises(ValueError, match="token_budget=.*None"):
+            TraceGRPOConfig(**base, token_budget=bad)
+    with pytest.raises(ValueError, match="gated_delta_rule='recurrent'.*token_budget=None"):
+        TraceGRPOConfig(**base, token_budget=512, gated_delta_rule="recurrent")
+    # Qwen3.5's Gated DeltaNet layers would carry their state from one packed row into the next.
+    hybrid = T.tiny_model("qwen3_5_moe_text")
+    with pytest.raises(ValueError, match="Gated DeltaNet.*token_budget=None"):
+        make(hybrid, tmp_path, dataset, token_budget=512, rollout_precision="bf16", trace_hints=False,
+             routing_replay=False)  # fmt: skip
+    make(hybrid, tmp_path, dataset, rollout_precision="bf16", trace_hints=False, routing_replay=False)  # padded: fine
+    # An attention implementation that transformers' packed-sequence masks do not reach.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("unpackable_test_attention", sdpa_attention_forward)
+    plain = T.tiny_model(attn_implementation="unpackable_test_attention")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*token_budget=None"):
+        make(plain, tmp_path, dataset, token_budget=512, rollout_precision="bf16", trace_hints=False,
+             routing_replay=False)  # fmt: skip
