@@ -5,7 +5,8 @@ A small package in the spirit of nano-vllm, one module per job:
 
 * `layouts`: one `Layout` entry per model family (where its decode weights live, which decoder steps it);
 * `weights`: the decode weights (`Dims`, `DecodeWeights`) read through a family's layout map, and kept equal to
-  the model's before every rollout (`EngineWeights`; under FSDP2 `ShardedWeights`);
+  the model's before every rollout (`EngineWeights`; under FSDP2 `ShardedWeights`); it imports no layout, the
+  layouts import it (`layouts.weights_from_hf`);
 * `decoder` (`FastDecoder`, Qwen3 MoE) and `qwen35` (`HybridDecoder`, Qwen3.5 MoE): static buffers and one decode
   step over them; `kernels`: the Triton kernel modules they call, by name;
 * `runner`: one bucket (`Runner`: rows, cache length, sampler state, the CUDA graph), `row_bucket`, and what a row
@@ -22,10 +23,11 @@ copied into the decoder's -> decode steps (graph replays) writing tokens, log-pr
 from __future__ import annotations
 
 from .decoder import FastDecoder, rope_tables
+from .layouts import weights_from_hf
 from .qwen35 import HybridDecoder
 from .rollout import EngineRollout, EngineStats
 from .support import LORA_TARGETS, kv_format, unsupported_reason
-from .weights import DecodeWeights, Dims, LayerWeights, quantize_experts, weights_from_hf
+from .weights import DecodeWeights, Dims, LayerWeights, quantize_experts
 
 
 __all__ = [

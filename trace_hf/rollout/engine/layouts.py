@@ -17,7 +17,7 @@ import torch
 from ...models import has_lora, lora_weight
 from .decoder import FastDecoder
 from .qwen35 import HybridDecoder, HybridDecodeWeights, HybridDims, HybridLayerWeights, pad_rows
-from .weights import DecodeWeights, Derived, Dims, LayerWeights, Reader
+from .weights import DecodeWeights, Derived, Dims, LayerWeights, Reader, read_weights
 
 
 @dataclass(frozen=True)
@@ -153,3 +153,10 @@ def layout_of(config) -> Layout | None:
 
 def supported_model_types() -> tuple[str, ...]:
     return tuple(mt for lay in LAYOUTS for mt in lay.model_types)
+
+
+def weights_from_hf(model) -> DecodeWeights:
+    """The decode weights of a transformers causal LM of a family the engine implements (plain, or loaded with
+    `TraceFP4Config`: FP4 experts give their packed weights and hinted flags). Here, not in `weights`: the layouts
+    name the weights' classes, so the weights module cannot name the layouts."""
+    return read_weights(model, layout_of(model.config), Reader())

@@ -182,14 +182,6 @@ def read_weights(lm, layout, reader: Reader) -> DecodeWeights:
     return layout.weights_type(dims, embed, norm, head, layers)
 
 
-def weights_from_hf(model) -> DecodeWeights:
-    """The decode weights of a transformers causal LM of a family the engine implements (plain, or loaded with
-    `TraceFP4Config`: FP4 experts give their packed weights and hinted flags)."""
-    from .layouts import layout_of
-
-    return read_weights(model, layout_of(model.config), Reader())
-
-
 class EngineWeights:
     """The decode weights of one model, refreshed in place before each rollout: packed FP4 experts re-quantized from
     their masters, every `Derived` tensor recomputed; a parameter whose storage moved (reloaded) rebuilds all."""
