@@ -419,7 +419,7 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: next tile's loads, into registers, before this tile's math; ``maxnreg``: a register cap (more warps per SM);
 #: ``small_batch``: the tile and ring depth up to ``max_batch`` sequences (`hopper_config`); ``wide_heads``: the
 #: settings for heads of ``min_head_dim`` or more (`hopper_config`; a 256-wide tile of codes per token holds twice
-#: the registers). The kernel decodes by `fp4_moe_hopper.nibbles_spread_ptx`, 3 integer instructions per fp16 pair
+#: the registers). The kernel decodes by `gluon_common.nibbles_spread_ptx`, 3 integer instructions per fp16 pair
 #: where the decoding before it took 4 (the same operand bits; sm_90 loop at the 64-token tile 1,823 against 2,073
 #: instructions, 168 registers both, Triton 3.6): one call at 384 x 8K 678 -> 601 us, 64 x 32K 432 -> 384, 64 x 1K
 #: 30.9 -> 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the decode step at 384 x 8K +6% (h200_86); 256-wide heads

@@ -7,7 +7,7 @@ of the KV group as the 8-wide N side of ``mma.m16n8k16`` in both products ("swap
 
 * **Scores:** ``S^T = K Q^T``. K's tokens are the MMA's M rows. A thread holds pairs of consecutive K-columns per
   register, so K's codes are read as ``uint32`` words (8 elements each) in exactly that operand layout: a register
-  pair is words ``w, w+1`` of one token. `fp4_moe_hopper.decode8` turns nibble ``j`` of both into the fp16 operand register of
+  pair is words ``w, w+1`` of one token. `gluon_common.decode8` turns nibble ``j`` of both into the fp16 operand register of
   K-slice ``j``, so slice ``j`` multiplies the elements ``8w + j``; Q is loaded in the same permuted order.
 * **Output:** ``O^T = V^T P^T``. Here the K side of the MMA is the tokens, and a register holds two consecutive
   tokens of one row of ``V^T``: words ``w`` of tokens ``t, t+1``, read with one 4-byte load each. The same decoding
@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
-from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
+from trace_hf.kernels.gluon_common import (  # noqa: E402
     async_load,
     cta_barrier,
     decode8,

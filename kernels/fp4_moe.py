@@ -656,7 +656,7 @@ def _hidden(part, xg, wgug, sorted_ids, expert_ids, num_slots, top_k, block_m, a
 
 def _fused_hidden(cfg, off, P, NI, block_t, block_n, device) -> tuple[dict, tuple]:
     """(launch arguments, grid) of a Gluon gate/up launch: with the entry's ``fused_hidden``, unless ``off`` (hints
-    asked for, which the fused quantization does not record; split-K partial sums) the kernel also quantizes the hidden activation (`fp4_moe_hopper.quantize_token_block`), its outputs
+    asked for, which the fused quantization does not record; split-K partial sums) the kernel also quantizes the hidden activation (`gluon_common.quantize_token_block`), its outputs
     allocated here, on a (column tiles, token blocks) grid; else nothing and the (token blocks, column tiles) grid."""
     if not cfg.get("fused_hidden") or off:
         return {}, (P // block_t, NI // block_n)

@@ -83,7 +83,7 @@ CONFIG = {
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
 #: h200_75; the 256 entry's gate/up takes 136 registers uncapped, 3 programs per SM, and 128 under its cap, 4, no
 #: spills); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap.
-#: The decoding (`fp4_moe_hopper.decode8`, every Gluon kernel): `nibbles_spread_ptx`, 3 integer instructions per fp16
+#: The decoding (`gluon_common.decode8`, every Gluon kernel): `nibbles_spread_ptx`, 3 integer instructions per fp16
 #: pair where the one before it took 4, the same operand bits. sm_90 loops (Triton 3.6's ptxas, gate/up and down):
 #: batch 1's entry 517 -> 437 and 310 -> 263, the 1024 entry 804 -> 676 and 809 -> 681; `WGMMA` (with its caps):
 #: 16-token 520 -> 448 and 315 -> 275, 32-token 570 -> 488 (gate/up's 2 reloads a K tile gone) and 359 -> 311,
@@ -97,7 +97,7 @@ CONFIG = {
 #: without spills, so that its 2,048 one-warp down programs fit the GPU beside the SiLU kernel's 64 programs of 8
 #: warps; the decode step at batch 1: +3.0% over the entry without it (h200_87, two rounds).
 #: ``fused_hidden`` (default False; with ``split_k`` 1, not with hints at the hidden): the hidden activation's
-#: quantization inside the gate/up launch, by the last program of each token block (`fp4_moe_hopper.
+#: quantization inside the gate/up launch, by the last program of each token block (`gluon_common.
 #: quantize_token_block`, the same bits on every real slot's row), instead of `fp4_quant.quantize`'s launch over all
 #: [P, I] rows. At batch 128 (this table's 1024 entry) it lost 1.6% in the step (h200_87), so no entry here has it.
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.

@@ -8,15 +8,15 @@ instructions per weight element. Here a program owns a wide token block (``BLOCK
 
 * **Weights are wgmma's A operand, straight from registers.** The code words are loaded as ``uint32`` in the
   wgmma register-operand layout (per warp the same as ``mma.sync``'s A fragment, ``k_width=2``), and
-  `fp4_moe_hopper.decode8` turns a register pair into the eight fp16 K-slices, as in the decode kernels: each
+  `gluon_common.decode8` turns a register pair into the eight fp16 K-slices, as in the decode kernels: each
   weight element is decoded once per token block, not once per 8 tokens.
 * **Activations are decoded once per K tile into shared memory** (wgmma's B operand must be there), all warps
   together, in the same K-slice order (slice j of a tile: element j of every code word), into a double buffer, so
   the next tile's activations are decoded while this tile's MMAs run (``is_async``).
 
 Values are exact as in the other kernels (``E2M1 * s * 2^-14`` in fp16; products exact in fp32), only the fp32
-summation order differs from torch's; the epilogues (global scales, SiLU * up; routing weight) are those of
-`fp4_moe_hopper`. GPU only (inline PTX, Gluon); `fp4_moe.experts_from_quantized` picks these kernels on sm_90+
+summation order differs from torch's; the epilogues (global scales, SiLU * up; routing weight) are the decode kernels'
+(`gluon_common`). GPU only (inline PTX, Gluon); `fp4_moe.experts_from_quantized` picks these kernels on sm_90+
 through `fp4_moe_configs.WGMMA` (by slots per expert).
 """
 
@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from trace_hf.kernels.fp4_moe_hopper import (  # noqa: E402
+from trace_hf.kernels.gluon_common import (  # noqa: E402
     cta_barrier,
     decode8,
     down_store,
@@ -131,7 +131,7 @@ def gate_up_kernel(
     SLICE_BUFFERS: gl.constexpr,  # one shared-memory allocation per activation K-slice (`_x_smem`)
     GATE_FIRST: gl.constexpr,  # wait for gate's MMAs before decoding up's weights (fewer registers)
     PDL: gl.constexpr,
-    # The hidden's quantization in this launch (`fp4_moe_hopper.quantize_token_block`): the grid is then (column
+    # The hidden's quantization in this launch (`gluon_common.quantize_token_block`): the grid is then (column
     # tiles, token blocks), a block's tiles side by side, so that its last one is not in the launch's last wave.
     FUSED_HIDDEN: gl.constexpr = False,
     hq_ptr=None,  # with FUSED_HIDDEN, out: codes uint8 [P, I/2], scale bytes [P, I/16], row scales fp32 [P]

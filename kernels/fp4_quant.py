@@ -164,7 +164,7 @@ def nvfp4_row_codes(x):
     """The arithmetic of ``fp4.quantize(x, "nvfp4", "row")`` for whole rows ``x`` fp32 [rows, blocks, 16] (zeros
     past the row's end): (codes [rows, blocks, 16] int32, sign in bit 3; block-scale bytes [rows, blocks] int32;
     row scales [rows]), the pieces of `_fp4_kernel`. No stores and no new tensors, so a Gluon kernel can call it on
-    its own layouts (`fp4_moe_hopper.quantize_token_block`). Its float arithmetic has no multiply feeding an add
+    its own layouts (`gluon_common.quantize_token_block`). Its float arithmetic has no multiply feeding an add
     (explicit FMAs, correctly rounded divisions), so FMA contraction does not change it."""
     xb = bits_of(x)
     amax_i = tl.max(xb & 0x7FFFFFFF, axis=2)

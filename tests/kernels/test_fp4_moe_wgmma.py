@@ -577,7 +577,7 @@ def test_decode8_ptx_gives_the_spec_values_for_every_code_and_scale():
     element j of each word, ``E2M1 * s * 2^-14`` exactly: every code (both zeros, the largest magnitude), every scale
     byte (zero, subnormal, the largest, 0x7F NaN); element j of word w is column 8w + j of the packed row, the K order
     the wgmma and mma.sync kernels give both operands."""
-    hop = pytest.importorskip("trace_hf.kernels.fp4_moe_hopper")
+    hop = pytest.importorskip("trace_hf.kernels.gluon_common")
     g = torch.Generator().manual_seed(0)
     n = 4096
     words = torch.randint(0, 1 << 32, (n, 2), generator=g, dtype=torch.int64)
@@ -617,7 +617,7 @@ def test_decode8_nibbles_give_the_spec_bits_for_every_16_bit_half():
     nibbles make, so one nibble's bits could leak into another's: every 16-bit pattern (every code at each of the four
     nibble positions next to every code of the other three) in each half of both words gives exactly the fp16 bits of
     the spec's ``E2M1 * 2^-14`` (sign of zero included), and the check finds a sequence with one wrong mask."""
-    hop = pytest.importorskip("trace_hf.kernels.fp4_moe_hopper")
+    hop = pytest.importorskip("trace_hf.kernels.gluon_common")
     g = torch.Generator().manual_seed(1)
     every = torch.arange(1 << 16, dtype=torch.int64)
     perm = [torch.randperm(1 << 16, generator=g) for _ in range(2)]
