@@ -61,7 +61,7 @@ from ...quant.freshness import no_prefill_refresh
 from ...quant.kv_cache import FP4KVLayer, fp4_cache
 from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from ..generate import check_sampling
-from ..sampling import SamplingSettings, sample
+from ..sampling import SamplingSettings
 from .decoder import FastDecoder
 from .kernels import kernels
 from .layouts import layout_of
@@ -338,29 +338,7 @@ class EngineRollout:
         self.stats.prefill_rows += B if first is None else first.numel()
         self._load_cache(dec, cache, lengths, P, src_rows=shared)
         del cache
-
-        # State of the decode loop; rows past B are padding, stopped from the start.
-        r.seed.fill_(s.seed)
-        r.step.fill_(-1)  # the first draw (from the prefill logits) uses step -1
-        r.finished.zero_()
-        r.finished[B:] = True
-        r.retired.copy_(r.finished)
-        torch.arange(r.batch, out=r.row_ids)
-        if r.seen is not None:
-            r.seen.zero_()
-            r.seen[:B].scatter_(1, torch.where(mask.bool(), ids, ids[:, -1:]), True)  # pads: the last (real) id
-        tok0, lp0 = sample(logits, s, r.seed, r.step, seen=None if r.seen is None else r.seen[:B])
-        r.out_tokens.zero_()
-        r.out_tokens[:B, 0] = tok0
-        r.out_logps[:B, 0] = lp0
-        r.finished[:B] |= torch.isin(tok0, r.eos)
-        if r.seen is not None:
-            r.seen[:B].scatter_(1, tok0.unsqueeze(1), True)
-        dec.tokens.zero_()
-        dec.tokens[:B] = tok0
-        dec.positions.zero_()
-        dec.positions[:B] = lengths.to(torch.int32)
-        r.step.zero_()
+        r.reset(s.seed, ids, mask, lengths, logits)
 
         steps, cur = 0, r
         trajectory = [(0, r.batch)]

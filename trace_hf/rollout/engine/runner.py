@@ -119,6 +119,35 @@ class Runner:
         self.records = StepRecords(self.dec, n if record else 0)
         self.smaller: dict[int, Runner] = {b: self.first_rows(b) for b in buckets_below(batch)} if compaction else {}
 
+    def reset(self, seed: int, ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
+              logits: torch.Tensor) -> None:  # fmt: skip
+        """Start a wave of ``ids.shape[0]`` rows (left-padded prompts ``ids`` / ``mask`` of ``lengths`` tokens) in
+        this bucket: every field a wave changes back to its start, the rows past the wave stopped from the start
+        (padding), and each row's first token drawn from the prefill's ``logits`` (step -1 of the draw's key), which
+        the decoder feeds at step 0. Here, so that the state a wave runs on is declared in one class."""
+        B, dec = ids.shape[0], self.dec
+        self.seed.fill_(seed)
+        self.step.fill_(-1)
+        self.finished.zero_()
+        self.finished[B:] = True
+        self.retired.copy_(self.finished)
+        torch.arange(self.batch, out=self.row_ids)
+        if self.seen is not None:
+            self.seen.zero_()
+            self.seen[:B].scatter_(1, torch.where(mask.bool(), ids, ids[:, -1:]), True)  # pads: the last (real) id
+        tok0, lp0 = sample(logits, self.s, self.seed, self.step, seen=None if self.seen is None else self.seen[:B])
+        self.out_tokens.zero_()
+        self.out_tokens[:B, 0] = tok0
+        self.out_logps[:B, 0] = lp0
+        self.finished[:B] |= torch.isin(tok0, self.eos)
+        if self.seen is not None:
+            self.seen[:B].scatter_(1, tok0.unsqueeze(1), True)
+        dec.tokens.zero_()
+        dec.tokens[:B] = tok0
+        dec.positions.zero_()
+        dec.positions[:B] = lengths.to(torch.int32)
+        self.step.zero_()
+
     def first_rows(self, rows: int) -> Runner:
         """A runner that steps this one's first ``rows`` decoder rows (views of its state; the same outputs,
         records, seed and step)."""
