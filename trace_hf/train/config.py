@@ -87,7 +87,7 @@ class TraceGRPOConfig(GRPOConfig):
             `TraceFP4Config`) and `trace_hints=False`, `routing_replay=False`. This is the unquantized baseline.
         rollout_engine (`str`, *optional*, defaults to `"auto"`):
             What generates the rollouts (`trace_hf.rollout`). `"engine"`: the static-shape, CUDA-graph decode engine
-            (Qwen3 MoE-style models whose every layer is full-attention MoE; FP4 or BF16). `"generate"`:
+            (Qwen3 MoE and Qwen3.5 MoE, hybrid Gated DeltaNet layers included; FP4 or BF16). `"generate"`:
             `model.generate` (any transformers MoE, Qwen3.5 hybrids included). `"auto"`: the engine on CUDA for a
             model it supports, otherwise `generate`, with one log line that says why.
         trace_hints (`bool`, *optional*, defaults to `True`):
