@@ -65,7 +65,6 @@ from ..sampling import SamplingSettings
 from .decoder import FastDecoder
 from .kernels import kernels
 from .layouts import layout_of
-from .qwen35 import HybridDecoder
 from .recording import cat_hints
 from .runner import RowBytes, Runner, bytes_per_row, largest_bucket, row_bucket
 from .support import kv_format, unsupported_reason
@@ -249,8 +248,7 @@ class EngineRollout:
             if dev.type == "cuda":
                 gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
         try:
-            runner = Runner(w, batch, length, s, kv_fp4, record, layout_of(self._model.config).decoder,
-                            self.compaction)  # fmt: skip
+            runner = Runner(w, batch, length, s, kv_fp4, record, self._weights.layout.decoder, self.compaction)
             graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
             if graphs and s.max_new_tokens > 3:
                 runner.capture()
@@ -337,6 +335,8 @@ class EngineRollout:
             logits = logits[shared]
         self.stats.prefill_rows += B if first is None else first.numel()
         self._load_cache(dec, cache, lengths, P, src_rows=shared)
+        if self._weights.layout.hybrid:  # linear-attention layers: their conv and recurrent states, per row
+            dec.load_states(cache, B, shared)
         del cache
         r.reset(s.seed, ids, mask, lengths, logits)
 
@@ -415,9 +415,10 @@ class EngineRollout:
     def _load_cache(
         dec: FastDecoder, cache, lengths: torch.Tensor, P: int, src_rows: torch.Tensor | None = None
     ) -> None:
-        """Copy the prefill's K/V into the decoder's cache, left padding removed (slot j = position j), and the
-        linear-attention layers' conv and recurrent states (per row: no padding to remove). ``lengths`` [B]: each
-        decoder row's prompt length; ``src_rows`` [B]: the prefill row each decoder row copies (None: its own)."""
+        """Copy the prefill's K/V into the decoder's cache, left padding removed (slot j = position j); the
+        linear-attention layers' states, per row with no padding to remove, are the decoder's own to load
+        (`HybridDecoder.load_states`). ``lengths`` [B]: each decoder row's prompt length; ``src_rows`` [B]: the
+        prefill row each decoder row copies (None: its own)."""
         B = lengths.shape[0]
         src = (torch.arange(P, device=lengths.device)[None, :] + (P - lengths)[:, None]).clamp(max=P - 1)
 
@@ -427,10 +428,8 @@ class EngineRollout:
             idx = src.view(B, 1, P, *([1] * (t.ndim - 3))).expand(B, t.shape[1], P, *t.shape[3:])
             dst[:B, :, :P].copy_(torch.gather(t, 2, idx).view(dst[:B, :, :P].shape))
 
-        if isinstance(dec, HybridDecoder):
-            dec.load_states(cache, B, src_rows)
         for c, layer in zip(dec.caches, cache.layers, strict=True):
-            if c is None:  # linear attention: its states were loaded above
+            if c is None:  # linear attention: no K/V
                 continue
             if isinstance(layer, FP4KVLayer) and LOAD_KV_KERNEL:
                 kernels().ops.load_fp4_kv((c.k, c.k_scale, c.k_g, c.v, c.v_scale, c.v_g), layer.fp4_keys,
