@@ -9,15 +9,18 @@ A small package in the spirit of nano-vllm, one module per job:
   layouts import it (`layouts.weights_from_hf`);
 * `decoder` (`FastDecoder`, Qwen3 MoE) and `qwen35` (`HybridDecoder`, Qwen3.5 MoE): static buffers and one decode
   step over them; `kernels`: the Triton kernel modules they call, by name;
-* `runner`: one bucket (`Runner`: rows, cache length, sampler state, the CUDA graph), `row_bucket`, and what a row
-  costs in memory (`bytes_per_row`, what admission counts);
+* `planner`: admission and wave planning (which rows decode together, in which bucket, whether they fit the
+  memory budget), host decisions made before a wave runs;
+* `runner`: one bucket (`Runner`: rows, cache length, sampler state and its reset, the CUDA graph), `row_bucket`,
+  and what a row costs in memory (`bytes_per_row`, what the planner counts);
 * `recording`: the hint and routing records of the decode steps, assembled into a `HintBatch`;
-* `rollout`: the `EngineRollout` front (what `trace_hf.rollout.make_rollout` returns: admission, waves, prefill,
-  decode loop) and `EngineStats`; `support`: `unsupported_reason`, what the engine can roll out.
+* `rollout`: the `EngineRollout` front (what `trace_hf.rollout.make_rollout` returns: the bucket cache, and per wave
+  the prefill, the cache load and the decode loop) and `EngineStats`; `support`: `unsupported_reason`, what the
+  engine can roll out.
 
-Data flows: model -> `weights` (refresh) -> `Runner` of the wave's bucket -> prefill through the model, its cache
-copied into the decoder's -> decode steps (graph replays) writing tokens, log-probs and step records -> per wave a
-`RolloutOutput` part, joined in row order.
+Data flows: model -> `weights` (refresh) -> `planner` (the waves) -> `Runner` of the wave's bucket -> prefill
+through the model, its cache copied into the decoder's -> decode steps (graph replays) writing tokens, log-probs and
+step records -> per wave a `RolloutOutput` part, joined in row order.
 """
 
 from __future__ import annotations

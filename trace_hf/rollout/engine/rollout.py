@@ -15,9 +15,8 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
   inside one step that a CUDA graph captures once per (batch, length, sampling) bucket and replays;
 * stop: rows that emit an EOS id stop (their later tokens are padding); the loop ends at max_new_tokens or once
   every row has stopped (checked every few steps, the only host synchronization);
-* admission: as many rows decode at once as fit in the memory the engine may take (`runner.bytes_per_row`: the
-  FP4 KV cache makes that several times more rows than BF16's; a shared prefill holds one prompt cache per distinct
-  prompt, not per row); a rollout of more rows runs in equal waves, one after the other, in one bucket;
+* admission: as many rows decode at once as fit, and a rollout of more rows runs in equal waves, one after the
+  other, in one bucket: planned before the wave runs (`trace_hf.rollout.engine.planner`);
 * compaction (the long tail): a wave decodes until its longest row stops. Whenever the rows still needed fit a
   smaller bucket (checked every ``check_every`` steps, at the stop check's one synchronization), the engine swaps
   them into the first rows (K/V caches, linear-attention states, positions, input tokens, stop and sampler state:
@@ -28,11 +27,9 @@ model takes on the GPU, which hides everything FP4 saves. The engine keeps gener
   changes no record and no draw (up to the summation order of products over fewer rows: cuBLAS, or the CPU's BLAS,
   may sum a row otherwise in a smaller batch). `EngineStats` counts the row-steps decoded, the compactions and each
   wave's buckets.
-* waves, not continuous batching: refilling freed rows with waiting ones would need a prefill per refill (small
-  batches, each with its own hint recorder), per-row step counters in the sampler's noise key and the record columns,
-  and each finished row's records (its FP4 K/V hints included, read from the cache it frees) collected before its
-  row is reused. In GRPO the rows of a rollout usually fit at once, where refilling gains nothing; with compaction a
-  wave's tail runs in small buckets.
+
+The parts, nano-vllm's: the planner decides the waves (`planner`), a `Runner` holds one bucket's buffers, graph and
+sampler state (`runner`), and `EngineRollout` here runs each wave: prefill, cache load, the decode loop (`_decode`).
 
 Before every rollout the engine refreshes what it reads from the model (`trace_hf.rollout.engine.weights`): packed
 FP4 experts are re-quantized from the masters in place (`TraceFP4Experts.refresh_packed`), every tensor it derives
@@ -65,8 +62,9 @@ from ..sampling import SamplingSettings
 from .decoder import FastDecoder
 from .kernels import kernels
 from .layouts import layout_of
+from .planner import WavePlan, cache_length, distinct_prompts, free_bytes, memory_budget, plan_waves
 from .recording import cat_hints
-from .runner import RowBytes, Runner, bytes_per_row, largest_bucket, row_bucket
+from .runner import RowBytes, Runner, bytes_per_row, row_bucket
 from .support import kv_format, unsupported_reason
 from .weights import DecodeWeights, EngineWeights, ShardedWeights, engine_weights
 
@@ -83,16 +81,6 @@ def _cache_kwarg(lm) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
-
-
-def _bucket(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def prompt_index(prompt_ids) -> list[int]:
-    """Each row's prompt as an index among the distinct prompts, in order of first appearance."""
-    index: dict[tuple, int] = {}
-    return [index.setdefault(tuple(p), len(index)) for p in prompt_ids]
 
 
 @dataclass
@@ -191,25 +179,11 @@ class EngineRollout:
             self._runners.clear()
         return self._weights.w
 
-    def _budget(self, dev) -> int | None:
-        """Bytes one wave's rows may take (None: unlimited)."""
-        if self.memory_limit is not None:
-            return int(self.memory_limit)
-        if dev.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(dev)
-        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        free += sum(r.nbytes for r in self._runners.values())  # evicted before a new bucket is allocated
-        return int(free * self.free_memory_fraction)
-
-    def _waves(self, prompt_ids, per_row: RowBytes, prompt_len: int, max_new: int, dev) -> tuple[int, int, int]:
-        """(rows per wave, bucket rows, the wave's bytes) for a rollout of ``prompt_ids``: the fewest equal waves
-        whose every wave fits the budget: its bucket's rows decoding, and its prefill, which with ``share_prefill``
-        runs the wave's distinct prompts only (GRPO's repeated prompts admit more rows). Raises only when a single
-        row does not fit."""
-        budget = self._budget(dev)
-        bucketed = dev.type == "cuda"
-        rows = len(prompt_ids)
+    def _waves(self, prompt_ids, per_row: RowBytes, prompt_len: int, max_new: int, dev) -> WavePlan:
+        """The waves of a rollout of ``prompt_ids`` under this engine's memory knobs (`planner.plan_waves`). Raises
+        only when a single row does not fit."""
+        cached = sum(r.nbytes for r in self._runners.values())
+        budget = memory_budget(dev, self.memory_limit, self.free_memory_fraction, cached)
         if budget is not None and budget < per_row.total:
             knob = "memory_limit" if self.memory_limit is not None else "free_memory_fraction"
             raise torch.OutOfMemoryError(
@@ -218,20 +192,7 @@ class EngineRollout:
                 f"and EngineRollout({knob}={getattr(self, knob)}) allows {budget / 2**20:.1f} MiB. Raise {knob} (or "
                 "free device memory), or lower max_completion_length / max_prompt_length."
             )
-        prompt_of = prompt_index(prompt_ids) if self.share_prefill else range(rows)
-        limit = min(self.max_rows or rows, rows)
-        if budget is not None:  # no wave holds more rows than fit decoding in its bucket
-            fit = budget // per_row.decode
-            limit = max(1, min(limit, largest_bucket(fit) if bucketed else fit))
-        waves = -(-rows // limit)
-        while True:
-            wave = -(-rows // waves)
-            bucket = row_bucket(wave) if bucketed else wave
-            prefilled = max(len(set(prompt_of[a : a + wave])) for a in range(0, rows, wave))
-            need = per_row.wave(bucket, prefilled)
-            if budget is None or need <= budget or waves == rows:  # one row a wave fits (checked above)
-                return wave, bucket, need
-            waves += 1
+        return plan_waves(prompt_ids, per_row, budget, self.max_rows, self.share_prefill, dev.type == "cuda")
 
     def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool,
                 per_row: RowBytes, need: int):  # fmt: skip
@@ -243,7 +204,7 @@ class EngineRollout:
             return self._runners[key]
         dev = w.embed.device
         while len(self._runners) >= self.max_buckets or (self._runners and dev.type == "cuda"
-                                                          and need > self._free(dev)):  # fmt: skip
+                                                          and need > free_bytes(dev)):  # fmt: skip
             self._runners.popitem(last=False)
             if dev.type == "cuda":
                 gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
@@ -262,11 +223,6 @@ class EngineRollout:
         runner.nbytes = batch * per_row.decode  # what it keeps: the prefill's cache is gone after each wave
         self._runners[key] = runner
         return runner
-
-    @staticmethod
-    def _free(dev) -> int:
-        free, _ = torch.cuda.mem_get_info(dev)
-        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
     # -- rollout ------------------------------------------------------------------------------------------------
 
@@ -296,7 +252,7 @@ class EngineRollout:
             raise ValueError("A rollout needs at least one prompt, each of at least one token.")
         # One left-pad width for every wave, so each wave's rows are laid out as in one batch of all of them.
         P = max(len(p) for p in prompt_ids)
-        length = _bucket(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
+        length = cache_length(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
         kv_fp4 = kv_format(lm) is not None
         per_row = bytes_per_row(w, length, P, s, kv_fp4, record)
         wave, batch, need = self._waves(prompt_ids, per_row, P, s.max_new_tokens, dev)
@@ -327,7 +283,7 @@ class EngineRollout:
 
         # Prefill through the transformers model: its cache, its hints, the first token's logits; with share_prefill
         # of each distinct prompt once (rows `first`), expanded to its rows by `shared` (row -> prefilled row).
-        first, shared = self._distinct(prompt_ids, dev) if self.share_prefill else (None, None)
+        first, shared = distinct_prompts(prompt_ids, dev) if self.share_prefill else (None, None)
         if first is None:
             logits, cache, recorder = self._prefill(lm, ids, mask, dec.kv_fp4, record)
         else:
@@ -339,26 +295,7 @@ class EngineRollout:
             dec.load_states(cache, B, shared)
         del cache
         r.reset(s.seed, ids, mask, lengths, logits)
-
-        steps, cur = 0, r
-        trajectory = [(0, r.batch)]
-        self.stats.row_steps += r.batch  # the prefill's token
-        check = self.check_every if dev.type == "cuda" else 1
-        while steps < s.max_new_tokens - 1:
-            if steps % check == 0:
-                done, gone = torch.stack([r.finished.sum(), r.retired.sum()]).tolist()  # the one synchronization
-                if done == r.batch:
-                    break
-                fits = row_bucket(r.batch - gone)
-                if fits < cur.batch and fits in r.smaller:
-                    cur = self._compact(r, cur, fits)
-                    trajectory.append((steps, cur.batch))
-            cur.dec.run()
-            steps += 1
-            self.stats.row_steps += cur.batch
-        self.stats.steps.append(steps + 1)
-        self.stats.buckets.append(trajectory)
-        self.stats.compactions += len(trajectory) - 1
+        steps, cur = self._decode(r, s.max_new_tokens, dev)
 
         completion = r.out_tokens[:B, : steps + 1]
         keep = cut_after_eos(completion, s.eos_token_id) if s.eos_token_id else torch.ones_like(completion, dtype=bool)
@@ -371,19 +308,6 @@ class EngineRollout:
             torch.cuda.synchronize(dev)
         completion_ids, logprobs = to_lists(completion, r.out_logps[:B, : steps + 1], keep)
         return completion_ids, logprobs, hints
-
-    @staticmethod
-    def _distinct(prompt_ids, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The wave's distinct prompts, found on the host: (the first row of each, in order of first appearance;
-        each row's index among them), as device int64 tensors; (None, None) when every prompt is distinct."""
-        shared = prompt_index(prompt_ids)
-        if len(set(shared)) == len(prompt_ids):
-            return None, None
-        first: dict[int, int] = {}
-        for b, u in enumerate(shared):
-            first.setdefault(u, b)
-        first_rows = torch.tensor(list(first.values()), dtype=torch.int64, device=dev)
-        return first_rows, torch.tensor(shared, dtype=torch.int64, device=dev)
 
     @staticmethod
     def _prefill(lm, ids: torch.Tensor, mask: torch.Tensor, kv_fp4: bool, record: bool):
@@ -399,6 +323,31 @@ class EngineRollout:
             logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                         **kw).logits[:, -1].float()  # fmt: skip
         return logits, cache, recorder
+
+    def _decode(self, r: Runner, max_new: int, dev) -> tuple[int, Runner]:
+        """The decode loop of a wave reset in ``r``: step until every row has stopped or ``max_new`` tokens, checking
+        the stops (and, with compaction, moving the live rows into a smaller bucket) every ``check_every`` steps.
+        Returns (the decode steps run, the runner of the bucket the wave ended in)."""
+        steps, cur = 0, r
+        trajectory = [(0, r.batch)]
+        self.stats.row_steps += r.batch  # the prefill's token
+        check = self.check_every if dev.type == "cuda" else 1
+        while steps < max_new - 1:
+            if steps % check == 0:
+                done, gone = torch.stack([r.finished.sum(), r.retired.sum()]).tolist()  # the one synchronization
+                if done == r.batch:
+                    break
+                fits = row_bucket(r.batch - gone)
+                if fits < cur.batch and fits in r.smaller:
+                    cur = self._compact(r, cur, fits)
+                    trajectory.append((steps, cur.batch))
+            cur.dec.run()
+            steps += 1
+            self.stats.row_steps += cur.batch
+        self.stats.steps.append(steps + 1)
+        self.stats.buckets.append(trajectory)
+        self.stats.compactions += len(trajectory) - 1
+        return steps, cur
 
     @staticmethod
     def _compact(r: Runner, cur: Runner, rows: int) -> Runner:

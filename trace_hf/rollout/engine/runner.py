@@ -5,7 +5,8 @@ step records, and (on CUDA) the decode step captured in a CUDA graph, replayed o
 Buckets: rows round up to a power of two up to 64 and to a multiple of 64 above (`row_bucket`: at most 1.5x the
 rows at 65-128 and then less, instead of 2x for powers of two past 64); cache lengths to a multiple of the engine's
 ``length_bucket``. So a rollout of the same shape replays the same graph, and one of 257-320 rows does not pay for
-512. `bytes_per_row` is what the engine admits by: the memory one row of a bucket takes, and its prefill.
+512. `bytes_per_row` is what the planner (`planner.plan_waves`) admits by: the memory one row of a bucket takes, and
+its prefill.
 """
 
 from __future__ import annotations
