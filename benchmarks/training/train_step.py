@@ -110,7 +110,9 @@ def main(argv=None) -> int:
     res.update(bf16_step_s=t_base, qat_step_s=t_qat, ratio=t_qat / t_base, qat_uncached_step_s=t_lean,
                ratio_uncached=t_lean / t_base, tokens=args.batch * args.seq)  # fmt: skip
     # What the cache holds: the dequantized expert weights, one extra copy in the model dtype.
-    res["weight_cache_gib"] = sum(t.nbytes for m in fp4_experts(qat) for t in m._fake[1:]) / 2**30
+    res["weight_cache_gib"] = (
+        sum(t.nbytes for m in fp4_experts(qat) for t in m.weight_store.dequantized.weights) / 2**30
+    )
     if cuda:
         res["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["seconds"] = time.perf_counter() - t0

@@ -256,7 +256,7 @@ def test_uncached_qat_weights_give_the_same_loss_and_gradients(checkpoints):
         model.train()
         loss = model(ids, labels=ids).loss
         loss.backward()
-        kept = [m._fake is not None for m in fp4_experts(model)]
+        kept = [m.weight_store.dequantized is not None for m in fp4_experts(model)]
         assert all(kept) if cache else not any(kept)  # no extra copy of the weights without the cache
         results.append(
             (loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))

@@ -58,7 +58,10 @@ def main(out_dir: str) -> None:
     with torch.no_grad():
         model(input_ids=prompts)  # re-packs from the gathered, updated masters
     packed_ok = all(
-        torch.equal(m._packed[1].packed, fp4.quantize(m.gate_up_proj.full_tensor().detach(), m.fmt, "expert").packed)
+        torch.equal(
+            m.weight_store.packed.weights[0].packed,
+            fp4.quantize(m.gate_up_proj.full_tensor().detach(), m.fmt, "expert").packed,
+        )
         for m in experts
     )
     # The rollout engine on the sharded model: it gathers one layer at a time into its own weights and packs the

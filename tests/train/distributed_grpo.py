@@ -88,7 +88,10 @@ def check_packed_weights(trainer) -> bool:
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6, 7, 8]]))
     return all(
-        torch.equal(m._packed[1].packed, fp4.quantize(m.gate_up_proj.detach(), m.fmt, scale="expert").packed)
+        torch.equal(
+            m.weight_store.packed.weights[0].packed,
+            fp4.quantize(m.gate_up_proj.detach(), m.fmt, scale="expert").packed,
+        )
         for m in fp4_experts(model)
     )
 

@@ -109,15 +109,13 @@ class TraceFP4Quantize(ConversionOps):
 
     def convert(self, input_dict, source_patterns=None, target_patterns=None, **kwargs):
         from .. import fp4
-        from .experts import _FROZEN_SUFFIXES
+        from .expert_weights import frozen_buffers
 
         fmt = self.hf_quantizer.quantization_config.fmt
         out = {}
         for key, value in input_dict.items():
             tensor = value[0] if isinstance(value, list) else value
-            q = fp4.quantize(tensor, fmt, scale="expert")
-            for field, suffix in _FROZEN_SUFFIXES.items():
-                out[key + suffix] = getattr(q, field)
+            out.update(frozen_buffers(key, fp4.quantize(tensor, fmt, scale="expert")))
         return out
 
 
@@ -152,12 +150,13 @@ class TraceFP4HfQuantizer(HfQuantizer):
         """The experts tensors of frozen experts, loaded from a BF16 checkpoint."""
         from transformers.quantizers.quantizers_utils import get_module_from_name
 
-        from .experts import _PROJS, TraceFP4Experts
+        from .expert_weights import PROJS
+        from .experts import TraceFP4Experts
 
         if not self.quantization_config.freeze_experts:
             return False
         module, name = get_module_from_name(model, param_name)
-        return isinstance(module, TraceFP4Experts) and module.frozen and name in _PROJS
+        return isinstance(module, TraceFP4Experts) and module.frozen and name in PROJS
 
     def get_quantize_ops(self):
         return TraceFP4Quantize(self)
