@@ -3,8 +3,10 @@
 pieces as bit logic (`trace_hf.fp4` is their specification; docs/numerics.md), and the FP4 operand loaders of the
 GEMM-shaped kernels (experts and attention).
 
-One definition each, imported by name: `fp4_quant` (quantization), `fp4_moe` (experts), `fp4_attention` (KV cache
-and decode attention) and `decode_ops` (fused decode ops) build on these and export nothing to each other.
+One definition each, imported by name: `fp4_quant` (quantization), `fp4_moe` and its backends (experts),
+`fp4_attention` (KV cache and decode attention) and `decode_ops` (fused decode ops) build on these and export nothing
+to each other. What only some of them share has a module of its own: `gluon_common` (the Gluon kernels: it imports
+Gluon, which this module must not) and `fp4_moe_common` (the experts' backends).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
-"""Tuned launch tables of the routed-experts kernels (`fp4_moe` and the Gluon `fp4_moe_hopper`), and the rules that
+"""Tuned launch tables of the routed-experts kernels (`fp4_moe` and its backends), and the rules that
 pick an entry by the number of (token, slot) pairs a call serves. Kept apart from the kernels so that a sweep
 (`benchmarks/kernels/fp4_moe_tune.py`) or an A/B run (`benchmarks/kernels/hopper_ab.py`, keys ``fp4_moe_configs.NAME``) patches
 one place; the measurements behind each entry are in docs/lab-notes.md."""
@@ -24,7 +24,7 @@ from trace_hf.kernels.common import INTERPRETED, gluon_module  # noqa: E402
 #: are bound by weight bytes. ``halves``: FP4 operands as even/odd column halves (`load_halves`) instead of
 #: interleaved tiles (`load_fp4_rows`); ``ptx``: halves decoded by `fp4_halves_f16` into fp16 operands (W4A4 on
 #: the GPU only; otherwise the fp32 decoding); ``split_k``: gate/up programs per row block and column tile, each
-#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `_silu_mul_kernel`; ``block_m``
+#: over a slice of K (batch 1 has too few programs to fill the GPU), finished by `fp4_moe_common.down_input`; ``block_m``
 #: (optional, default ``CONFIG["block_m"]``): token rows per expert block, which a prefill of thousands of tokens
 #: wants larger (each block re-reads its expert's weights). The FP4 entries are the best of `benchmarks/kernels/fp4_moe_tune.py` on the
 #: H200 (Qwen3-30B-A3B experts; docs/lab-notes.md): 41 us at batch 1, 252 us at batch 16 and 350 us at batch 64,
@@ -73,7 +73,7 @@ CONFIG = {
 #: operand registers), by (token, slot) pairs served as ``by_slots``. ``block_t``: token rows per expert block (the
 #: MMA's N, 8 or 16); ``block_n_*``: weight rows per program (16 per warp at least); ``block_k``: a multiple of 128
 #: (16 code words, one MMA's K); ``split_k``: gate/up programs
-#: per tile over slices of K, summed by `_silu_mul_kernel` (batch 1 has too few row blocks to fill the GPU);
+#: per tile over slices of K, summed by `fp4_moe_common.down_input` (batch 1 has too few row blocks to fill the GPU);
 #: ``split_k_down`` (default 1): down programs per tile over slices of K, whose partial sums the caller adds with the
 #: slots' (`experts_from_quantized` returns them side by side; the decode step's next add + RMSNorm sums them; batch 1
 #: with 2 slices: +0.9% decode, with 3: -1.5%, with 6: -9%, two rounds each, h200_83);
@@ -236,7 +236,7 @@ def gate_up_cap(cfg: dict, num_slots: int, num_experts: int, width: int, device:
 
 
 #: W4A4 where each expert serves so many tokens that the GEMMs are bound by compute, not bytes (prefill): Hopper has no
-#: FP4 MMA, so `fp4_moe._experts_grouped` decodes each weight once per call to bf16 (exact; the global scales stay in
+#: FP4 MMA, so `fp4_moe_grouped` decodes each weight once per call to bf16 (exact; the global scales stay in
 #: the epilogues) and multiplies with torch's grouped GEMM (cutlass wgmma at the bf16 rate), where the wgmma kernels
 #: above re-decode each weight once per 64-token block. Its GEMM sums are rounded to bf16 before the epilogues (a
 #: hidden code in ~1-2% flips against fp32 sums), so it runs only for calls that ask (``bf16_sums=True``, from
@@ -248,7 +248,7 @@ def gate_up_cap(cfg: dict, num_slots: int, num_experts: int, width: int, device:
 #: against 5.18 ms (transformers' BF16 grouped_mm experts: 1.49, 2.66 and 4.87-4.96 ms); the crossover, interpolated,
 #: near 335. Empty: never.
 #: ``fp32_sums``: calls that do not ask for bf16 sums (the default forward) take the
-#: grouped path too, with Triton's grouped GEMMs (`fp4_moe._grouped_gemm_kernel`) on the same decoded operands in place
+#: grouped path too, with Triton's grouped GEMMs (`fp4_moe_grouped._grouped_gemm_kernel`) on the same decoded operands in place
 #: of torch's: fp32 accumulators to the epilogues, the function of the wgmma kernels (`moe_experts_reference` without
 #: ``gemm_dtype``), sums in another order. torch's grouped GEMM cannot do that: with an fp32 ``out_dtype`` it falls
 #: back to one ``mm`` per expert after a host sync (aten GroupedBlas.cpp, torch 2.11). ``fp32``: that GEMM's tiles
@@ -339,7 +339,7 @@ def check_hopper_entry(cfg: dict) -> int:
     return stages
 
 
-#: Batch 1's fused split-K sum, SiLU and hidden quantization (`_silu_mul_kernel` with QUANT): whole rows per program
+#: Batch 1's fused split-K sum, SiLU and hidden quantization (`fp4_moe_common.down_input`'s quantizing launch): whole rows per program
 #: and values per thread (the warps follow). The kernel is one dependent chain per thread, so fewer values per thread
 #: is a shorter chain: one row and 4 values (8 warps, 32 registers, 712 sm_90 instructions against 1,824 for 4 rows
 #: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/lab-notes.md 2h).

@@ -2,7 +2,7 @@
 """W4A4 routed-expert GEMMs for decode on Hopper, in Gluon: packed codes go from global memory straight into the
 tensor-core operand registers, with no layout shuffle.
 
-Why: the Triton kernels of `fp4_moe` decode FP4 into a blocked layout and let the compiler move the values into the
+Why: the Triton kernels of `fp4_moe_triton` decode FP4 into a blocked layout and let the compiler move the values into the
 MMA operand layout; on sm_90 that shuffle plus its address arithmetic costs about 7 instructions per weight element
 and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the layouts are explicit:
 
@@ -28,7 +28,7 @@ and leaves the decode step instruction-bound at ~20% of copy bandwidth. Here the
   2g). For batch 1's short down programs a third (`HOPPER` key ``early_weights``): the weights loaded (and decoded)
   before the PDL wait.
 
-Values are exact as in `fp4_moe` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
+Values are exact as in `fp4_moe_triton` (``E2M1 * s * 2^-14`` has at most 6 significant bits and is >= 2^-24, fp16's
 smallest subnormal; products of two are exact in fp32); only the summation order differs from torch's. About 2.6-4.2
 instructions per weight element in the loops of the `HOPPER` entries instead of 7 (sm_90 SASS,
 `benchmarks/kernels/sass_counts.py`; docs/lab-notes.md). `fp4_moe_wgmma` and `fp4_attention_hopper` use the same
@@ -42,11 +42,15 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe_hopper (see kernels/README.md), not kernels.fp4_moe_hopper.")
 
+import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 
+from trace_hf.fp4 import FP4Tensor  # noqa: E402
+from trace_hf.kernels.fp4_moe_common import down_input, fp4_args, fused_hidden, gate_up_out  # noqa: E402
+from trace_hf.kernels.fp4_moe_configs import check_hopper_entry  # noqa: E402
 from trace_hf.kernels.gluon_common import (  # noqa: E402
     async_load,
     cta_barrier,
@@ -58,6 +62,8 @@ from trace_hf.kernels.gluon_common import (  # noqa: E402
     silu_mul_store,
     token_block,
 )
+from trace_hf.kernels.moe_align import moe_align  # noqa: E402
+from trace_hf.kernels.pdl import launch_options  # noqa: E402
 
 
 #: `_stage_x`'s buffer: K-contiguous rows of 16-bit values, swizzled in 16-byte pieces so that the B-operand reads
@@ -194,7 +200,7 @@ def gate_up_kernel(
     ws_ptr,  # uint8 [E, 2I, H/16]
     wg_ptr,  # fp32 [E]
     h_ptr,  # out: SiLU(gate) * up, fp32 [P, I] by sorted position (padding rows 0); with SPLIT_K > 1 the raw
-    # partial gate and up sums, fp32 [SPLIT_K, P, 2I], that `fp4_moe._silu_mul_kernel` finishes
+    # partial gate and up sums, fp32 [SPLIT_K, P, 2I], that `fp4_moe_common.down_input` finishes
     sorted_ptr,  # [P] int32 slot ids (token * top_k + k), num_slots for padding
     expert_ptr,  # [P / BLOCK_T] int32 expert of each token block, -1 past the end
     num_slots,
@@ -318,7 +324,7 @@ def gate_up_kernel(
     n_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
     if SPLIT_K > 1:
         part = h_ptr + (pid_k * gl.num_programs(0) * BLOCK_T + offs_p).to(gl.int64)[None, :] * (2 * NI) + n_o[:, None]
-        # Padding rows are not stored (at batch 1, 7 of every 8): `fp4_moe._silu_mul_kernel` does not read them.
+        # Padding rows are not stored (at batch 1, 7 of every 8): `fp4_moe_common.down_input` does not read them.
         gl.store(part, acc_g * 268435456.0, mask=valid[None, :])
         gl.store(part + NI, acc_u * 268435456.0, mask=valid[None, :])
         return
@@ -500,3 +506,52 @@ def down_kernel(
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
     down_store(acc, y_ptr, ag_ptr, tw_ptr, wg_ptr, e, offs_p, slot, valid, pid_n, pid_k, H, BLOCK_N, SPLIT_K, out_l)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+
+def experts(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden):
+    """`fp4_moe.experts_from_quantized` through these kernels with the `HOPPER` entry ``cfg`` (W4A4, sm_90+, tiles
+    that divide the shapes): same steps, same outputs as the Triton kernels. ``xq``, ``w_gate_up``, ``w_down``:
+    NVFP4 `FP4Tensor`."""
+    x, xs, xg, _ = fp4_args(xq)
+    wgu, wgus, wgug, _ = fp4_args(w_gate_up)
+    wd, wds, wdg, _ = fp4_args(w_down)
+    E, H, NI = w_gate_up.shape[0], w_gate_up.shape[2], w_gate_up.shape[1] // 2
+    M, K = topk_ids.shape
+    sorted_ids, expert_ids = moe_align(topk_ids, E, cfg["block_t"], align_backend)
+    n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
+    P = sorted_ids.numel()
+    split = cfg.get("split_k", 1)
+    while split > 1 and H % (split * bk):
+        split //= 2
+    part = gate_up_out(split, P, NI, x.device)
+    stages = check_hopper_entry(cfg)
+    cap, cap_down = cfg.get("maxnreg"), cfg.get("maxnreg_down") or cfg.get("maxnreg")
+    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cap_down))
+    fused, grid = fused_hidden(cfg, return_hidden or split > 1, P, NI, bt, cfg["block_n_gate_up"], x.device)
+    gate_up_kernel[grid + (split,)](
+        x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
+        SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw,
+        **fused, **regs, **launch_options(x.device),
+    )  # fmt: skip
+    if fused:
+        hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
+    else:
+        hq, hidden = down_input(part, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    split_down = cfg.get("split_k_down", 1)
+    while split_down > 1 and NI % (split_down * bk):
+        split_down -= 1
+    y = torch.empty(M, K * split_down, H, dtype=torch.float32, device=x.device)  # each slot's partial sums in a row
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    down_kernel[(P // bt, H // cfg["block_n_down"], split_down)](
+        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
+        SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
+        X_SHARED=cfg.get("x_shared", False), STAGES=stages, EARLY_WEIGHTS=int(cfg.get("early_weights", 0)),
+        num_warps=nw, **regs_down, **launch_options(x.device),
+    )  # fmt: skip
+    return y, hidden

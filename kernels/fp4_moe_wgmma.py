@@ -26,6 +26,7 @@ from __future__ import annotations
 if __name__.split(".")[0] == "kernels":
     raise ImportError("Import trace_hf.kernels.fp4_moe_wgmma (see kernels/README.md), not kernels.fp4_moe_wgmma.")
 
+import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -34,6 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
+from trace_hf.fp4 import FP4Tensor  # noqa: E402
+from trace_hf.kernels.fp4_moe_common import down_input, fp4_args, fused_hidden, gate_up_out  # noqa: E402
+from trace_hf.kernels.fp4_moe_configs import gate_up_cap  # noqa: E402
 from trace_hf.kernels.gluon_common import (  # noqa: E402
     cta_barrier,
     decode8,
@@ -44,6 +48,8 @@ from trace_hf.kernels.gluon_common import (  # noqa: E402
     silu_mul_store,
     token_block,
 )
+from trace_hf.kernels.moe_align import moe_align  # noqa: E402
+from trace_hf.kernels.pdl import launch_options  # noqa: E402
 
 
 @gluon.jit
@@ -299,3 +305,44 @@ def down_kernel(
     acc = gl.convert_layout(acc, out_l)
     offs_p, slot, valid = token_block(sorted_ptr, pid_m, num_slots, BLOCK_T, gl.SliceLayout(0, out_l))
     down_store(acc, y_ptr, ag_ptr, tw_ptr, wg_ptr, e, offs_p, slot, valid, pid_n, 0, H, BLOCK_N, 1, out_l)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------
+
+
+def experts(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, return_hidden):
+    """`fp4_moe.experts_from_quantized` through these kernels with the `WGMMA` entry ``cfg`` (W4A4, sm_90+, many
+    tokens per expert): same steps, same outputs as the decode kernels of `fp4_moe_hopper`. ``xq``, ``w_gate_up``,
+    ``w_down``: NVFP4 `FP4Tensor`."""
+    x, xs, xg, _ = fp4_args(xq)
+    wgu, wgus, wgug, _ = fp4_args(w_gate_up)
+    wd, wds, wdg, _ = fp4_args(w_down)
+    E, H, NI = w_gate_up.shape[0], w_gate_up.shape[2], w_gate_up.shape[1] // 2
+    M, K = topk_ids.shape
+    sorted_ids, expert_ids = moe_align(topk_ids, E, cfg["block_t"], align_backend)
+    n, bt, nw, bk = M * K, cfg["block_t"], cfg["num_warps"], cfg["block_k"]
+    slices = bool(cfg.get("slice_buffers", False))
+    cap = gate_up_cap(cfg, n, E, NI, x.device)
+    regs, regs_down = ({"maxnreg": c} if c else {} for c in (cap, cfg.get("maxnreg_down") or cap))
+    P = sorted_ids.numel()
+    h = gate_up_out(1, P, NI, x.device)
+    fused, grid = fused_hidden(cfg, return_hidden, P, NI, bt, cfg["block_n_gate_up"], x.device)
+    gate_up_kernel[grid](
+        x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
+        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **fused, **regs, **launch_options(x.device),
+    )  # fmt: skip
+    if fused:
+        hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
+    else:
+        hq, hidden = down_input(h, xg, wgug, sorted_ids, expert_ids, n, K, bt, True, True, True, return_hidden)
+    y = torch.empty(M, K, H, dtype=torch.float32, device=x.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    down_kernel[(P // bt, H // cfg["block_n_down"])](
+        hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
+        BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
+        num_warps=nw, **regs_down, **launch_options(x.device),
+    )  # fmt: skip
+    return y, hidden

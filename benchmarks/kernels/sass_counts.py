@@ -323,8 +323,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(records))
         return 0
-    from trace_hf.kernels import fp4_moe as moe
     from trace_hf.kernels import fp4_moe_configs as configs
+    from trace_hf.kernels import fp4_moe_triton as moe
 
     print("kernel, tile: instructions in the loop / FP4 elements per thread per iteration = per element")
     for r in records:

@@ -19,6 +19,9 @@ from trace_hf.quant.sites import HintSite
 
 
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+moe_common = pytest.importorskip("trace_hf.kernels.fp4_moe_common")
+moe_grouped = pytest.importorskip("trace_hf.kernels.fp4_moe_grouped")
+moe_triton = pytest.importorskip("trace_hf.kernels.fp4_moe_triton")
 common = pytest.importorskip("trace_hf.kernels.common")
 configs = pytest.importorskip("trace_hf.kernels.fp4_moe_configs")
 moe_align = pytest.importorskip("trace_hf.kernels.moe_align")
@@ -176,7 +179,7 @@ def test_gpus_without_hardware_fp8_get_integer_decoding(monkeypatch):
 
 def test_without_hardware_fp8_the_experts_run_interleaved_tiles(monkeypatch):
     launched = []
-    gate_up = moe._gate_up_kernel
+    gate_up = moe_triton._gate_up_kernel
 
     class Spy:  # records the operand layout of each gate/up launch
         def __getitem__(self, grid):
@@ -186,7 +189,7 @@ def test_without_hardware_fp8_the_experts_run_interleaved_tiles(monkeypatch):
 
             return launch
 
-    monkeypatch.setattr(moe, "_gate_up_kernel", Spy())
+    monkeypatch.setattr(moe_triton, "_gate_up_kernel", Spy())
     monkeypatch.setattr(moe, "hardware_fp8", lambda device: False)
     mod = _experts(4, 64, 32, seed=14)
     ids, w = _routing(5, 4, 2, seed=15)
@@ -316,7 +319,7 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden, launch, monkeypat
     from trace_hf.kernels import fp4_quant
 
     if launch:
-        monkeypatch.setattr(moe, "HIDDEN_LAUNCH", launch)
+        monkeypatch.setattr(moe_common, "HIDDEN_LAUNCH", launch)
 
     g = torch.Generator().manual_seed(21)
     split, bm, NI, top_k = 4, 8, 96, 2  # 96: a width that is not a power of two (the program pads to 128)
@@ -332,8 +335,8 @@ def test_split_k_epilogue_quantizes_as_quantize(return_hidden, launch, monkeypat
     xg = torch.rand(5, generator=g) + 0.5
     wg = torch.rand(4, generator=g) + 0.5
     args = (part, xg, wg, sorted_ids, expert_ids, 10, top_k, bm, True, True)
-    h, _ = moe._hidden(*args, False, False)
-    hq, hidden = moe._hidden(*args, True, return_hidden)
+    h, _ = moe_common.down_input(*args, False, False)
+    hq, hidden = moe_common.down_input(*args, True, return_hidden)
     used = (expert_ids >= 0).repeat_interleave(bm)
     want, want_hints = fp4_quant.quantize(h[used], "nvfp4", "row", return_hints=True)
     ref = fp4.quantize(h[used], "nvfp4", "row", backend="torch")
@@ -424,20 +427,20 @@ def test_fp4_experts_gpu_qwen3_shapes():
 def test_grouped_gemm_training_path_matches_the_expert_loop_gpu():
     """The QAT forward on CUDA (grouped_mm, no host sync) against the per-expert loop: same loss and gradients
     up to bf16 GEMM rounding."""
-    from trace_hf.quant import experts as ex
+    from trace_hf.quant import expert_paths as ex
 
     mod = _experts(16, 256, 128, device="cuda").to(torch.bfloat16).train()
     ids, w = _routing(300, 16, 4, device="cuda")
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     results = []
     for grouped in (True, False):
-        orig = ex._grouped_mm_ok
-        ex._grouped_mm_ok = (lambda *a: True) if grouped else (lambda *a: False)
+        orig = ex.grouped_mm_ok
+        ex.grouped_mm_ok = (lambda *a: True) if grouped else (lambda *a: False)
         try:
             out = mod(x, ids, w.bfloat16())
             (out.float() ** 2).sum().backward()
         finally:
-            ex._grouped_mm_ok = orig
+            ex.grouped_mm_ok = orig
         results.append(
             (out.detach().float(), mod.gate_up_proj.grad.float().clone(), mod.down_proj.grad.float().clone())
         )
@@ -512,11 +515,11 @@ def test_bf16_decoding_is_exact_for_every_code_and_scale_byte():
     rnd = fp4.quantize(torch.randn(37, 96, generator=g) * 3, "nvfp4", "row")
     for p, sb in ((packed, scale), (rnd.packed, rnd.block_scale)):
         ref = fp4.FP4Tensor(p, sb, torch.ones(p.shape[0], 1), "nvfp4").dequantize(torch.bfloat16)
-        out = moe._exact_bf16(p, sb, 16)
+        out = moe_grouped._exact_bf16(p, sb, 16)
         nan = torch.isnan(ref)
         assert torch.equal(torch.isnan(out), nan)
         assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16))
-    assert torch.isnan(moe._exact_bf16(packed, scale, 16)[0x7F]).all()
+    assert torch.isnan(moe_grouped._exact_bf16(packed, scale, 16)[0x7F]).all()
 
 
 @pytest.mark.parametrize("M,E,K", [(40, 4, 2), (37, 8, 3), (1, 4, 4)])
@@ -573,13 +576,13 @@ def _grouped_fp32(monkeypatch, tiles=FP32_TILES):
     """`_grouped` with ``GROUPED["fp32_sums"]`` on: calls that do not ask for bf16 sums take the grouped path too.
     Returns the list of the fp32-sum calls made (their ``M``)."""
     monkeypatch.setattr(moe, "grouped_config", lambda n, e, dev: dict(configs.GROUPED, fp32_sums=True, fp32=tiles))
-    calls, inner = [], moe._experts_grouped_fp32
+    calls, inner = [], moe_grouped.experts_fp32
 
     def spy(cfg, xq, topk_ids, *a):
         calls.append(topk_ids.shape[0])
         return inner(cfg, xq, topk_ids, *a)
 
-    monkeypatch.setattr(moe, "_experts_grouped_fp32", spy)
+    monkeypatch.setattr(moe_grouped, "experts_fp32", spy)
     return calls
 
 

@@ -18,6 +18,7 @@ from trace_hf import fp4
 
 
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+moe_common = pytest.importorskip("trace_hf.kernels.fp4_moe_common")
 common = pytest.importorskip("trace_hf.kernels.common")
 configs = pytest.importorskip("trace_hf.kernels.fp4_moe_configs")
 moe_align = pytest.importorskip("trace_hf.kernels.moe_align")
@@ -205,7 +206,7 @@ def test_fused_hidden_gives_the_same_bits(M, monkeypatch):
     sorted_ids, expert_ids = moe_align.moe_align(ids, E, bt)
     P = sorted_ids.numel()
     h = torch.zeros(P, NI, device="cuda")  # rows no program writes (blocks past the last segment) stay finite
-    fused, grid = moe._fused_hidden(dict(cfg, fused_hidden=True), False, P, NI, bt, bn, x.device)
+    fused, grid = moe_common.fused_hidden(dict(cfg, fused_hidden=True), False, P, NI, bt, bn, x.device)
     hop.gate_up_kernel[grid + (1,)](
         xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
         wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, SPLIT_K=1, BLOCK_T=bt, BLOCK_N=bn,

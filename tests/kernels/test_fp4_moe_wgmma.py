@@ -23,6 +23,7 @@ from trace_hf import fp4
 
 
 moe = pytest.importorskip("trace_hf.kernels.fp4_moe")
+moe_common = pytest.importorskip("trace_hf.kernels.fp4_moe_common")
 configs = pytest.importorskip("trace_hf.kernels.fp4_moe_configs")
 common = pytest.importorskip("trace_hf.kernels.common")
 
@@ -228,7 +229,7 @@ def test_fused_hidden_gives_the_same_bits(M, monkeypatch):
     sorted_ids, expert_ids = moe_align(ids, E, bt)
     P = sorted_ids.numel()
     h = torch.zeros(P, NI, device="cuda")  # rows no program writes (blocks past the last segment) stay finite
-    fused, grid = moe._fused_hidden(dict(cfg, fused_hidden=True), False, P, NI, bt, bn, x.device)
+    fused, grid = moe_common.fused_hidden(dict(cfg, fused_hidden=True), False, P, NI, bt, bn, x.device)
     wg.gate_up_kernel[grid](
         xq.packed, xq.block_scale, xq.global_scale.reshape(-1), wgu.packed, wgu.block_scale,
         wgu.global_scale.reshape(-1), h, sorted_ids, expert_ids, M * K, K, H, NI, BLOCK_T=bt, BLOCK_N=bn,
