@@ -182,7 +182,7 @@ def moe_experts_reference(
     activations: str = "fp4",
     gemm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The torch fallback and reference: the math of `TraceFP4Experts._routed` (eval path), computed in fp32 by
+    """The torch fallback and reference: the math of `trace_hf.quant.expert_paths.routed` (eval path), computed in fp32 by
     gathering each slot's expert weights (fine for tests and small batches, not fast). As in the kernels, a GEMM
     sums ``E2M1 * s`` products and its operands' global scales multiply the sum: the function of every kernel path
     with fp32 sums (the grouped one with ``GROUPED["fp32_sums"]`` included). ``gemm_dtype=torch.bfloat16``: each

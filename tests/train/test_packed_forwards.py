@@ -278,3 +278,66 @@ def test_refusals(tmp_path, dataset):
     with pytest.raises(ValueError, match="attn_implementation='sdpa'.*token_budget=None"):
         make(plain, tmp_path, dataset, token_budget=512, rollout_precision="bf16", trace_hints=False,
              routing_replay=False)  # fmt: skip
+
+
+def _packed_qkv(lengths, device, dtype, hq=4, hkv=2, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    q, k, v = (torch.randn(1, h, n, dim, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
+    return q, k, v
+
+
+def _per_row(q, k, v, lengths, scale):
+    """Each row on its own, as the padded path computes it: causal sdpa over that row's tokens (GQA expanded)."""
+    rep = q.size(1) // k.size(1)
+    outs = []
+    for qs, ks, vs in zip(*(t.split(lengths, dim=2) for t in (q, k, v)), strict=True):
+        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
+    return torch.cat(outs, dim=2).transpose(1, 2)  # transformers' [1, tokens, heads, dim]
+
+
+def test_packed_attention_is_each_rows_own_causal_attention_and_builds_no_mask(model_dir, monkeypatch):
+    from trace_hf.train import packing
+
+    lengths = [5, 1, 9, 3]
+    q, k, v = _packed_qkv(lengths, "cpu", torch.float32)
+    with packing.packed_attention(torch.nn.Linear(1, 1), lengths):
+        out, weights = packing.varlen_attention(None, q, k, v, None, scaling=0.25)
+    assert weights is None
+    torch.testing.assert_close(out, _per_row(q, k, v, lengths, 0.25), rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="packed forward"):
+        packing.varlen_attention(None, q, k, v, None)  # outside a packed forward
+
+    # In a model: every config runs the packed attention (under the FP4 K/V wrapper), no dense mask is built, and
+    # everything is restored afterwards.
+    model = load(model_dir).train()  # training mode: no rollout noise (load's hook), the QAT forward
+    before = model.config._attn_implementation
+    assert before.startswith("trace_fp4_kv:")
+    masks = []
+    sdpa_mask = packing.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(packing.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *a, **kw: masks.append(1))
+    ids = torch.tensor([[4, 85, 54, 60, 4, 85, 56]])
+    with torch.no_grad(), packing.packed_attention(model, [3, 4]):
+        assert model.config._attn_implementation == "trace_fp4_kv:nvfp4:trace_packed"
+        packed = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]])).logits
+    assert not masks and model.config._attn_implementation == before
+    packing.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = sdpa_mask
+    with torch.no_grad():
+        rows = [model(input_ids=ids[:, :3]).logits, model(input_ids=ids[:, 3:]).logits]
+    torch.testing.assert_close(packed, torch.cat(rows, dim=1), **TOL)
+
+
+@pytest.mark.gpu
+def test_varlen_flash_attention_equals_each_rows_own_attention_gpu():
+    from trace_hf.train import packing
+
+    assert packing.varlen_attn is not None, "this torch has no torch.nn.attention.varlen: packing runs sdpa per row"
+    lengths = [300, 1, 77, 1024, 5]
+    q, k, v = (t.requires_grad_() for t in _packed_qkv(lengths, "cuda", torch.bfloat16, hq=8, hkv=2, dim=128))
+    with packing.packed_attention(torch.nn.Linear(1, 1).cuda(), lengths):
+        out, _ = packing.varlen_attention(None, q, k, v, None, scaling=128**-0.5)
+    want = _per_row(*(t.float() for t in (q, k, v)), lengths, 128**-0.5)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()  # the flash backward runs
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -162,7 +162,8 @@ def install_fp4_generate_cache(model, fmt: str) -> None:
 # Training side: fake-quantize K and V inside the attention function
 # ----------------------------------------------------------------------------------------------------------
 
-_PREFIX = "trace_fp4_kv"
+#: The prefix of the K/V fake-quantizing wrappers' registered names, `trace_fp4_kv:<fmt>:<base>[:noqat]`.
+KV_PREFIX = "trace_fp4_kv"
 
 
 def _kv_attention(base: str, fmt: str, qat: bool):
@@ -186,6 +187,15 @@ def _kv_attention(base: str, fmt: str, qat: bool):
     return attention
 
 
+def kv_attention(base: str, fmt: str, qat: bool = True) -> str:
+    """The registered name of the K/V fake-quantizing wrapper around attention `base` (registered on first use)."""
+    name = f"{KV_PREFIX}:{fmt}:{base}" + ("" if qat else ":noqat")
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(name, _kv_attention(base, fmt, qat))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
 def install_kv_fake_quant(model, fmt: str, qat: bool = True) -> None:
     """Route attention through a wrapper that fake-quantizes K and V unless they come from an FP4 cache.
 
@@ -193,12 +203,9 @@ def install_kv_fake_quant(model, fmt: str, qat: bool = True) -> None:
     calls the model's own implementation (`sdpa`, `eager`, ...) after quantizing.
     """
     base = model.config._attn_implementation or "eager"
-    if base.startswith(_PREFIX):
+    if base.startswith(KV_PREFIX):
         return
-    name = f"{_PREFIX}:{fmt}:{base}" + ("" if qat else ":noqat")
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS.register(name, _kv_attention(base, fmt, qat))
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    name = kv_attention(base, fmt, qat)
     model.config._attn_implementation = name  # `kv_format` reads the format back from this name
     for m in model.modules():
         cfg = getattr(m, "config", None)
@@ -209,4 +216,4 @@ def install_kv_fake_quant(model, fmt: str, qat: bool = True) -> None:
 def kv_format(model) -> str | None:
     """The FP4 format of the model's KV cache (`TraceFP4Config.kv_cache`), None for a cache in the model dtype."""
     impl = getattr(model.config, "_attn_implementation", None) or ""
-    return impl.split(":")[1] if impl.startswith(_PREFIX + ":") else None
+    return impl.split(":")[1] if impl.startswith(KV_PREFIX + ":") else None

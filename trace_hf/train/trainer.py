@@ -48,6 +48,7 @@ from .delta_rule import delta_rule_modules, recurrent_values
 from .grouping import group_by_length
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
+from .packing import check_packing, packed_attention, token_chunks, unpack
 
 
 #: Prefix of the hint columns in the trainer's inputs (TRL shuffles and splits them with their rows).
@@ -114,7 +115,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.rollout = None  # the rollout path (`trace_hf.rollout`), chosen at the first rollout
         self._trace_state = StepState()
         experts = self._trace_validate_model()
-        _check_packing(self.accelerator.unwrap_model(self.model), self.args)
+        check_packing(self.accelerator.unwrap_model(self.model), self.args)
         self._fp4 = bool(experts)  # an FP4 model (TraceFP4Config), not the BF16 baseline
         self._fmt = experts[0].fmt if experts else None
         self._hint_layers = tuple(m.moe_index for m in experts if m.hinted)  # what HintBatch.from_inputs rebuilds
@@ -178,6 +179,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         ``packed``: the forward feeds the real tokens of ``attention_mask``'s rows as one sequence (`use_hints`)."""
         core = self._trace_core(model)
         with contextlib.ExitStack() as stack:
+            if packed:
+                stack.enter_context(packed_attention(core, attention_mask.sum(1).tolist()))
             if self.args.gated_delta_rule == "recurrent":
                 stack.enter_context(recurrent_values(core))
             # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to
@@ -435,13 +438,11 @@ class TraceGRPOTrainer(GRPOTrainer):
         """`_get_per_token_logps_and_entropies` padding-free (``token_budget``): the real tokens of a forward's rows
         are concatenated into one sequence [1, N], position ids restarting at 0 at each row, and no attention mask.
 
-        transformers keeps the rows apart itself, so the model keeps its own attention implementation (no extra
-        package; `_check_packing` refuses the others): its mask utilities find the rows from the restarting position
-        ids (`masking_utils.find_packed_sequence_indices`) and build a block-diagonal causal mask for sdpa (the
-        default, on CPU and GPU), eager and flex attention; flash-attention runs varlen from the same ids. The hints,
-        recorded routes and token checks follow each row by (row, position) (`use_hints(packed=True)`); the FP4 fake
-        quantization of K/V and activations is per token (and head), so it sees the same values as padded. Only GEMM
-        summation order can differ. The labels mark each row's completion tokens (whose predecessor is always in
+        The attention keeps the rows apart itself (`packing.packed_attention`: variable-length flash attention on CUDA,
+        a causal sdpa per row elsewhere; no mask is built, and the FP4 K/V fake quantization still wraps it). The
+        hints, recorded routes and token checks follow each row by (row, position) (`use_hints(packed=True)`); the FP4
+        fake quantization of K/V and activations is per token (and head), so it sees the same values as padded. Only
+        GEMM summation order can differ. The labels mark each row's completion tokens (whose predecessor is always in
         their row), and the results go back to TRL's [rows, logits_to_keep] layout, 0 at padding.
 
         ``budget``: the most real tokens one forward packs, rows in their order (a row longer than it gets a forward
@@ -452,7 +453,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         labels = input_ids.masked_fill(~mask, -100)
         labels[:, : width - logits_to_keep] = -100
         logps, entropies, aux = [], [], []
-        for lo, hi in _token_chunks(mask.sum(1).tolist(), budget):
+        for lo, hi in token_chunks(mask.sum(1).tolist(), budget):
             m = mask[lo:hi]
             positions = (m.long().cumsum(1) - 1)[m].unsqueeze(0)
             extra = {"output_router_logits": True} if compute_aux_loss else {}
@@ -469,9 +470,9 @@ class TraceGRPOTrainer(GRPOTrainer):
                 step.train_reports.append(report)
             if report is not None and step.reports is not None:
                 step.reports.append(report)
-            logps.append(_unpack(out.log_probs, m)[:, width - logits_to_keep :])
+            logps.append(unpack(out.log_probs, m)[:, width - logits_to_keep :])
             if compute_entropy:
-                entropies.append(_unpack(out.entropy, m)[:, width - logits_to_keep :])
+                entropies.append(unpack(out.entropy, m)[:, width - logits_to_keep :])
             aux.append(out.aux_loss)
         return (
             torch.cat(logps),
@@ -556,53 +557,6 @@ def _row_chunks(attention_mask: torch.Tensor, logits_to_keep: int, batch_size: i
         rows, lo, hi = rows + [r], lo2, hi2
     chunks.append((rows, lo, hi))
     return [(torch.tensor(sorted(c)), lo, hi) for c, lo, hi in chunks]  # CPU row ids index hints wherever they are
-
-
-def _token_chunks(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
-    """Packed forwards as row ranges [lo, hi): rows in their order, as many as fit ``budget`` real tokens (next
-    fit, so the count never rises with the budget); a row longer than the budget has a forward of its own."""
-    chunks, lo, tokens = [], 0, 0
-    for r, n in enumerate(lengths):
-        if budget is not None and r > lo and tokens + n > budget:
-            chunks.append((lo, r))
-            lo, tokens = r, 0
-        tokens += n
-    return [*chunks, (lo, len(lengths))]
-
-
-def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The fused LM head's [1, N - 1] per-token values of a packed forward (entry i scores packed token i + 1) ->
-    [rows, width] in the rows' own columns, 0 at padding and at each row's first token (never a completion token)."""
-    values = torch.cat([values.new_zeros(1), values[0]])
-    return values.new_zeros(mask.shape).masked_scatter(mask, values)
-
-
-#: Attention implementations whose packed sequences transformers keeps apart from the position ids alone.
-_PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
-
-
-def _check_packing(model, args) -> None:
-    """Refuse ``token_budget`` where a packed forward would not compute each row on its own."""
-    if args.token_budget is None:
-        return
-    text = model.config.get_text_config()
-    impl = text._attn_implementation or "eager"
-    base = impl.split(":")[2] if impl.startswith("trace_fp4_kv:") else impl  # the FP4 KV wrapper's own base
-    if base not in _PACKABLE_ATTENTION and "flash" not in base:
-        raise ValueError(
-            f"TraceGRPOConfig(token_budget={args.token_budget}) packs rows into one sequence, which attention "
-            f"{base!r} would not keep apart. Load the model with attn_implementation='sdpa' (or 'eager', "
-            "'flex_attention', 'flash_attention_2'), or set token_budget=None."
-        )
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
-    if other or delta_rule_modules(model):
-        raise ValueError(
-            f"TraceGRPOConfig(token_budget={args.token_budget}): this {text.model_type} model has "
-            f"{other or 'Gated DeltaNet'} layers, whose state would run on from one packed row into the next: "
-            "transformers' torch Gated DeltaNet cannot reset it per row (it raises for cu_seqlens without "
-            "flash-linear-attention, whose chunked kernel computes other values than the padded path), and "
-            "gated_delta_rule='recurrent' steps whole rows. Set token_budget=None for this model."
-        )
 
 
 def _check_peft_targets(model, peft_config) -> None:

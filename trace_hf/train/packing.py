@@ -1,0 +1,152 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""Padding-free packed training-side forwards (``TraceGRPOConfig.token_budget``): which rows share a forward, how
+their per-token values go back to TRL's layout, and an attention that keeps the rows apart without a dense mask.
+
+transformers keeps packed rows apart under `sdpa` or `eager` with a dense block-diagonal mask built from the
+restarting position ids: every pair of packed tokens goes through the masked kernel, and on the H200 that made the
+training side 1.5x slower than the padded path (docs/benchmarks.md). So a packed forward swaps the model's attention
+for `varlen_attention` for its duration: each row attends to its own tokens only (PyTorch's variable-length flash
+attention on CUDA, one causal `sdpa` call per row elsewhere), and no mask is built. The FP4 K/V fake quantization
+(`trace_fp4_kv:<fmt>:<base>`) keeps wrapping it: it is per token and head, so packing does not change what it sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from ..quant.kv_cache import KV_PREFIX, kv_attention
+from .delta_rule import delta_rule_modules
+
+
+try:  # PyTorch's variable-length flash attention (CUDA); elsewhere a causal sdpa per row
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
+
+#: The attention implementation a packed forward runs under; the FP4 KV wrapper names it as its base.
+PACKED_ATTENTION = "trace_packed"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The rows of the packed forward in flight: their boundaries in the packed sequence and the longest row."""
+
+    cu_seqlens: torch.Tensor  # int32 [rows + 1], on the model's device
+    lengths: tuple[int, ...]
+
+
+_ROWS: contextvars.ContextVar[PackedRows | None] = contextvars.ContextVar("trace_packed_rows", default=None)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature ([1, heads, tokens, dim] in, [1, tokens, heads, dim] out) over the packed
+    rows of `packed_rows`: each row causal over its own tokens."""
+    rows = _ROWS.get()
+    if rows is None:
+        raise RuntimeError("trace_packed attention runs only inside a packed forward (trace_hf.train.packing).")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("token_budget does not pack sliding-window attention; set token_budget=None.")
+    if dropout:
+        raise NotImplementedError("token_budget does not pack attention with dropout; set token_budget=None.")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
+    gqa = q.size(1) != k.size(1)
+    if q.is_cuda and varlen_attn is not None:
+        n = max(rows.lengths)
+        out = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, n, n, scale=scaling, window_size=(-1, 0),
+                          enable_gqa=gqa)  # fmt: skip
+    else:
+        out = torch.cat([
+            F.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scaling,
+                enable_gqa=gqa,
+            ).transpose(0, 1)
+            for qs, ks, vs in zip(*(t.split(rows.lengths) for t in (q, k, v)), strict=True)
+        ])  # fmt: skip
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # varlen_attention keeps the rows apart itself
+
+
+AttentionInterface.register(PACKED_ATTENTION, varlen_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, _no_mask)
+
+
+def _packed_name(impl: str) -> str:
+    """The attention a packed forward runs in place of `impl`: `varlen_attention`, under the FP4 KV wrapper if any."""
+    parts = impl.split(":")  # trace_fp4_kv:<fmt>:<base>[:noqat]
+    return kv_attention(PACKED_ATTENTION, parts[1], len(parts) < 4) if parts[0] == KV_PREFIX else PACKED_ATTENTION
+
+
+@contextlib.contextmanager
+def packed_attention(model: torch.nn.Module, lengths: list[int]):
+    """Within the context, `model`'s attention keeps the packed rows of these `lengths` apart (`varlen_attention`),
+    and builds no mask. Kept open until backward is done, so checkpointed layers recompute the same way."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    saved = [(c, c._attn_implementation) for c in configs.values() if getattr(c, "_attn_implementation", None)]
+    device = next(model.parameters()).device
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0, dtype=torch.int32)
+    token = _ROWS.set(PackedRows(cu, tuple(lengths)))
+    for c, impl in saved:
+        c._attn_implementation = _packed_name(impl)
+    try:
+        yield
+    finally:
+        for c, impl in saved:
+            c._attn_implementation = impl
+        _ROWS.reset(token)
+
+
+def token_chunks(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
+    """Packed forwards as row ranges [lo, hi): rows in their order, as many as fit ``budget`` real tokens (next
+    fit, so the count never rises with the budget); a row longer than the budget has a forward of its own."""
+    chunks, lo, tokens = [], 0, 0
+    for r, n in enumerate(lengths):
+        if budget is not None and r > lo and tokens + n > budget:
+            chunks.append((lo, r))
+            lo, tokens = r, 0
+        tokens += n
+    return [*chunks, (lo, len(lengths))]
+
+
+def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The fused LM head's [1, N - 1] per-token values of a packed forward (entry i scores packed token i + 1) ->
+    [rows, width] in the rows' own columns, 0 at padding and at each row's first token (never a completion token)."""
+    values = torch.cat([values.new_zeros(1), values[0]])
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+#: The attention implementations that compute plain causal softmax attention, which `varlen_attention` stands in for.
+_REPLACEABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def check_packing(model, args) -> None:
+    """Refuse ``token_budget`` where a packed forward would not compute each row on its own."""
+    if args.token_budget is None:
+        return
+    text = model.config.get_text_config()
+    impl = text._attn_implementation or "eager"
+    base = impl.split(":")[2] if impl.startswith(KV_PREFIX + ":") else impl  # the FP4 KV wrapper's own base
+    if base not in _REPLACEABLE_ATTENTION and "flash" not in base:
+        raise ValueError(
+            f"TraceGRPOConfig(token_budget={args.token_budget}) runs packed forwards with its own causal attention in "
+            f"place of the model's; {base!r} may compute something else. Load the model with attn_implementation="
+            "'sdpa' (or 'eager', 'flex_attention', 'flash_attention_2'), or set token_budget=None."
+        )
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
+    if other or delta_rule_modules(model):
+        raise ValueError(
+            f"TraceGRPOConfig(token_budget={args.token_budget}): this {text.model_type} model has "
+            f"{other or 'Gated DeltaNet'} layers, which a packed forward cannot keep apart per row (a Gated DeltaNet "
+            "state would run on from one packed row into the next: transformers' torch rule cannot reset it, and "
+            "flash-linear-attention's chunked kernel computes other values than the padded path; sliding windows "
+            "are not packed). Set token_budget=None for this model."
+        )
