@@ -130,7 +130,7 @@ HOPPER = [
 #: decode step it gained 0.2% at 256 rows and 0.4% at 512 (two rounds each, run h200_62), so the decode entry has it;
 #: the prefill entry, not measured with it, does not. Empty: never.
 #: The entries are the best of `benchmarks/kernels/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
-#: k31_2, docs/lab-notes.md "Issue 31"): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
+#: k31_2, docs/lab-notes.md section 18): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
 #: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
 #: prefill, 48+ per expert: 64-token blocks, 128-row programs of 4 warps (a 16,384-token prefill layer: 5.2 ms; 8
 #: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile

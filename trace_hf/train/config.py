@@ -146,7 +146,7 @@ class TraceGRPOConfig(GRPOConfig):
     rollout_engine: str = field(
         default="auto",
         metadata={
-            "help": "'engine': the CUDA-graph decode engine (full-attention MoE models); 'generate': model.generate "
+            "help": "'engine': the CUDA-graph decode engine (Qwen3 MoE and Qwen3.5 MoE); 'generate': model.generate "
             "(any MoE); 'auto': the engine on CUDA when the model is supported, else generate.",
             "choices": list(ROLLOUT_ENGINES),
         },
