@@ -208,6 +208,11 @@ class EngineRollout:
             self._runners.popitem(last=False)
             if dev.type == "cuda":
                 gc.collect()  # a runner and its decoder refer to each other: free its cache and graph now
+        if dev.type == "cuda" and need > torch.cuda.mem_get_info(dev)[0]:
+            # Admission counted torch's cached-but-unused blocks as free; handed back to the driver, they serve the
+            # bucket's large buffers whole instead of failing on fragments (a 128K Qwen3.5 bucket ran out of memory
+            # with 18 GB reserved and unallocated).
+            torch.cuda.empty_cache()
         try:
             runner = Runner(w, batch, length, s, kv_fp4, record, self._weights.layout.decoder, self.compaction)
             graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
