@@ -341,3 +341,25 @@ def test_varlen_flash_attention_equals_each_rows_own_attention_gpu():
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     out.float().square().sum().backward()  # the flash backward runs
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize(
+    "args, scaling, gqa, want",
+    [  # varlen_attn's keywords in torch 2.10, 2.11 and 2.12+
+        ({"is_causal", "return_aux"}, 0.125, True, {"is_causal": True}),
+        ({"is_causal", "return_aux"}, 0.5, False, None),  # no scale argument, and not 1/sqrt(64): per-row sdpa
+        ({"scale", "window_size", "return_aux"}, 0.5, True, {"window_size": (-1, 0), "scale": 0.5}),
+        (
+            {"scale", "window_size", "enable_gqa"},
+            0.5,
+            True,
+            {"window_size": (-1, 0), "scale": 0.5, "enable_gqa": True},
+        ),
+        ({"scale", "window_size", "enable_gqa"}, None, False, {"window_size": (-1, 0)}),
+    ],
+)
+def test_varlen_keywords_follow_the_torch_release(monkeypatch, args, scaling, gqa, want):
+    from trace_hf.train import packing
+
+    monkeypatch.setattr(packing, "_VARLEN_ARGS", frozenset(args))
+    assert packing._varlen_kwargs(scaling, 64, gqa) == want

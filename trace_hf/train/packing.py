@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,14 @@ from ..quant.kv_cache import KV_PREFIX, kv_attention
 from .delta_rule import delta_rule_modules
 
 
-try:  # PyTorch's variable-length flash attention (CUDA); elsewhere a causal sdpa per row
+try:  # PyTorch's variable-length flash attention (CUDA, torch >= 2.10); elsewhere a causal sdpa per row
     from torch.nn.attention.varlen import varlen_attn
+
+    #: Its keyword arguments, which moved between releases: 2.10 takes ``is_causal``; later ones ``scale`` and
+    #: ``window_size`` (causal is ``(-1, 0)``); 2.12 adds ``enable_gqa``.
+    _VARLEN_ARGS = frozenset(inspect.signature(varlen_attn).parameters)
 except ImportError:  # pragma: no cover - older torch
-    varlen_attn = None
+    varlen_attn, _VARLEN_ARGS = None, frozenset()
 
 #: The attention implementation a packed forward runs under; the FP4 KV wrapper names it as its base.
 PACKED_ATTENTION = "trace_packed"
@@ -57,10 +62,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise NotImplementedError("token_budget does not pack attention with dropout; set token_budget=None.")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     gqa = q.size(1) != k.size(1)
-    if q.is_cuda and varlen_attn is not None:
+    flash = _varlen_kwargs(scaling, q.size(-1), gqa) if q.is_cuda and varlen_attn is not None else None
+    if flash is not None:
+        if gqa and "enable_gqa" not in flash:
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
         n = max(rows.lengths)
-        out = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, n, n, scale=scaling, window_size=(-1, 0),
-                          enable_gqa=gqa)  # fmt: skip
+        out = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, n, n, **flash)
     else:
         out = torch.cat([
             F.scaled_dot_product_attention(
@@ -70,6 +77,21 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             for qs, ks, vs in zip(*(t.split(rows.lengths) for t in (q, k, v)), strict=True)
         ])  # fmt: skip
     return out.unsqueeze(0), None
+
+
+def _varlen_kwargs(scaling: float | None, head_dim: int, gqa: bool) -> dict | None:
+    """`varlen_attn`'s keyword arguments for a causal attention at ``scaling`` in this torch, or None where it has
+    no way to take them (then each row runs its own sdpa)."""
+    kwargs = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {"window_size": (-1, 0)}
+    if "window_size" not in _VARLEN_ARGS and "is_causal" not in _VARLEN_ARGS:
+        return None
+    if scaling is not None and "scale" in _VARLEN_ARGS:
+        kwargs["scale"] = scaling
+    elif scaling is not None and scaling != head_dim**-0.5:
+        return None  # no scale argument: only the default 1/sqrt(head_dim)
+    if gqa and "enable_gqa" in _VARLEN_ARGS:
+        kwargs["enable_gqa"] = True
+    return kwargs
 
 
 def _no_mask(*args, **kwargs):
