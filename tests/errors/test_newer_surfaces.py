@@ -3,12 +3,14 @@
 TraceGRPOConfig's own fields, the export's calibration ids, a damaged compressed-tensors checkpoint, the targets of
 a PeftModel handed to the trainer; and what the docs say matches what is accepted."""
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
+from trl import GRPOConfig
 
 from trace_hf import TraceFP4Config
 from trace_hf import testing as T
@@ -27,14 +29,11 @@ def config(tmp_path, **kw):
 # TraceGRPOConfig: every field trace-hf adds is type-checked
 # ----------------------------------------------------------------------------------------------------------
 
-BOOL_FIELDS = [
-    "rollout_compaction",
-    "rollout_share_prefill",
-    "trace_hints",
-    "routing_replay",
-    "rollout_importance_sampling",
-    "trace_metrics",
-]
+# Every bool field trace-hf adds to TRL's GRPOConfig, read off the dataclass: a new one is checked here unasked.
+BOOL_FIELDS = sorted(
+    {f.name for f in dataclasses.fields(TraceGRPOConfig) if f.type in ("bool", bool)}
+    - {f.name for f in dataclasses.fields(GRPOConfig)}
+)
 
 
 @pytest.mark.parametrize("field", BOOL_FIELDS)
