@@ -11,14 +11,15 @@ import torch
 from .. import fp4
 from ..quant.experts import fp4_experts
 from ..quant.kv_cache import FP4KVLayer
-from ..quant.sites import HintSite
+from ..quant.sites import HintSite, SiteRecorder
 from .batch import EXTRA_SITES, HintBatch, hint_batch_from_columns, kv_rows
 from .plan import hint_plan
 
 
-class HintRecorder:
+class HintRecorder(SiteRecorder):
     """Records, during `generate` (or any eval forward), the hints of every token the rollout computed at the
     hinted MoE layers and sites (`TraceFP4Config.hint_sites`), and the routed top-k expert ids of every MoE layer.
+    The layers call it through `SiteRecorder`, the interface the quant floor declares.
 
     Args:
         model: a model loaded with `TraceFP4Config` (its experts are `TraceFP4Experts`), in eval mode.
@@ -224,17 +225,34 @@ class HintRecorder:
             )
         return out
 
-    def collect(self, attention_mask: torch.Tensor) -> HintBatch:
-        """Turn the recorded forwards into a `HintBatch`.
+    def collect(
+        self, attention_mask: torch.Tensor, rows: torch.Tensor | None = None, then: tuple | None = None
+    ) -> HintBatch:
+        """Turn the recorded forwards into a `HintBatch`: the one assembly of every rollout path, so `generate`
+        and the engine lay hints out alike.
 
         Args:
             attention_mask: [B, N] mask of the whole sequences (prompt and completion, left-padded prompts), e.g.
                 the prompt mask concatenated with the completion mask. Column ``j`` with mask 1 is the next
                 position of its sample. Columns the rollout never fed through the model (the last generated token)
                 get no hint.
+            rows: [B], the recorded row that holds sample ``b``'s columns (the engine prefills each distinct prompt
+                once); None: row ``b``.
+            then: columns recorded outside the model's forwards, appended after the recorded ones (the engine's
+                decode steps): (bits, block scales, row scales, routing, token ids, {site: (bits, block scales, row
+                scales)}), laid out as `columns` and `site_columns`.
         """
-        bits, scales, gscale, routing, ids = self.columns()
+        *cols, ids = self.columns()
         sites = self.site_columns()
-        return hint_batch_from_columns(
-            bits, scales, gscale, routing, attention_mask, self.fmt, self.hint_layers, ids, site_columns=sites
-        )
+        if rows is not None:
+            cols, ids = [t[rows] for t in cols], None if ids is None else ids[rows]
+            sites = {site: tuple(t[rows] for t in ts) for site, ts in sites.items()}
+        if then is not None:
+            *more, more_ids, more_sites = then
+
+            def cat(a, b):
+                return [torch.cat(ab, dim=1) for ab in zip(a, b, strict=True)]
+
+            cols, ids = cat(cols, more), torch.cat([ids, more_ids.to(ids.dtype)], dim=1)
+            sites = {site: tuple(cat(ts, more_sites[site])) for site, ts in sites.items()}
+        return hint_batch_from_columns(*cols, attention_mask, self.fmt, self.hint_layers, ids, site_columns=sites)

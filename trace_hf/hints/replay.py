@@ -10,19 +10,20 @@ import torch
 from .. import fp4
 from ..models import routers_of
 from ..quant.experts import fp4_experts
+from ..quant.sites import SiteGuide
 from .batch import HintBatch
 from .plan import plan_of, site_on
 from .report import MismatchReport, _warn_if_off_policy
 from .routing import check_replayable, routing_hook
 
 
-class Guide:
+class Guide(SiteGuide):
     """The rollout's hints of one (site, MoE layer), laid out per token of the flattened [B * S] training batch, and
     the one rule that applies them: guided where a token has a hint (`trace_hf.fp4.guided_quantize`), nearest with
     the training scales elsewhere; every flip the hints correct is counted in the report under (site, layer).
 
-    Call it as its site's module does: the experts input [B * S, H]; the experts hidden activation [T, top_k, I] and
-    the router's top-k; the attention's K and V [B, kv_heads, S, D].
+    Call it as its site's module does (`SiteGuide` names those calls): the experts input [B * S, H]; the experts
+    hidden activation [T, top_k, I] and the router's top-k; the attention's K and V [B, kv_heads, S, D].
     """
 
     def __init__(self, site: str, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report: MismatchReport,

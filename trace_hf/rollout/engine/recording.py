@@ -1,7 +1,11 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """The engine's hint and routing records: written inside each captured decode step, assembled into a `HintBatch`
-after the rollout in exactly the layout `HintRecorder.collect` gives (prompt columns from the prefill's recorder,
-then one column per decode step, the step's input token)."""
+after the rollout by `HintRecorder.collect` itself (prompt columns from the prefill's recorder, then one column per
+decode step, the step's input token).
+
+The prefill runs the model's layers, so it records through their `HintSite`s like `generate`. The decode steps do not:
+the fused kernels write hints into the decoder's static buffers inside a CUDA graph, where no per-site Python call
+can run, so `StepRecords` copies those buffers and hands them to `collect` as extra columns."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import fp4
-from ...hints import HintBatch, HintRecorder, hint_batch_from_columns, kv_rows
+from ...hints import HintBatch, HintRecorder, kv_rows
 
 
 class StepRecords:
@@ -62,30 +66,18 @@ class StepRecords:
         (default ``b``; compaction moves a sequence's cache, not its records). ``prompt_rows`` [B]: the recorder's
         row that holds row ``b``'s prompt columns (a prefill of each distinct prompt once; None: row ``b``)."""
 
-        def prompt(t):  # the recorder's [rows, cols, ...] -> [B, cols, ...]
-            return t if prompt_rows is None or t is None else t[prompt_rows]
-
-        bits, scales, gscale, routing, ids = map(prompt, recorder.columns())
-
         def cols(t):  # [n_layers, batch, n, ...] -> [B, steps, n_layers, ...]
             return t[:, :B, :steps].movedim(0, 2)
 
-        def decoded(site):
-            if site == "experts_hidden":
-                return tuple(cols(t) for t in self.hidden)
-            return _kv_hints(dec, [recorder.experts[i].kv_layer for i in recorder.plan["kv"]], lengths, steps, slots)
-
-        sites = {
-            site: tuple(torch.cat([prompt(a), b], dim=1) for a, b in zip(ts, decoded(site), strict=True))
-            for site, ts in recorder.site_columns().items()
-        }
-        bits = torch.cat([bits, cols(self.bits)], dim=1)
-        scales = torch.cat([scales, cols(self.scale)], dim=1)
-        gscale = torch.cat([gscale, cols(self.g)], dim=1)
-        routing = torch.cat([routing, cols(self.route)], dim=1)
-        ids = torch.cat([ids, out_tokens[:B, :steps].to(ids.dtype)], dim=1)  # decode step s fed completion token s
-        return hint_batch_from_columns(bits, scales, gscale, routing, full_mask, recorder.fmt, recorder.hint_layers,
-                                       ids, site_columns=sites)  # fmt: skip
+        sites = {}
+        if "experts_hidden" in recorder.plan:
+            sites["experts_hidden"] = tuple(cols(t) for t in self.hidden)
+        if "kv" in recorder.plan:
+            kv_layers = [recorder.experts[i].kv_layer for i in recorder.plan["kv"]]
+            sites["kv"] = _kv_hints(dec, kv_layers, lengths, steps, slots)
+        # decode step s fed completion token s
+        decoded = (*(cols(t) for t in (self.bits, self.scale, self.g, self.route)), out_tokens[:B, :steps], sites)
+        return recorder.collect(full_mask, prompt_rows, decoded)
 
 
 def _kv_hints(dec, layers: list[int], lengths: torch.Tensor, steps: int, slots: torch.Tensor | None = None):
