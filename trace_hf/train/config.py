@@ -112,8 +112,9 @@ class TraceGRPOConfig(GRPOConfig):
             A scoring forward (old and reference log-probs) packs rows, in order, up to `token_budget` real tokens
             (a row longer than that gets a forward of its own, never dropped); a training forward packs exactly
             TRL's micro-batch (`per_device_train_batch_size` rows), so the loss and its normalisation are TRL's.
-            `None` (default): TRL's padded row micro-batches (each cut to the columns its rows use). Refused for
-            models with Gated DeltaNet layers (Qwen3.5) and attention that cannot keep packed rows apart.
+            `None` (default): TRL's padded row micro-batches (each cut to the columns its rows use). Gated DeltaNet
+            layers (Qwen3.5) run once per packed row; refused for sliding windows and attention implementations
+            that cannot keep packed rows apart.
 
         > Parameters that control the importance-sampling correction against the FP4 sampler
 
@@ -306,12 +307,6 @@ class TraceGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"TraceGRPOConfig.token_budget={budget!r}: give an int number of tokens >= 1 to pack forwards, or None "
                 "for TRL's padded row micro-batches."
-            )
-        if budget is not None and self.gated_delta_rule == "recurrent":
-            raise ValueError(
-                "TraceGRPOConfig(token_budget=..., gated_delta_rule='recurrent'): the recurrent rule steps each row "
-                "on its own and cannot split packed rows (cu_seqlens). Set token_budget=None, or use "
-                "gated_delta_rule='chunk' (on a model without Gated DeltaNet layers)."
             )
         if self.rollout_importance_sampling_mode not in IS_MODES:
             raise ValueError(

@@ -8,6 +8,12 @@ training side 1.5x slower than the padded path (docs/benchmarks.md). So a packed
 for `varlen_attention` for its duration: each row attends to its own tokens only (PyTorch's variable-length flash
 attention on CUDA, one causal `sdpa` call per row elsewhere), and no mask is built. The FP4 K/V fake quantization
 (`trace_fp4_kv:<fmt>:<base>`) keeps wrapping it: it is per token and head, so packing does not change what it sees.
+
+Gated DeltaNet layers (Qwen3.5) carry a state along the sequence, and transformers' torch rules and causal conv
+ignore packed boundaries (its `cu_seq_lens_q` reaches only flash-linear-attention's kernels). So within a packed
+forward each of those layers runs once per packed row (`rows_apart`): the row's state starts at zero as in the padded
+path, and only the chunked rule's chunk boundaries (counted from the row's first token rather than the padded
+row's) can change the summation order.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..quant.kv_cache import KV_PREFIX, kv_attention
-from .delta_rule import delta_rule_modules
 
 
 try:  # PyTorch's variable-length flash attention (CUDA, torch >= 2.10); elsewhere a causal sdpa per row
@@ -108,10 +113,39 @@ def _packed_name(impl: str) -> str:
     return kv_attention(PACKED_ATTENTION, parts[1], len(parts) < 4) if parts[0] == KV_PREFIX else PACKED_ATTENTION
 
 
+def sequence_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers that carry a state along the sequence (Gated DeltaNet), which a packed forward runs row by row."""
+    return [m for m in model.modules() if "GatedDeltaNet" in type(m).__name__]
+
+
+#: The names a Gated DeltaNet forward takes its cache under (transformers renamed `cache_params` to `cache`).
+_CACHE_ARGS = ("cache", "cache_params", "past_key_values")
+
+
+def _row_by_row(module: torch.nn.Module, lengths: tuple[int, ...]):
+    """`module`'s forward (an accelerate hook's, where one is installed) over a packed [1, N, H] sequence as one call
+    per row, each without mask or cache."""
+    forward = module.forward
+
+    def per_row(hidden_states, *args, attention_mask=None, **kwargs):
+        if hidden_states.shape[:2] != (1, sum(lengths)):
+            raise RuntimeError(
+                f"A packed forward of rows {list(lengths)} reached {type(module).__name__} with hidden states of "
+                f"shape {tuple(hidden_states.shape)}; it expects [1, {sum(lengths)}, hidden]."
+            )
+        rows = hidden_states.split(list(lengths), dim=1)
+        # No cache: a row's state must start at zero, not where the previous packed row left it.
+        kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_ARGS}
+        return torch.cat([forward(h, *args, **kwargs) for h in rows], dim=1)
+
+    return per_row
+
+
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, lengths: list[int]):
     """Within the context, `model`'s attention keeps the packed rows of these `lengths` apart (`varlen_attention`),
-    and builds no mask. Kept open until backward is done, so checkpointed layers recompute the same way."""
+    builds no mask, and its Gated DeltaNet layers run row by row. Kept open until backward is done, so checkpointed
+    layers recompute the same way."""
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
     saved = [(c, c._attn_implementation) for c in configs.values() if getattr(c, "_attn_implementation", None)]
     device = next(model.parameters()).device
@@ -119,9 +153,17 @@ def packed_attention(model: torch.nn.Module, lengths: list[int]):
     token = _ROWS.set(PackedRows(cu, tuple(lengths)))
     for c, impl in saved:
         c._attn_implementation = _packed_name(impl)
+    mixers = [(m, m.__dict__.get("forward")) for m in sequence_mixers(model)]
+    for m, _ in mixers:
+        m.forward = _row_by_row(m, tuple(lengths))
     try:
         yield
     finally:
+        for m, own in mixers:
+            if own is None:
+                del m.forward  # back to the class's forward
+            else:
+                m.forward = own
         for c, impl in saved:
             c._attn_implementation = impl
         _ROWS.reset(token)
@@ -163,12 +205,12 @@ def check_packing(model, args) -> None:
             f"place of the model's; {base!r} may compute something else. Load the model with attn_implementation="
             "'sdpa' (or 'eager', 'flex_attention', 'flash_attention_2'), or set token_budget=None."
         )
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
-    if other or delta_rule_modules(model):
+    types = set(getattr(text, "layer_types", None) or ())
+    other = sorted(types - {"full_attention", "linear_attention"})
+    if other or ("linear_attention" in types and not sequence_mixers(model)):
         raise ValueError(
             f"TraceGRPOConfig(token_budget={args.token_budget}): this {text.model_type} model has "
-            f"{other or 'Gated DeltaNet'} layers, which a packed forward cannot keep apart per row (a Gated DeltaNet "
-            "state would run on from one packed row into the next: transformers' torch rule cannot reset it, and "
-            "flash-linear-attention's chunked kernel computes other values than the padded path; sliding windows "
-            "are not packed). Set token_budget=None for this model."
+            f"{other or 'linear-attention layers other than Gated DeltaNet'}, which a packed forward does not keep "
+            "apart per row (sliding windows are not packed; only Gated DeltaNet runs row by row). Set "
+            "token_budget=None for this model."
         )
