@@ -79,7 +79,8 @@ def _recurrent_values(chunk, recurrent):
         if kwargs.get("cu_seqlens") is not None:
             raise ValueError(
                 "gated_delta_rule='recurrent' steps each row on its own and cannot split packed sequences "
-                "(cu_seqlens); trace-hf's token_budget packing runs these layers row by row instead, or use gated_delta_rule='chunk'."
+                "(cu_seqlens). Pack with TraceGRPOConfig.token_budget, which runs these layers row by row, or use "
+                "gated_delta_rule='chunk'."
             )
         inputs = (query, key, value, g, beta)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
