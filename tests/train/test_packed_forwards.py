@@ -5,6 +5,8 @@ kept apart, fewer forwards."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from datasets import Dataset
@@ -316,6 +318,15 @@ def test_packed_attention_is_each_rows_own_causal_attention_and_builds_no_mask(m
     torch.testing.assert_close(out, _per_row(q, k, v, lengths, 0.25), rtol=1e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="packed forward"):
         packing.varlen_attention(None, q, k, v, None)  # outside a packed forward
+    # The checkpointed recompute runs in backward, on autograd's device threads on CUDA: the rows are seen there too.
+    seen = []
+    with packing.packed_attention(torch.nn.Linear(1, 1), lengths):
+        worker = threading.Thread(target=lambda: seen.append(packing.varlen_attention(None, q, k, v, None, 0.25)[0]))
+        worker.start()
+        worker.join()
+    assert len(seen) == 1 and torch.equal(seen[0], out)
+    with packing.packed_attention(torch.nn.Linear(1, 1), [2, 2]), pytest.raises(RuntimeError, match="another packed"):
+        packing.varlen_attention(None, q, k, v, None)  # 18 tokens under a 4-token packed forward
 
     # In a model: every config runs the packed attention (under the FP4 K/V wrapper), no dense mask is built, and
     # everything is restored afterwards.

@@ -19,7 +19,6 @@ row's) can change the summation order.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ except ImportError:  # pragma: no cover - older torch
 PACKED_ATTENTION = "trace_packed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedRows:
     """The rows of the packed forward in flight: their boundaries in the packed sequence and the longest row."""
 
@@ -52,15 +51,22 @@ class PackedRows:
     lengths: tuple[int, ...]
 
 
-_ROWS: contextvars.ContextVar[PackedRows | None] = contextvars.ContextVar("trace_packed_rows", default=None)
+#: The packed forwards open now, innermost last. A plain module list rather than a context variable: the checkpointed
+#: recompute runs in backward, on autograd's device threads on CUDA, which see no context variable the forward set.
+_OPEN: list[PackedRows] = []
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature ([1, heads, tokens, dim] in, [1, tokens, heads, dim] out) over the packed
     rows of `packed_rows`: each row causal over its own tokens."""
-    rows = _ROWS.get()
-    if rows is None:
+    if not _OPEN:
         raise RuntimeError("trace_packed attention runs only inside a packed forward (trace_hf.train.packing).")
+    rows = _OPEN[-1]
+    if query.size(2) != sum(rows.lengths):
+        raise RuntimeError(
+            f"trace_packed attention got {query.size(2)} tokens inside a packed forward of rows {list(rows.lengths)} "
+            f"({sum(rows.lengths)} tokens): a forward ran under another packed forward's context."
+        )
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("token_budget does not pack sliding-window attention; set token_budget=None.")
     if dropout:
@@ -150,7 +156,8 @@ def packed_attention(model: torch.nn.Module, lengths: list[int]):
     saved = [(c, c._attn_implementation) for c in configs.values() if getattr(c, "_attn_implementation", None)]
     device = next(model.parameters()).device
     cu = torch.tensor([0, *lengths], device=device).cumsum(0, dtype=torch.int32)
-    token = _ROWS.set(PackedRows(cu, tuple(lengths)))
+    rows = PackedRows(cu, tuple(lengths))
+    _OPEN.append(rows)
     for c, impl in saved:
         c._attn_implementation = _packed_name(impl)
     mixers = [(m, m.__dict__.get("forward")) for m in sequence_mixers(model)]
@@ -166,7 +173,7 @@ def packed_attention(model: torch.nn.Module, lengths: list[int]):
                 m.forward = own
         for c, impl in saved:
             c._attn_implementation = impl
-        _ROWS.reset(token)
+        _OPEN.remove(rows)
 
 
 def token_chunks(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
