@@ -110,7 +110,8 @@ def parse_args(argv=None):
     p.add_argument("--group-by-length", action="store_true",
                    help="micro-batches of rows of similar length (train_sampling_strategy='group_by_length')")  # fmt: skip
     p.add_argument("--token-budget", type=int, default=None,
-                   help="padding-free packed training-side forwards (TraceGRPOConfig.token_budget; default: off)")  # fmt: skip
+                   help="TraceGRPOConfig.token_budget: padding-free packed training-side forwards (default None: packed "
+                        "where exact, i.e. Qwen3 MoE; 0: TRL's padded micro-batches)")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")

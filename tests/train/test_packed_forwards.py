@@ -96,7 +96,7 @@ def loss_inputs(trainer) -> list[dict]:
 
 def score(trainer, inputs, budget, batch_size=1):
     """A scoring pass over ``inputs``'s rows with their hints: (log-probs, entropies, merged report)."""
-    trainer.args.token_budget = budget
+    trainer.token_budget = budget  # the resolved budget: None pads
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     step, reports = trainer._trace_state, []
@@ -201,7 +201,7 @@ def test_one_step_packed_equals_padded(tmp_path, model_dir, dataset, kw):
     if "gated_delta_rule" in kw and "qwen3_5" not in model_dir:
         pytest.skip("Qwen3 MoE has no Gated DeltaNet layers")
     params, metrics, rows = {}, {}, {}
-    for budget in (None, 24):
+    for budget in (0, 24):  # 0: TRL's padded micro-batches
         model = load(model_dir)
         trainer = make(model, tmp_path / str(budget), dataset, token_budget=budget, **kw)
         rows[budget] = []
@@ -217,14 +217,14 @@ def test_one_step_packed_equals_padded(tmp_path, model_dir, dataset, kw):
         metrics[budget] = _metrics(trainer)
     # Packed: one sequence per forward; the two loss forwards hold TRL's micro-batches of 4 rows, padded or not.
     assert {b for b, _ in rows[24]} == {1} and [g for _, g in rows[24]].count(True) == 2, rows
-    assert [b for b, g in rows[None] if g] == [4, 4], rows
-    assert len(rows[24]) > len(rows[None]), rows  # rows of 10-20 tokens: one or two per 24-token forward
+    assert [b for b, g in rows[0] if g] == [4, 4], rows
+    assert len(rows[24]) > len(rows[0]), rows  # rows of 10-20 tokens: one or two per 24-token forward
     before = dict(load(model_dir).named_parameters())
-    assert any(not torch.equal(before[n], p) for n, p in params[None].items()), "the step changed nothing"
-    for name, p in params[None].items():
+    assert any(not torch.equal(before[n], p) for n, p in params[0].items()), "the step changed nothing"
+    for name, p in params[0].items():
         torch.testing.assert_close(params[24][name], p, rtol=1e-5, atol=1e-6, msg=name)
-    assert metrics[24].keys() == metrics[None].keys()
-    for key, value in metrics[None].items():
+    assert metrics[24].keys() == metrics[0].keys()
+    for key, value in metrics[0].items():
         assert metrics[24][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
@@ -249,7 +249,7 @@ def test_scoring_forwards_fall_as_the_budget_grows(tmp_path, model_dir, dataset)
     counts, out = {}, {}
     with torch.no_grad():
         for budget in (None, 8, 20, 40, 80, 10_000):
-            trainer.args.token_budget, shapes[:] = budget, []
+            trainer.token_budget, shapes[:] = budget, []
             out[budget] = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, 2)[0]
             counts[budget] = len(shapes)
             if budget is not None:
@@ -269,14 +269,44 @@ def test_scoring_forwards_fall_as_the_budget_grows(tmp_path, model_dir, dataset)
 # ----------------------------------------------------------------------------------------------------------
 
 
+def test_the_default_packs_where_exact_and_measured(tmp_path, dataset):
+    """token_budget=None: the all-attention Qwen3 MoE packs (each scoring forward holding its padded micro-batch's
+    tokens), the Qwen3.5 MoE (Gated DeltaNet, run row by row when packed) pads; 0 pads; a budget packs both; a model
+    that cannot pack is left padded by the default rather than refused."""
+    kw = {"rollout_precision": "bf16", "trace_hints": False, "routing_replay": False}
+    qwen3, hybrid = T.tiny_model(), T.tiny_model("qwen3_5_moe_text")
+    assert make(qwen3, tmp_path, dataset, **kw).token_budget == "auto"
+    assert make(qwen3, tmp_path, dataset, token_budget=0, **kw).token_budget is None
+    assert make(hybrid, tmp_path, dataset, **kw).token_budget is None
+    assert make(hybrid, tmp_path, dataset, token_budget=-1, **kw).token_budget is None
+    assert make(hybrid, tmp_path, dataset, token_budget=512, **kw).token_budget == 512
+    windowed = T.tiny_model(layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=4)
+    assert make(windowed, tmp_path, dataset, **kw).token_budget is None
+    # "auto" on a scoring pass: forwards of one packed sequence each, holding at most batch_size x width tokens.
+    trainer = make(qwen3, tmp_path, dataset, **kw)
+    g = torch.Generator().manual_seed(1)
+    completion = (2, 9, 1, 3, 9, 2)
+    ids = torch.randint(4, 60, (len(completion), 4 + 9), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, c in enumerate(completion):
+        mask[r, : 4 + c] = 1
+    shapes = []
+    hook = qwen3.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+    with torch.no_grad():
+        trainer._get_per_token_logps_and_entropies(qwen3.train(), ids, mask, 9, 2)
+    hook.remove()
+    # Rows of 6, 13, 5, 7, 13, 6 real tokens under a budget of 2 x 13: two forwards where padding ran three.
+    assert [tuple(s) for s in shapes] == [(1, 24), (1, 26)], shapes
+
+
 def test_refusals(tmp_path, dataset):
     base = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "report_to": "none"}
-    for bad in (0, -1, 1.5, "4096", True):
-        with pytest.raises(ValueError, match="token_budget=.*None"):
+    for bad in (1.5, "4096", True):
+        with pytest.raises(ValueError, match="token_budget=.*0 for TRL's padded"):
             TraceGRPOConfig(**base, token_budget=bad)
     # Sliding-window layers are not packed.
     windowed = T.tiny_model(layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=4)
-    with pytest.raises(ValueError, match="sliding_attention.*token_budget=None"):
+    with pytest.raises(ValueError, match="sliding_attention.*token_budget=0"):
         make(windowed, tmp_path, dataset, token_budget=512, rollout_precision="bf16", trace_hints=False,
              routing_replay=False)  # fmt: skip
     # An attention implementation that transformers' packed-sequence masks do not reach.
@@ -285,7 +315,7 @@ def test_refusals(tmp_path, dataset):
 
     AttentionInterface.register("unpackable_test_attention", sdpa_attention_forward)
     plain = T.tiny_model(attn_implementation="unpackable_test_attention")
-    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*token_budget=None"):
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*token_budget=0"):
         make(plain, tmp_path, dataset, token_budget=512, rollout_precision="bf16", trace_hints=False,
              routing_replay=False)  # fmt: skip
 

@@ -112,9 +112,11 @@ class TraceGRPOConfig(GRPOConfig):
             A scoring forward (old and reference log-probs) packs rows, in order, up to `token_budget` real tokens
             (a row longer than that gets a forward of its own, never dropped); a training forward packs exactly
             TRL's micro-batch (`per_device_train_batch_size` rows), so the loss and its normalisation are TRL's.
-            `None` (default): TRL's padded row micro-batches (each cut to the columns its rows use). Gated DeltaNet
-            layers (Qwen3.5) run once per packed row; refused for sliding windows and attention implementations
-            that cannot keep packed rows apart.
+            `None` (default): packed where it is exact and measured faster, models whose layers are all attention
+            (Qwen3 MoE), each scoring forward holding the tokens of TRL's padded one; Gated DeltaNet models
+            (Qwen3.5), whose layers then run once per packed row, stay padded unless given a budget. `0` (or less):
+            TRL's padded row micro-batches (each cut to the columns its rows use). A budget on a model whose
+            attention cannot keep packed rows apart (sliding windows, other implementations) is refused.
 
         > Parameters that control the importance-sampling correction against the FP4 sampler
 
@@ -210,8 +212,8 @@ class TraceGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Pack training-side forwards padding-free: scoring forwards take rows up to this many real "
-            "tokens (a longer row runs alone, never dropped), training forwards their whole micro-batch. None: TRL's "
-            "padded row micro-batches."
+            "tokens (a longer row runs alone, never dropped), training forwards their whole micro-batch. None: packed "
+            "where exact and faster (all-attention models, the padded forwards' tokens); 0: TRL's padded micro-batches."
         },
     )
     rollout_importance_sampling: bool = field(
@@ -303,10 +305,10 @@ class TraceGRPOConfig(GRPOConfig):
         if self.trace_hint_storage not in ("device", "cpu"):
             raise ValueError(f"TraceGRPOConfig.trace_hint_storage={self.trace_hint_storage!r}: use 'device' or 'cpu'.")
         budget = self.token_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
             raise ValueError(
-                f"TraceGRPOConfig.token_budget={budget!r}: give an int number of tokens >= 1 to pack forwards, or None "
-                "for TRL's padded row micro-batches."
+                f"TraceGRPOConfig.token_budget={budget!r}: give an int number of tokens to pack forwards, 0 for TRL's "
+                "padded row micro-batches, or None (packed where exact)."
             )
         if self.rollout_importance_sampling_mode not in IS_MODES:
             raise ValueError(

@@ -68,9 +68,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"({sum(rows.lengths)} tokens): a forward ran under another packed forward's context."
         )
     if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("token_budget does not pack sliding-window attention; set token_budget=None.")
+        raise NotImplementedError("token_budget does not pack sliding-window attention; set token_budget=0.")
     if dropout:
-        raise NotImplementedError("token_budget does not pack attention with dropout; set token_budget=None.")
+        raise NotImplementedError("token_budget does not pack attention with dropout; set token_budget=0.")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     gqa = q.size(1) != k.size(1)
     flash = _varlen_kwargs(scaling, q.size(-1), gqa) if q.is_cuda and varlen_attn is not None else None
@@ -199,25 +199,40 @@ def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 _REPLACEABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
 
 
-def check_packing(model, args) -> None:
-    """Refuse ``token_budget`` where a packed forward would not compute each row on its own."""
-    if args.token_budget is None:
-        return
+def packing_refusal(model) -> str | None:
+    """Why a packed forward would not compute each row of `model` on its own (None: it would)."""
     text = model.config.get_text_config()
     impl = text._attn_implementation or "eager"
     base = impl.split(":")[2] if impl.startswith(KV_PREFIX + ":") else impl  # the FP4 KV wrapper's own base
     if base not in _REPLACEABLE_ATTENTION and "flash" not in base:
-        raise ValueError(
-            f"TraceGRPOConfig(token_budget={args.token_budget}) runs packed forwards with its own causal attention in "
-            f"place of the model's; {base!r} may compute something else. Load the model with attn_implementation="
-            "'sdpa' (or 'eager', 'flex_attention', 'flash_attention_2'), or set token_budget=None."
+        return (
+            f"packed forwards run their own causal attention in place of the model's, and {base!r} may compute "
+            "something else. Load the model with attn_implementation='sdpa' (or 'eager', 'flex_attention', "
+            "'flash_attention_2')"
         )
     types = set(getattr(text, "layer_types", None) or ())
     other = sorted(types - {"full_attention", "linear_attention"})
     if other or ("linear_attention" in types and not sequence_mixers(model)):
-        raise ValueError(
-            f"TraceGRPOConfig(token_budget={args.token_budget}): this {text.model_type} model has "
-            f"{other or 'linear-attention layers other than Gated DeltaNet'}, which a packed forward does not keep "
-            "apart per row (sliding windows are not packed; only Gated DeltaNet runs row by row). Set "
-            "token_budget=None for this model."
+        return (
+            f"this {text.model_type} model has {other or 'linear-attention layers other than Gated DeltaNet'}, which "
+            "a packed forward does not keep apart per row (sliding windows are not packed; only Gated DeltaNet runs "
+            "row by row)"
         )
+    return None
+
+
+def resolve_token_budget(model, token_budget: int | None) -> int | str | None:
+    """What `TraceGRPOConfig.token_budget` means for `model`: an int budget, ``"auto"`` (each scoring forward packs
+    the tokens its padded micro-batch would hold), or None (TRL's padded micro-batches).
+
+    None (the default) packs where the packed forward is exact and measured faster: models whose layers are all
+    attention. Gated DeltaNet models (Qwen3.5) pack only when asked, since their layers then run once per row.
+    A budget <= 0 turns packing off, as in TRL; a budget > 0 on a model that cannot pack is refused."""
+    if token_budget is not None and token_budget <= 0:
+        return None
+    refusal = packing_refusal(model)
+    if token_budget is None:
+        return "auto" if refusal is None and not sequence_mixers(model) else None
+    if refusal is not None:
+        raise ValueError(f"TraceGRPOConfig(token_budget={token_budget}): {refusal}; or set token_budget=0.")
+    return token_budget

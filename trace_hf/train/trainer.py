@@ -48,7 +48,7 @@ from .delta_rule import delta_rule_modules, recurrent_values
 from .grouping import group_by_length
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
-from .packing import check_packing, packed_attention, token_chunks, unpack
+from .packing import packed_attention, resolve_token_budget, token_chunks, unpack
 
 
 #: Prefix of the hint columns in the trainer's inputs (TRL shuffles and splits them with their rows).
@@ -115,7 +115,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.rollout = None  # the rollout path (`trace_hf.rollout`), chosen at the first rollout
         self._trace_state = StepState()
         experts = self._trace_validate_model()
-        check_packing(self.accelerator.unwrap_model(self.model), self.args)
+        #: `token_budget` for this model: an int, "auto" (the padded micro-batch's tokens) or None (padded forwards).
+        self.token_budget = resolve_token_budget(self.accelerator.unwrap_model(self.model), self.args.token_budget)
         self._fp4 = bool(experts)  # an FP4 model (TraceFP4Config), not the BF16 baseline
         self._fmt = experts[0].fmt if experts else None
         self._hint_layers = tuple(m.moe_index for m in experts if m.hinted)  # what HintBatch.from_inputs rebuilds
@@ -393,10 +394,14 @@ class TraceGRPOTrainer(GRPOTrainer):
             )
         n = input_ids.size(0)
         keep_open = step.stack is not None and torch.is_grad_enabled()
-        if self.args.token_budget is not None:
+        if self.token_budget is not None:
             # A loss forward (TRL passes no batch_size) keeps its micro-batch in one forward, so the loss, its
             # normalisation and the router aux loss see TRL's rows; scoring forwards take as many rows as fit.
-            budget = None if keep_open or batch_size is None else self.args.token_budget
+            # "auto": the tokens of TRL's padded scoring micro-batch (batch_size rows of this width).
+            if keep_open or batch_size is None:
+                budget = None
+            else:
+                budget = batch_size * input_ids.size(1) if self.token_budget == "auto" else self.token_budget
             return self._packed_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, budget, rows, keep_open, compute_entropy,
                 compute_aux_loss,
