@@ -20,6 +20,8 @@ __all__ = [
     "addition_dataset",
     "arithmetic_dataset",
     "chain_dataset",
+    "carry_dataset",
+    "carry_worked_answer",
     "load_math_dataset",
     "format_prompt",
     "to_grpo_dataset",
@@ -144,6 +146,68 @@ def chain_dataset(n_train: int = 4096, n_test: int = 512, seed: int = 0, min_ops
         {
             name: Dataset.from_dict({"question": [q for q, _ in part], "answer": [a for _, a in part]})
             for name, part in splits.items()
+        }
+    )
+
+
+def carry_worked_answer(a: int, b: int) -> str:
+    """The worked answer of "a+b" column by column, from the ones up, and ``#### a+b`` last.
+
+    One line per column: the column's digits (and the carry in, "+1"), their sum, and the result so far (the
+    column's digit prepended to the previous line's; the last column prepends its whole sum). "4738+2965":
+    ``8+5=13, 3`` / ``3+6+1=10, 03`` / ``7+9+1=17, 703`` / ``4+2+1=7, 7703`` / ``#### 7703``. Each line is a
+    single-digit addition (the main job's task) with a carry, and one slip in any column makes the answer wrong.
+    """
+    if a < 0 or b < 0:
+        raise ValueError(f"carry_worked_answer adds non-negative integers, got {a} and {b}.")
+    da, db = str(a)[::-1], str(b)[::-1]
+    width = max(len(da), len(db))
+    lines, carry, result = [], 0, ""
+    for i in range(width):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        result = (str(s) if i == width - 1 else str(s % 10)) + result
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={s}, {result}")
+        carry = s // 10
+    return "\n".join(lines) + f"\n#### {a + b}"
+
+
+def carry_dataset(n_train: int = 8192, n_test: int = 512, seed: int = 0, min_digits: int = 3, max_digits: int = 5):
+    """Multi-digit additions with carries, worked column by column: a ``DatasetDict`` with "train"/"test" splits of
+    GSM8K's ``question``/``answer`` columns.
+
+    A problem adds two numbers of the same number of digits (`min_digits`..`max_digits`, drawn per problem, no
+    leading zero), e.g. question "4738+2965"; the answer is `carry_worked_answer`: one line per column, then
+    ``#### N`` (about 14 characters per column: 4 digits give 51-63). Train and test never share a question (test
+    problems come first from one generator, then train problems that are not among them). Same arguments, same
+    rows.
+    """
+    from datasets import Dataset, DatasetDict
+
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(
+            f"carry_dataset needs 1 <= min_digits <= max_digits, got min_digits={min_digits}, max_digits={max_digits}."
+        )
+    distinct = sum((9 * 10 ** (d - 1)) ** 2 for d in range(min_digits, max_digits + 1))
+    if n_train + n_test > distinct:
+        raise ValueError(f"carry_dataset: {n_train + n_test} problems asked, {min_digits}-{max_digits} digits have "
+                         f"{distinct} distinct ones.")  # fmt: skip
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits: dict[str, list[tuple[str, str]]] = {"test": [], "train": []}
+    for name, n in (("test", n_test), ("train", n_train)):
+        while len(splits[name]) < n:
+            d = rng.randint(min_digits, max_digits)
+            a, b = rng.randint(10 ** (d - 1), 10**d - 1), rng.randint(10 ** (d - 1), 10**d - 1)
+            q = f"{a}+{b}"
+            if q in seen:
+                continue
+            seen.add(q)
+            splits[name].append((q, carry_worked_answer(a, b)))
+    return DatasetDict(
+        {
+            name: Dataset.from_dict({"question": [q for q, _ in splits[name]], "answer": [a for _, a in splits[name]]})
+            for name in ("train", "test")
         }
     )
 

@@ -67,6 +67,7 @@ REGIMES = {
     "all_sites_replay": Regime(True, True, True, True, 0.5, ALL_SITES),
     "all_sites_h100": Regime(True, True, True, True, 1.0, ALL_SITES),
 }
+CARRY_DIGITS = (4, 4)  # the carry task's operand digits (docs/results.md 8)
 DATA_SEED = 0  # one train/test split for every run: the warm-up trained on it, so GRPO seeds must not reshuffle it
 
 
@@ -139,6 +140,7 @@ def parse_args(argv=None):
     p.add_argument("--train-deadline", type=float, help="stop GRPO before a step would pass this Unix time")
     p.add_argument("--sync-dir", help="end all runs writing here at one common step (see EqualSteps)")
     p.add_argument("--sync-runs", type=int, default=1, help="how many runs write to --sync-dir")
+    p.add_argument("--sync-name", help="this run's name in --sync-dir (default <regime>_seed<seed>; unique per run)")
     p.add_argument("--seed", type=int, default=0, help="GRPO seed (prompt order, sampling); the run dir's suffix")
     return p.parse_args(argv)
 
@@ -146,11 +148,15 @@ def parse_args(argv=None):
 SIZES = {
     "small": "~100M Qwen3 MoE, 8 MoE layers, 32 experts top-4, hidden 512",
     "mini": "~12M Qwen3 MoE, 4 MoE layers, 16 experts top-2, hidden 256 (the 500-step study)",
+    "pilot": "~2M Qwen3 MoE, 4 MoE layers, 8 experts top-2, hidden 128 (the BF16 pilot of docs/results.md 8: warmed "
+    "on the CPU)",
     "tiny": "the tiny test model (CPU smoke)",
 }
 TASKS = {
     "word": "one- and two-step word problems (trace_hf.data.arithmetic_dataset; ~91%% after the warm-up)",
     "chain": "2-4 chained operations, one worked line each (trace_hf.data.chain_dataset), strict #### reward",
+    "carry": "4-digit additions worked column by column with carries (trace_hf.data.carry_dataset), strict #### "
+    "reward: the BF16 pilot's task (docs/results.md 8)",
     "add": "the 100 single-digit additions, trained and tested on (trace_hf.data.addition_dataset), strict #### "
     "reward: the CPU pilot's task (docs/results.md 6e)",
 }
@@ -162,6 +168,17 @@ def model_config(size: str, tokenizer):
 
     if size == "tiny":
         return tiny_config("qwen3_moe", tokenizer=tokenizer)
+    if size == "pilot":
+        return tiny_config(
+            "qwen3_moe",
+            tokenizer=tokenizer,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            moe_intermediate_size=128,
+            intermediate_size=256,
+        )
     if size == "mini":
         return tiny_config(
             "qwen3_moe",
@@ -195,8 +212,13 @@ def model_config(size: str, tokenizer):
 
 def data(task: str = "word", size: str = "small"):
     """(train, test) of `task`; the chain task's SFT sees 32,768 problems (fewer at --size tiny, for the tests)."""
-    from trace_hf.data import addition_dataset, arithmetic_dataset, chain_dataset, to_grpo_dataset
+    from trace_hf.data import addition_dataset, arithmetic_dataset, carry_dataset, chain_dataset, to_grpo_dataset
 
+    if task == "carry":
+        ds = carry_dataset(
+            n_train=32768, n_test=512, seed=DATA_SEED, min_digits=CARRY_DIGITS[0], max_digits=CARRY_DIGITS[1]
+        )
+        return to_grpo_dataset(ds["train"]), to_grpo_dataset(ds["test"])
     if task == "add":
         ds = to_grpo_dataset(addition_dataset(seed=DATA_SEED))
         return ds, ds
@@ -212,7 +234,7 @@ def reward_of(task: str):
     """The task's TRL reward function; the greedy test accuracy is its mean over the test problems."""
     from trace_hf.data import arithmetic_reward, exact_answer_reward
 
-    return exact_answer_reward if task in ("chain", "add") else arithmetic_reward
+    return exact_answer_reward if task in ("chain", "add", "carry") else arithmetic_reward
 
 
 def device_and_dtype(name: str = "auto"):
@@ -726,7 +748,8 @@ def grpo(args) -> None:
     if args.sync_dir:
         if not args.train_deadline:
             raise SystemExit("--sync-dir needs --train-deadline (the Unix time every run's expectation aims at).")
-        equal = EqualSteps(args.sync_dir, f"{args.regime}_seed{args.seed}", args.sync_runs, args.train_deadline)
+        name = args.sync_name or f"{args.regime}_seed{args.seed}"
+        equal = EqualSteps(args.sync_dir, name, args.sync_runs, args.train_deadline)
         callbacks.append(equal)
     trainer = TraceGRPOTrainer(
         model=model,
