@@ -284,9 +284,8 @@ def test_peft_on_experts_is_refused(tmp_path, model_dir, dataset):
 def test_log_prob_forwards_skip_each_chunks_padding(tmp_path, model_dir, dataset):
     """TRL pads every completion to the generation batch's longest; each row chunk's forward sees only the columns
     where one of its rows has a real token, and gives the same log-probs there (zeros on the cut padding)."""
-    trainer = make(
-        load(model_dir), tmp_path, dataset, token_budget=0
-    )  # the padded path (packed: test_packed_forwards)
+    # The padded path (the packed one: test_packed_forwards).
+    trainer = make(load(model_dir), tmp_path, dataset, token_budget=0)
     model = trainer.model
     g = torch.Generator().manual_seed(0)
     prompt, completion = (3, 5, 2, 2), (6, 4, 1, 2)  # rows 2-3 (the second chunk): 3 pad columns left, 4 right
@@ -317,9 +316,8 @@ def test_log_prob_forwards_skip_each_chunks_padding(tmp_path, model_dir, dataset
 def test_log_prob_forwards_pack_short_rows_and_put_rows_back(tmp_path, model_dir, dataset):
     """With one row per forward, rows that stop early share a forward (as many as fit the tokens of one full-width
     row) and a long row keeps its own; every row's log-probs come back in its own place, equal to its own forward's."""
-    trainer = make(
-        load(model_dir), tmp_path, dataset, token_budget=0
-    )  # the padded path (packed: test_packed_forwards)
+    # The padded path (the packed one: test_packed_forwards).
+    trainer = make(load(model_dir), tmp_path, dataset, token_budget=0)
     model = trainer.model
     g = torch.Generator().manual_seed(1)
     completion = (2, 30, 1, 3, 30, 2)  # rows 1 and 4 run to the cap, the others stop early
