@@ -224,7 +224,7 @@ def add_rmsnorm_fp4(
 #: `add_rmsnorm` warps per program (one row each) for hidden sizes up to 4096, twice that above: plain, and with the
 #: NVFP4 quantization of its output (`add_rmsnorm_fp4`), whose extra row reduction and layout changes before its
 #: stores add barriers (11 at 4 warps, 7 at 8; sm_90 code). 8 for the quantizing one: batch 1 decode +0.4% (two
-#: rounds), 256 and 512 unchanged; 2 warps lost 1.4% at batch 1, 2 for both norms 1.3% (`h200_79`).
+#: rounds), 256 and 512 unchanged; 2 warps lost 1.4% at batch 1, 2 for both norms 1.3% (docs/lab-notes.md 10).
 NORM_WARPS = {"plain": 4, "fp4": 8}
 
 
@@ -247,8 +247,8 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
 
 
 #: `gemv` launch: weight rows per program, K tile, warps, pipeline stages. The best of `benchmarks/kernels/gemv_tune.py` on
-#: the H200 with the weights read from HBM (`h200_41`): a layer's QKV, o_proj and router products in 15.0 us (2.56
-#: TB/s) against cuBLAS's 22.8.
+#: the H200 with the weights read from HBM (docs/lab-notes.md 2h): a layer's QKV, o_proj and router products in 15.0 us
+#: (2.56 TB/s) against cuBLAS's 22.8.
 #: ``early_tiles`` (default 0): each program loads up to that many of its first K tiles of weights before its PDL
 #: wait (`_gemv_kernel` ``EARLY``), so that under PDL a layer's weight stream overlaps the end of the kernel before
 #: (the add + RMSNorm or the attention's combine) and all of them are in flight at once; the x tiles' loads follow
@@ -257,10 +257,10 @@ def _launch_add_rmsnorm(res, add, weight, eps, out, packed, scale, g, bits, roun
 #: round trip and two barriers fewer per K tile, each x value loaded and widened once per weight row a thread holds.
 #: sm_90 code with Triton 3.6 (`sass_counts.gemv_early_counts`), no spills, registers (programs of 8 warps per SM):
 #: as committed 56 (4); early 2: 48 (5), its 4 16-byte weight loads ahead of the wait; early 4: 64 (4), 8 loads;
-#: with x_bcast 50 (4) and 64 (4), after the wait 4 barriers instead of 10 and 14. On the H200 (h200_88): 8 layers'
-#: norms and one-row products under PDL 18.3 us a layer as before, 16.9 with early 2, 16.8 with 4, 19.8 with x_bcast
-#: alone, 16.4 with early 2 and x_bcast (4 + x_bcast 17.7), the same bits; the decode step at batch 1 with early 2 and
-#: x_bcast: BF16 +1.8-2.0%, FP4 +3.2-3.4% (two rounds).
+#: with x_bcast 50 (4) and 64 (4), after the wait 4 barriers instead of 10 and 14. On the H200 (docs/lab-notes.md 13): 8
+#: layers' norms and one-row products under PDL 18.3 us a layer as before, 16.9 with early 2, 16.8 with 4, 19.8 with
+#: x_bcast alone, 16.4 with early 2 and x_bcast (4 + x_bcast 17.7), the same bits; the decode step at batch 1 with early
+#: 2 and x_bcast: BF16 +1.8-2.0%, FP4 +3.2-3.4% (two rounds).
 GEMV = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 4, "early_tiles": 2, "x_bcast": True}
 
 

@@ -422,20 +422,20 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, R, S: tl.constexpr, S_PAD: tl.const
 #: the registers). The kernel decodes by `gluon_common.nibbles_spread_ptx`, 3 integer instructions per fp16 pair
 #: where the decoding before it took 4 (the same operand bits; sm_90 loop at the 64-token tile 1,823 against 2,073
 #: instructions, 168 registers both, Triton 3.6): one call at 384 x 8K 678 -> 601 us, 64 x 32K 432 -> 384, 64 x 1K
-#: 30.9 -> 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the decode step at 384 x 8K +6% (h200_86); 256-wide heads
+#: 30.9 -> 29.7, 1 x 32K 21.3 -> 20.6, 1 x 1K 7.1 -> 6.6, the decode step at 384 x 8K +6%; 256-wide heads
 #: (their 32-token tile: 1,941 -> 1,684 instructions, 229 registers against 220, no spills) faster per call at 384 x
-#: 8K, 64 x 32K, 64 x 1K and 1 x 32K (h200_88). From `fp4_attention_tune.py --hopper` on the H200: 128-wide heads
-#: docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (`h200_66`: 2,639 against 4,008 us
-#: a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the Triton kernel
-#: everywhere. ``round_splits_up``: the fewest splits that reach ``target_programs`` (rounded up), where without it
-#: the most that stay under (rounded down). Rounding down left 96 and 192 rows with 768 programs of 128-wide heads
-#: (2 and 1 splits); 1,024 rounded up gives them 1,152 and 1,536 and every batch of 20, 64, 128, 256 and 512 rows
+#: 8K, 64 x 32K, 64 x 1K and 1 x 32K (docs/lab-notes.md 13). From `fp4_attention_tune.py --hopper` on the H200: 128-wide
+#: heads docs/lab-notes.md 2d; ``wide_heads`` at Qwen3.5's 16 query / 2 KV heads of 256 (docs/lab-notes.md 7d: 2,639
+#: against 4,008 us a layer at 384 x 32K, 66% of copy bandwidth; 32-token tiles won at 64, 96 and 384 rows). Empty: the
+#: Triton kernel everywhere. ``round_splits_up``: the fewest splits that reach ``target_programs`` (rounded up), where
+#: without it the most that stay under (rounded down). Rounding down left 96 and 192 rows with 768 programs of 128-wide
+#: heads (2 and 1 splits); 1,024 rounded up gives them 1,152 and 1,536 and every batch of 20, 64, 128, 256 and 512 rows
 #: the split count it had: 192 x 8K +8.3%, 96 x 32K +1.3-2.0%, 192 x 1K +0.3-0.5%, 96 x 8K even (two rounds each,
-#: h200_96 and h200_97); 1,056 rounded up lost 3-5% at 64 x 8K, 128 x 8K and 64 x 32K (their grids grow past
+#: docs/lab-notes.md 16); 1,056 rounded up lost 3-5% at 64 x 8K, 128 x 8K and 64 x 32K (their grids grow past
 #: 1,024), and 2 or 3 splits at 256 x 1K lost 2% and 4%. ``pdl_max_programs``: a split kernel takes the step's
 #: PDL when its grid has at most this many programs (0: never; long programs scheduled early land unevenly on the
-#: SMs, 15% slower at 32K and batch 20-24, docs/lab-notes.md 2f). Batch 1 at 1K (h200_96, two rounds): the Gluon
-#: kernel's 72 programs +1.9% in the step, 256 at batch 4 -7%; the BF16 kernel's 16 +0.7%, 64 at batch 4 -1.4%.
+#: SMs, 15% slower at 32K and batch 20-24, docs/lab-notes.md 2f). Batch 1 at 1K (docs/lab-notes.md 16, two rounds): the
+#: Gluon kernel's 72 programs +1.9% in the step, 256 at batch 4 -7%; the BF16 kernel's 16 +0.7%, 64 at batch 4 -1.4%.
 #: The Triton FP4 kernel and the wide heads are not measured with it.
 CONFIG = {
     "fp4": {"block_t": 128, "num_warps": 4, "num_stages": 3, "pdl_max_programs": 0},
@@ -531,7 +531,7 @@ def hopper_config(batch: int, head_dim: int = 128) -> dict:
     """``CONFIG["hopper"]`` for a batch of ``batch`` sequences with heads of ``head_dim``: its ``wide_heads``
     settings from that entry's ``min_head_dim`` on, then its ``small_batch`` tile and ring depth up to that entry's
     ``max_batch`` (a few sequences have few programs, which shorter tiles and a deeper ring serve better: 7.0
-    against 8.3 us at batch 1 and 1K in `h200_18`)."""
+    against 8.3 us at batch 1 and 1K, docs/lab-notes.md 2e)."""
     cfg = CONFIG["hopper"]
     wide = cfg.get("wide_heads")
     if wide and head_dim >= wide["min_head_dim"]:

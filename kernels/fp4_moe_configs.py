@@ -54,7 +54,7 @@ _FP4 = {
 
 
 #: From 16,384 (token, slot) pairs on (prefill chunks of 2,048 tokens or more), 128-row expert blocks: each block
-#: re-reads its expert's weights, and 16-row ones took 10.8 ms for 8,192 tokens against 5.1 ms (`h200_21`).
+#: re-reads its expert's weights, and 16-row ones took 10.8 ms for 8,192 tokens against 5.1 ms (docs/lab-notes.md 2e).
 _PREFILL = dict(_FP4, block_m=128, block_n_gate_up=64, block_n_down=128, block_k=64, num_stages=3)
 
 
@@ -76,30 +76,31 @@ CONFIG = {
 #: per tile over slices of K, summed by `fp4_moe_common.down_input` (batch 1 has too few row blocks to fill the GPU);
 #: ``split_k_down`` (default 1): down programs per tile over slices of K, whose partial sums the caller adds with the
 #: slots' (`experts_from_quantized` returns them side by side; the decode step's next add + RMSNorm sums them; batch 1
-#: with 2 slices: +0.9% decode, with 3: -1.5%, with 6: -9%, two rounds each, h200_83);
+#: with 2 slices: +0.9% decode, with 3: -1.5%, with 6: -9%, two rounds each, docs/lab-notes.md 10);
 #: ``x_shared``: decode the program's activations once into shared memory instead of in every warp (a fifth of the
 #: loop's instructions with 4 warps; one warp gains nothing); ``stages``: 0, or the depth of a cp.async ring in shared
 #: memory that the weights come through (with ``x_shared``; batch 64: 2% faster, batch 16: 3% slower); ``maxnreg``
 #: (optional): a register cap for both kernels (96, 5 programs per SM instead of 4: 4% slower at batch 64 and 128,
-#: h200_75; the 256 entry's gate/up takes 136 registers uncapped, 3 programs per SM, and 128 under its cap, 4, no
-#: spills); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap.
+#: docs/lab-notes.md 9; the 256 entry's gate/up takes 136 registers uncapped, 3 programs per SM, and 128 under its cap,
+#: 4, no spills); ``maxnreg_down`` (optional, default ``maxnreg``): the down kernel's own cap.
 #: The decoding (`gluon_common.decode8`, every Gluon kernel): `nibbles_spread_ptx`, 3 integer instructions per fp16
 #: pair where the one before it took 4, the same operand bits. sm_90 loops (Triton 3.6's ptxas, gate/up and down):
 #: batch 1's entry 517 -> 437 and 310 -> 263, the 1024 entry 804 -> 676 and 809 -> 681; `WGMMA` (with its caps):
 #: 16-token 520 -> 448 and 315 -> 275, 32-token 570 -> 488 (gate/up's 2 reloads a K tile gone) and 359 -> 311,
-#: prefill 1,088 -> 928 and 652 -> 556; no spills. The decode step with it in both tables and the attention (h200_87,
-#: two rounds): +1.3% at batch 1, +4.6% at 128, +2.7% at 256, +3.9% at 512.
+#: prefill 1,088 -> 928 and 652 -> 556; no spills. The decode step with it in both tables and the attention
+#: (docs/lab-notes.md 13, two rounds): +1.3% at batch 1, +4.6% at 128, +2.7% at 256, +3.9% at 512.
 #: ``early_weights`` (default 0; needs ``x_shared`` off and no ring): 1, each down program loads all of its weight
 #: tiles (fully unrolled) before its PDL wait, so that under PDL they stream while the SiLU + quantization kernel
 #: before it runs; 2, it also decodes them into MMA operands there, so that after the wait it only decodes the hidden
 #: and multiplies (`fp4_moe_hopper._down_early_weights`; the same MMAs in the same order, the same bits). Batch 1's
 #: entry, sm_90 code (`sass_counts.early_weights_counts`): 2 takes 127 registers, 120 under ``maxnreg_down`` 120
 #: without spills, so that its 2,048 one-warp down programs fit the GPU beside the SiLU kernel's 64 programs of 8
-#: warps; the decode step at batch 1: +3.0% over the entry without it (h200_87, two rounds).
+#: warps; the decode step at batch 1: +3.0% over the entry without it (docs/lab-notes.md 13, two rounds).
 #: ``fused_hidden`` (default False; with ``split_k`` 1, not with hints at the hidden): the hidden activation's
 #: quantization inside the gate/up launch, by the last program of each token block (`gluon_common.
 #: quantize_token_block`, the same bits on every real slot's row), instead of `fp4_quant.quantize`'s launch over all
-#: [P, I] rows. At batch 128 (this table's 1024 entry) it lost 1.6% in the step (h200_87), so no entry here has it.
+#: [P, I] rows. At batch 128 (this table's 1024 entry) it lost 1.6% in the step (docs/lab-notes.md 13), so no entry
+#: here has it.
 #: `benchmarks/kernels/fp4_moe_tune.py --hopper` on the H200 (docs/lab-notes.md). Empty: always the Triton kernels.
 _WIDE = {"block_t": 8, "block_n_gate_up": 64, "block_n_down": 64, "block_k": 256, "num_warps": 4, "x_shared": True}
 
@@ -127,8 +128,8 @@ HOPPER = [
 #: spills in gate/up). Gate/up holds two accumulators: ``block_t`` 64 at most (128 does not compile).
 #: ``slice_buffers`` (default False): one shared-memory allocation per activation K-slice, which takes 7 of the 9
 #: barriers out of each K tile of the loop (`fp4_moe_wgmma._x_smem`); same operations otherwise, same bits. In the
-#: decode step it gained 0.2% at 256 rows and 0.4% at 512 (two rounds each, run h200_62), so the decode entry has it;
-#: the prefill entry, not measured with it, does not. Empty: never.
+#: decode step it gained 0.2% at 256 rows and 0.4% at 512 (two rounds each, docs/lab-notes.md 18f), so the decode entry
+#: has it; the prefill entry, not measured with it, does not. Empty: never.
 #: The entries are the best of `benchmarks/kernels/fp4_moe_tune.py --wgmma` on the H200 (Qwen3-30B-A3B experts; runs k31_1 and
 #: k31_2, docs/lab-notes.md section 18): decode, 16-47 slots per expert (batch 256-767 at top-8): 32-token blocks,
 #: 64-row programs of 4 warps (batch 256: 243 us, 512: 345 us; 64-token blocks 338-361 us, 8 warps 282-420 us);
@@ -136,41 +137,41 @@ HOPPER = [
 #: warps 6.3 ms, 64 rows 5.6-5.7 ms, 32-token blocks 6.5 ms). A cp.async weight ring and a 256-wide down K tile
 #: were slower at every size (k31_2) and are not built. Below 16 per expert, past the `HOPPER` limit (batch 129-255):
 #: 16-token blocks, 3.0% faster than 32-token ones in the decode step at batch 192 (12 per expert; 11,549 against
-#: 11,213 tokens/s, two rounds, h200_73); at batch 128 (8 per expert) the decode kernels stay (190 us a layer
-#: against 206 us for 16-token wgmma blocks, and 9,523 against 9,035 tokens/s in the step, h200_73).
+#: 11,213 tokens/s, two rounds); at batch 128 (8 per expert) the decode kernels stay (190 us a layer
+#: against 206 us for 16-token wgmma blocks, and 9,523 against 9,035 tokens/s in the step, docs/lab-notes.md 9).
 #: ``gate_first`` (default False): gate/up waits for gate's MMAs before it decodes up's weights, so one decoded
 #: weight tile is live instead of two (sm_90 code, 32-token blocks: 134 registers instead of 161, the same
 #: instructions, the same MMAs in the same order, the same bits); ``maxnreg`` (default none): a register cap per
 #: thread for both kernels; ``maxnreg_down`` (default ``maxnreg``): the down kernel's own cap. Nsight Compute found
 #: the decode entry's gate/up waiting on its loads (long scoreboard) with 2.85 warps per scheduler at 161 registers
-#: (3 programs per SM, h200_73); with ``gate_first`` and a cap of 128, 8 bytes of spills, 4 programs fit, and the
-#: decode step gained 5.5% at batch 192, 3.4% at 256 and 2.9% at 512 (two rounds each, h200_74; one layer at 512:
-#: 326.5 against 343.4 us). ``gate_first`` alone lost at 256 and 512 (-0.8%, -0.7%), and the cap alone spills 104
+#: (3 programs per SM); with ``gate_first`` and a cap of 128, 8 bytes of spills, 4 programs fit, and the
+#: decode step gained 5.5% at batch 192, 3.4% at 256 and 2.9% at 512 (two rounds each, docs/lab-notes.md 9; one layer at
+#: 512: 326.5 against 343.4 us). ``gate_first`` alone lost at 256 and 512 (-0.8%, -0.7%), and the cap alone spills 104
 #: bytes at 32-token blocks. Lower caps, found with Triton 3.6's ptxas (which then
 #: allocates fewer registers with no or 2 reloads a K tile): gate/up 96 and down 72 at 32-token blocks (5 and 7
 #: programs per SM), 80 and 64 at 16-token blocks (6 and 8): a further +2.3% at batch 192, +1.9% at 256 and +3.9% at
-#: 512 (two rounds each, h200_77; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers) is bound
-#: by its MMAs. ``fused_hidden``: as in `HOPPER`; with 32-token blocks, +0.7% in the step at batch 256 (16 per
+#: 512 (two rounds each, docs/lab-notes.md 9; down's caps alone: +0.3%, +2.2%, +1.8%). The prefill entry (255 registers)
+#: is bound by its MMAs. ``fused_hidden``: as in `HOPPER`; with 32-token blocks, +0.7% in the step at batch 256 (16 per
 #: expert, blocks half full) and -1.5% at 512 (32 per expert: the last program of a full block quantizes twice the
-#: rows), h200_87, two rounds each; so it serves 16-23 per expert (the crossover between the two measured points is
-#: not measured). Batch 128 (8 per expert, the last `HOPPER` limit) now runs the 16-token entry with ``fused_hidden``
-#: (the first entry): one layer 165.9 us against `HOPPER[2]`'s 180.6 (16-token without it 168.1, with a 72-register
-#: gate/up cap 174.2), the decode step +5.2% (10,608 against 10,076-10,087 tokens/s, two rounds, h200_88); batch 64
-#: stays on `HOPPER` (4 per expert: 157.8 against 140.2 us). With the decoding of `HOPPER`'s note the 16-token
-#: blocks' fewer weight decodes per layer now pay, which they did not before it (206 against 190 us, h200_73). 12-15
-#: per expert (batch 192) keeps the entry without it (not measured). Since the separate quantization skips
-#: `moe_align`'s padding rows (`fp4_quant.quantize` with ``row_ids``: at 256 rows, 2,048 slots in a static 6,016
-#: rows), no entry has ``fused_hidden``: without it, +1.1% in the decode step at batch 128 and +2.5% at 256 (two
-#: rounds each, h200_100), so 8-15 and 16-47 per expert are one entry each.
+#: rows), docs/lab-notes.md 13, two rounds each; so it serves 16-23 per expert (the crossover between the two measured
+#: points is not measured). Batch 128 (8 per expert, the last `HOPPER` limit) now runs the 16-token entry with
+#: ``fused_hidden`` (the first entry): one layer 165.9 us against `HOPPER[2]`'s 180.6 (16-token without it 168.1, with a
+#: 72-register gate/up cap 174.2), the decode step +5.2% (10,608 against 10,076-10,087 tokens/s, two rounds,
+#: docs/lab-notes.md 13); batch 64 stays on `HOPPER` (4 per expert: 157.8 against 140.2 us). With the decoding of
+#: `HOPPER`'s note the 16-token blocks' fewer weight decodes per layer now pay, which they did not before it (206
+#: against 190 us, docs/lab-notes.md 13). 12-15 per expert (batch 192) keeps the entry without it (not measured). Since
+#: the separate quantization skips `moe_align`'s padding rows (`fp4_quant.quantize` with ``row_ids``: at 256 rows, 2,048
+#: slots in a static 6,016 rows), no entry has ``fused_hidden``: without it, +1.1% in the decode step at batch 128 and
+#: +2.5% at 256 (two rounds each, docs/lab-notes.md 16), so 8-15 and 16-47 per expert are one entry each.
 #: ``maxnreg`` as a tuple: the gate/up caps to choose from per call (`gate_up_cap`), the one whose programs fill their
 #: last wave best (``maxnreg_down`` then set). A decode step's gate/up runs ~2 waves of programs, so where the last
-#: wave is a sliver it costs almost a whole program's time: one expert call (h200_102, 16-token entry) took 164.8,
-#: 167.0, 182.5, 184.7, 189.1, 195.6 us at batch 128, 160, 176, 192, 208, 224 under a cap of 80 (6 programs an SM)
-#: and 170.4, 173.8, 174.8, 176.3, 180.1, 201.6 under 72 (7; 71 registers, no spills, the same loop): steps where
+#: wave is a sliver it costs almost a whole program's time: one expert call (docs/lab-notes.md 17, 16-token entry) took
+#: 164.8, 167.0, 182.5, 184.7, 189.1, 195.6 us at batch 128, 160, 176, 192, 208, 224 under a cap of 80 (6 programs an
+#: SM) and 170.4, 173.8, 174.8, 176.3, 180.1, 201.6 under 72 (7; 71 registers, no spills, the same loop): steps where
 #: the expected program count passes a multiple of 792 and 924 (132 SMs). The rule picks the faster cap at all six
 #: batches. Decode step at 192 rows, 72 against 80: 14,064 / 14,097 against 13,506 / 13,523 tokens/s (+4.2%; again
-#: +4.3% in h200_103); at 128, 80 is kept (72: -2.4%). The 32-token entry keeps one cap: 80 against 96 gained
-#: 1.8-2.1% at 256 rows (h200_102) but lost 0.9-1.1% at 512 (21,692 / 21,653 against 21,886 / 21,901, h200_103),
+#: +4.3% in a later run); at 128, 80 is kept (72: -2.4%). The 32-token entry keeps one cap: 80 against 96 gained
+#: 1.8-2.1% at 256 rows but lost 0.9-1.1% at 512 (21,692 / 21,653 against 21,886 / 21,901, docs/lab-notes.md 17),
 #: where the rule would pick 80 (2.82 waves against 3.38): there a second block of an expert re-reads weights its
 #: first block just read (L2), so its programs are not a wave's worth of time, and 80 reloads 14 values a K tile.
 WGMMA = [
@@ -240,10 +241,10 @@ def gate_up_cap(cfg: dict, num_slots: int, num_experts: int, width: int, device:
 #: the epilogues) and multiplies with torch's grouped GEMM (cutlass wgmma at the bf16 rate), where the wgmma kernels
 #: above re-decode each weight once per 64-token block. Its GEMM sums are rounded to bf16 before the epilogues (a
 #: hidden code in ~1-2% flips against fp32 sums), so it runs only for calls that ask (``bf16_sums=True``, from
-#: `TraceFP4Config.prefill_bf16_gemms`, off by default: it raised trace/kl_rollout_train ~14%, run h200_71).
+#: `TraceFP4Config.prefill_bf16_gemms`, off by default: it raised trace/kl_rollout_train ~14%, docs/lab-notes.md 8).
 #: ``from``: (token, slot) pairs per expert from which it runs (sm_90+, CUDA); ``block_m``: rows of `moe_align`'s
 #: expert segments (grouped GEMM groups start on multiples of it); ``decode_rows``: rows per program of the bf16
-#: decoding. Measured (`fp4_moe_tune.py --grouped`, runs h200_68 and h200_69, one Qwen3-30B-A3B layer): 256 per
+#: decoding. Measured (`fp4_moe_tune.py --grouped`, docs/lab-notes.md 8, one Qwen3-30B-A3B layer): 256 per
 #: expert (4,096 tokens) 1.67 ms against the wgmma kernels' 1.54-1.55, 512 (8,192) 2.45 ms, 1,024 (16,384) 3.97-4.02
 #: against 5.18 ms (transformers' BF16 grouped_mm experts: 1.49, 2.66 and 4.87-4.96 ms); the crossover, interpolated,
 #: near 335. Empty: never.
@@ -254,8 +255,8 @@ def gate_up_cap(cfg: dict, num_slots: int, num_experts: int, width: int, device:
 #: back to one ``mm`` per expert after a host sync (aten GroupedBlas.cpp, torch 2.11). ``fp32``: that GEMM's tiles
 #: (``block_m``: rows of `moe_align`'s segments and of a tile; ``group_m``: row tiles that run next to each other, so
 #: an expert's rows and weights stay in L2); `check_grouped_fp32` says which shapes they divide. On the H200
-#: (h200_86), one 16,384-token layer: 3,526 us with these tiles (3,755 with 128-wide down tiles), against 3,997 for
-#: torch's bf16 grouped GEMM and 5,198 for the wgmma kernels; the 48-layer 16K prefill 657 -> 591 ms (with the
+#: (docs/lab-notes.md 11), one 16,384-token layer: 3,526 us with these tiles (3,755 with 128-wide down tiles), against
+#: 3,997 for torch's bf16 grouped GEMM and 5,198 for the wgmma kernels; the 48-layer 16K prefill 657 -> 591 ms (with the
 #: one-launch cache load), BF16 571.
 GROUPED = {
     "from": 384,
@@ -270,10 +271,10 @@ GROUPED = {
 #: `moe_align` above its one-launch kernel's size (a prefill: 131,072 slots at 16,384 tokens). ``chunked``: the
 #: layout from per-chunk counts, one program's scan and a placement by rank within the chunk
 #: (`moe_align._align_chunks`, 4 launches, the torch backend's bits), in place of torch's ~20 launches around a
-#: stable ``argsort``, whose cub radix sort takes all 64 bits of the int64 ids (12-20 ms of the 48-layer 16K prefill,
-#: `h200_86`). ``chunk``: slots per program (256 programs at 131,072); ``sub``: slots ranked at a time (a [sub,
-#: experts] one-hot); ``scan_rows``: chunks (and row blocks) the scan takes at a time. On the
-#: H200 (h200_89): 341 -> 90 us for one 131,072-slot alignment; the 16K prefill 553.4 -> 551.8 ms (one sample each).
+#: stable ``argsort``, whose cub radix sort takes all 64 bits of the int64 ids (12-20 ms of the 48-layer 16K prefill).
+#: ``chunk``: slots per program (256 programs at 131,072); ``sub``: slots ranked at a time (a [sub, experts] one-hot);
+#: ``scan_rows``: chunks (and row blocks) the scan takes at a time. On the H200 (docs/lab-notes.md 12): 341 -> 90 us
+#: for one 131,072-slot alignment; the 16K prefill 553.4 -> 551.8 ms (one sample each).
 ALIGN = {"chunked": True, "chunk": 512, "sub": 32, "scan_rows": 64}
 
 
@@ -342,5 +343,5 @@ def check_hopper_entry(cfg: dict) -> int:
 #: Batch 1's fused split-K sum, SiLU and hidden quantization (`fp4_moe_common.down_input`'s quantizing launch): whole rows per program
 #: and values per thread (the warps follow). The kernel is one dependent chain per thread, so fewer values per thread
 #: is a shorter chain: one row and 4 values (8 warps, 32 registers, 712 sm_90 instructions against 1,824 for 4 rows
-#: and 16 values) made batch 1's step 4% faster on the H200 (`h200_43`, docs/lab-notes.md 2h).
+#: and 16 values) made batch 1's step 4% faster on the H200 (docs/lab-notes.md 2h).
 HIDDEN_LAUNCH = {"rows": 1, "values_per_thread": 4}

@@ -396,9 +396,9 @@ CONFIG = {
     "max_row": 16384,
     # A call of at most this many values (a decode step's few hundred rows) is one dependent chain per thread, not a
     # stream of bytes: it gets warps for at most ``small_values_per_thread`` values per thread (16 instead of 32: the
-    # hidden activation's quantization at batch 20 and 64, +0.8% and +0.3% decode in `h200_46`; 8 and 4 less). 2^23
-    # takes in the hidden's quantization at batch 256 and 512 (~3-6M values): +0.4% decode at both, two rounds each,
-    # where 8 values per thread gained nothing (`h200_79`).
+    # hidden activation's quantization at batch 20 and 64, +0.8% and +0.3% decode, docs/lab-notes.md 2h; 8 and 4 less).
+    # 2^23 takes in the hidden's quantization at batch 256 and 512 (~3-6M values): +0.4% decode at both, two rounds
+    # each, where 8 values per thread gained nothing (docs/lab-notes.md 10).
     "small_call": 1 << 23,
     "small_values_per_thread": 16,
 }

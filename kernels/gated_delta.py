@@ -68,9 +68,9 @@ def _conv_step_kernel(proj_ptr, proj_stride, st_ptr, w_ptr, qkv_ptr, HK, HV, q_s
 #: Launch of the rule: ``block_v`` value columns of a head per program. Below Dv, more programs with smaller state
 #: tiles, and the gated norm (which needs the whole head) runs as a second launch; at Dv, the norm follows in the
 #: same program. ``num_warps`` per program. The best of `benchmarks/kernels/gated_delta_tune.py` on the H200
-#: (`h200_66`, Qwen3.5-35B-A3B's heads, rule and norm launches together): 77, 282 and 418 us at 64, 256 and 384 rows,
-#: 82-91% of copy bandwidth (32 columns with 4 warps, the earlier kernel's shape: 85, 320, 476 us; the whole head
-#: in one program with 4 warps: 78, 287, 430 us).
+#: (docs/lab-notes.md 7d, Qwen3.5-35B-A3B's heads, rule and norm launches together): 77, 282 and 418 us at 64, 256 and
+#: 384 rows, 82-91% of copy bandwidth (32 columns with 4 warps, the earlier kernel's shape: 85, 320, 476 us; the whole
+#: head in one program with 4 warps: 78, 287, 430 us).
 CONFIG = {"block_v": 64, "num_warps": 2}
 
 

@@ -6,9 +6,9 @@ next one's first loads is a large share of each. Launched with PDL, a kernel may
 has finished. Every such kernel begins with `wait_for_producer`: ``griddepcontrol.wait`` blocks until the
 predecessor has finished and its writes are visible, so nothing is read or written early, and then
 ``griddepcontrol.launch_dependents`` lets its own successor be scheduled as soon as all of its programs run
-(releasing only after the GEMMs' main loops was slower for both paths, `h200_29`). The experts' Triton kernels with
-BF16 weights and the attention's split kernels take no PDL: each was slower with it (docs/lab-notes.md 2f; the split
-kernels of small grids may, `fp4_attention.split_launch_options`). CUDA
+(releasing only after the GEMMs' main loops was slower for both paths, docs/lab-notes.md 2f). The experts' Triton
+kernels with BF16 weights and the attention's split kernels take no PDL: each was slower with it (docs/lab-notes.md 2f;
+the split kernels of small grids may, `fp4_attention.split_launch_options`). CUDA
 graphs keep these edges. Off in the interpreter and below sm_90, where the kernels take ``PDL=False``.
 """
 
@@ -36,7 +36,7 @@ ENABLED = True
 #: ``max_rows``: decode steps of more rows (`for_rows`) launch without PDL; None: every step with it. Where a step's
 #: kernels are long, an early-scheduled successor only takes SM slots from its producer's tail: without PDL from
 #: 128 rows on, the 48-layer step at 1K gained 0.5-0.8% at 128, 1.2% at 256 and 0.8-1.8% at 512 in both precisions
-#: (two rounds each, `h200_84`), while batch 1 is 10% slower without it (`h200_82`).
+#: (two rounds each), while batch 1 is 10% slower without it (docs/lab-notes.md 10).
 CONFIG = {"max_rows": 64}
 
 #: The rows of the decode step whose kernels are being launched (`for_rows`); None outside one.

@@ -210,7 +210,7 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Eight 0/1 values per byte: element 8j+b at bit b."""
     b = bits.to(torch.uint8).unflatten(-1, (-1, 8))
     # The shifts from arange, not a tensor built from a list: that is a host-to-device copy, which on CUDA syncs
-    # (24 syncs per prefill of Qwen3-30B-A3B under hint recording, 45 ms of GPU idle: run h200_71).
+    # (24 syncs per prefill of Qwen3-30B-A3B under hint recording, 45 ms of GPU idle: docs/lab-notes.md 8).
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return (b << shifts).sum(-1, dtype=torch.uint8)
 

@@ -114,7 +114,7 @@ class HybridDecodeWeights(DecodeWeights):
 def pad_rows(w: torch.Tensor, multiple: int = 8) -> torch.Tensor:
     """``w`` with zero rows appended up to a multiple of ``multiple``: the shared expert's [gate; up; sigmoid gate]
     has 2 I + 1 rows, and cuBLAS runs a GEMM with an odd output width on an unaligned kernel (12 us a layer at the
-    35B-A3B shape and 64 rows, `h200_64`'s profile)."""
+    35B-A3B shape and 64 rows, profiled: docs/lab-notes.md 7d)."""
     pad = -w.shape[0] % multiple
     return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
 

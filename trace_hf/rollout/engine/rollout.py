@@ -71,8 +71,8 @@ from .weights import DecodeWeights, EngineWeights, ShardedWeights, engine_weight
 
 #: `EngineRollout._load_cache` copies each FP4 KV layer's six fields (codes, block and row scales of K and V) in one
 #: Triton launch (`decode_ops.load_fp4_kv`) instead of twelve torch ones (a gather and a copy per field), the same
-#: bits. At a 16K-token prefill the FP4 load took 17.5 ms against BF16's 6.7 (h200_72), its launches' time; with it
-#: 1.8 ms (h200_86).
+#: bits. At a 16K-token prefill the FP4 load took 17.5 ms against BF16's 6.7, its launches' time; with it
+#: 1.8 ms (docs/lab-notes.md 11).
 LOAD_KV_KERNEL = True
 
 
