@@ -1,0 +1,44 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""`benchmarks.training.launch_census` (CPU, interpreter, the GPU's dispatch): per-layer counts that do not depend on
+the depth they are taken at, Triton launches only where trace-hf's FP4 path makes them, each launch with its source."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def census(tmp_path, layers: int) -> dict:
+    out = tmp_path / f"census_{layers}.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.training.launch_census", "--layers", str(layers), "--tokens", "24",
+         "--out", str(out)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the census runs on the CPU, under the interpreter")
+def test_launches_per_layer_are_counted_the_same_at_any_depth(tmp_path):
+    a, b = census(tmp_path, 1), census(tmp_path, 2)
+    for setup in ("bf16", "fp4"):
+        for phase in ("no_grad_forward", "forward_backward"):
+            x, y = a[setup][phase], b[setup][phase]
+            assert x["aten_per_layer"] == y["aten_per_layer"] > 0, (setup, phase)
+            assert x["triton_per_layer"] == y["triton_per_layer"], (setup, phase)
+            assert sum(v for _, v in x["sources_per_layer"]) == x["aten_per_layer"]  # every launch has its source
+    assert a["bf16"]["no_grad_forward"]["triton_per_layer"] == 0  # BF16 runs no trace-hf kernel
+    fp4 = a["fp4"]["no_grad_forward"]
+    assert fp4["triton_per_layer"] >= 2  # at least the experts' gate/up and down kernels
+    assert any(src.startswith("trace_hf/hints/") for src, _ in fp4["sources_per_layer"])  # routing replay's hooks
