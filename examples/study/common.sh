@@ -25,6 +25,27 @@ study_setup() {
   cat "$OUT/env.txt"
 }
 
+# study_mps: MPS (MPS=1, the default), so that many small runs' kernels share the GPU's multiprocessors instead of
+# taking turns in time slices. Private pipe and log folders (only this command's processes connect), used only if a
+# CUDA check passes under it, stopped when the command exits; MPS=0, a missing nvidia-cuda-mps-control or a failed
+# check run without it. The GPU's settings (compute mode, clocks) are not touched. Sets $MPS_ON.
+study_mps() {
+  MPS_ON=0
+  export PATH=$PATH:/usr/local/nvidia/bin
+  if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=$W/mps CUDA_MPS_LOG_DIRECTORY=$W/mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d && timeout 90 $PY -c "import torch; x = torch.ones(64, 64, device='cuda'); print('MPS check', (x @ x).sum().item())"; then
+      MPS_ON=1
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    else
+      echo quit | nvidia-cuda-mps-control
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+  fi
+  echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
+}
+
 # study_warm GPU [study.py args]: the SFT warm-up into $W/study/warm.
 study_warm() {
   local gpu=$1

@@ -40,21 +40,7 @@ GRPO_ARGS="--steps $STEPS --eval-every ${EVAL_EVERY:-50} --prompts-per-step 8 --
 --warmup-steps 20 --beta 0 --master-weights fp32 --router-aux-loss-coef 0 $TASK_ARGS"
 export OMP_NUM_THREADS=1
 
-# MPS, as in run_study_h200.sh: the small runs' kernels share the GPU's multiprocessors instead of taking turns.
-MPS_ON=0
-export PATH=$PATH:/usr/local/nvidia/bin
-if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
-  export CUDA_MPS_PIPE_DIRECTORY=$W/mps CUDA_MPS_LOG_DIRECTORY=$W/mps_log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d && timeout 90 $PY -c "import torch; x = torch.ones(64, 64, device='cuda'); print('MPS check', (x @ x).sum().item())"; then
-    MPS_ON=1
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  else
-    echo quit | nvidia-cuda-mps-control
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  fi
-fi
-echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
+study_mps
 
 # grpo_runs DIR LR NAME [regimes...]: every (regime, seed) as its own `study.py grpo --out DIR`, all started at once,
 # meeting at one common step (EqualSteps over DIR/sync) before the Unix time $TRAIN_UNTIL; each killed 40 s (the

@@ -28,24 +28,7 @@ TASK_ARGS="--task chain --size mini --max-completion-length 152 --eval-problems 
 study_grid
 export OMP_NUM_THREADS=1
 
-# MPS (MPS=1, the default): the 15 small runs' kernels then share the GPU's multiprocessors instead of taking turns
-# in time slices. Private pipe and log folders (only this command's processes connect), used only if a CUDA check
-# passes under it, stopped before the command ends; MPS=0, a missing nvidia-cuda-mps-control or a failed check run
-# without it. The GPU's settings (compute mode, clocks) are not touched.
-MPS_ON=0
-export PATH=$PATH:/usr/local/nvidia/bin
-if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
-  export CUDA_MPS_PIPE_DIRECTORY=$W/mps CUDA_MPS_LOG_DIRECTORY=$W/mps_log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d && timeout 90 $PY -c "import torch; x = torch.ones(64, 64, device='cuda'); print('MPS check', (x @ x).sum().item())"; then
-    MPS_ON=1
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  else
-    echo quit | nvidia-cuda-mps-control
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  fi
-fi
-echo "MPS: $MPS_ON" | tee -a "$OUT/env.txt"
+study_mps
 
 echo "== 1. warm-up: SFT until greedy test accuracy >= ${TARGET:-0.3} (at most ${SFT_S:-60} s)"
 study_warm 0 $TASK_ARGS --sft-steps "${SFT_STEPS:-3000}" --sft-lr 1e-3 --sft-batch 256 --target-accuracy "${TARGET:-0.3}" \
