@@ -40,16 +40,44 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def lora_model(layers: int, fp4: bool, dev, smoke: bool = False):
+    """The Qwen3-30B-A3B-shaped model of `grpo_step` (``smoke``: tiny) with frozen experts (packed FP4 or BF16), PEFT
+    LoRA r=32 on q/k/v/o and non-reentrant gradient checkpointing, as the one-GPU LoRA job trains it."""
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks.training.grpo_step import build_model
+
+    model = build_model(SimpleNamespace(smoke=smoke, layers=layers, freeze_experts=True), fp4, dev)
+    lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model = get_peft_model(model, lora)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def record_hints(model, ids, mask, kernel: str):
+    """The hints of one eval forward of ``ids`` with the FP4 experts' eval path on ``kernel``, as a rollout records
+    them; the model is left in train mode."""
+    import torch
+
+    from trace_hf import HintRecorder
+    from trace_hf.quant.experts import fp4_experts
+
+    for m in fp4_experts(model):
+        m.kernel = kernel
+    model.eval()
+    with torch.no_grad(), HintRecorder(model) as rec:
+        model(input_ids=ids, attention_mask=mask)
+    model.train()
+    return rec.collect(mask)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    from peft import LoraConfig, get_peft_model
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.training.grpo_step import build_model
-    from trace_hf import HintRecorder, use_hints
+    from trace_hf import use_hints
     from trace_hf.hints import aligned_positions
-    from trace_hf.quant.experts import fp4_experts
 
     cuda = torch.cuda.is_available() and not args.smoke
     if args.smoke:
@@ -70,11 +98,7 @@ def main(argv=None) -> int:
             for m in built.values():
                 del m
             built.clear()
-            model = build_model(SimpleNamespace(smoke=args.smoke, layers=args.layers, freeze_experts=True), fp4, dev)
-            lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
-                              "o_proj"])  # fmt: skip
-            model = get_peft_model(model, lora)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = lora_model(args.layers, fp4, dev, args.smoke)
             built[fp4] = model
         model = built[fp4]
         vocab = model.config.vocab_size
@@ -84,14 +108,7 @@ def main(argv=None) -> int:
         mask = torch.ones_like(ids)
         for r in range(0, args.rows, 2):
             mask[r, : args.prompt // (r + 2)] = 0  # left padding
-        hints = None
-        if fp4:
-            for m in fp4_experts(model):
-                m.kernel = "torch" if setup == "fp4_torch" else "auto"
-            model.eval()
-            with torch.no_grad(), HintRecorder(model) as rec:
-                model(input_ids=ids, attention_mask=mask)
-            hints = rec.collect(mask)
+        hints = record_hints(model, ids, mask, "torch" if setup == "fp4_torch" else "auto") if fp4 else None
         model.train()
 
         def ctx():

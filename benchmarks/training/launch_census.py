@@ -3,7 +3,7 @@
 
 At one or a few rows per micro-batch the training side is bound by the host: every launch costs a few microseconds
 of Python and driver time whatever its size (issue 51; docs/lab-notes.md 6c). This census counts, per decoder layer
-of frozen-expert GRPO's training forward (PEFT LoRA r=8 on q/k/v/o, gradient checkpointing, `use_hints` with routing
+of frozen-expert GRPO's training forward (PEFT LoRA r=32 on q/k/v/o, gradient checkpointing, `use_hints` with routing
 replay for FP4, `aligned_positions` for BF16), the aten calls that launch work (views and other metadata calls are
 left out) and the Triton launches, with the trace-hf, PEFT or transformers function each comes from. It runs under
 the Triton interpreter with the GPU's dispatch: trace-hf's FP4 code takes its Triton paths (quantization,
@@ -26,7 +26,6 @@ import collections
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 
 #: aten calls that only make views or read metadata: no kernel on the GPU.
@@ -120,30 +119,16 @@ def _install(census: Census):
 def count(setup: str, layers: int, tokens: int, census: Census, mode) -> dict:
     """One setup at one depth: the counts of a no-grad forward and of a forward + backward."""
     import torch
-    from peft import LoraConfig, get_peft_model
 
-    from benchmarks.training.grpo_step import build_model
-    from trace_hf import HintRecorder, use_hints
+    from benchmarks.training.frozen_train_side import lora_model, record_hints
+    from trace_hf import use_hints
     from trace_hf.hints import aligned_positions
-    from trace_hf.quant.experts import fp4_experts
 
     fp4 = setup == "fp4"
-    args = SimpleNamespace(smoke=True, layers=layers, freeze_experts=True)
-    model = build_model(args, fp4, torch.device("cpu"))
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    model = get_peft_model(model, lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = lora_model(layers, fp4, torch.device("cpu"), smoke=True)
     ids = torch.randint(4, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    hints = None
-    if fp4:
-        for m in fp4_experts(model):
-            m.kernel = "triton"  # the rollout's kernels, as "auto" picks on CUDA
-        model.eval()
-        with torch.no_grad(), HintRecorder(model) as rec:
-            model(input_ids=ids, attention_mask=mask)
-        hints = rec.collect(mask)
-    model.train()
+    hints = record_hints(model, ids, mask, "triton") if fp4 else None  # the rollout's kernels, as on CUDA
 
     def ctx():
         if fp4:
