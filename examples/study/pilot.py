@@ -77,27 +77,13 @@ def pass_at_k(model, tokenizer, test, n: int, k: int, max_new_tokens: int, tempe
     import torch
     from transformers import GenerationConfig
 
-    from trace_hf.rollout import make_rollout
-
     reward = study.reward_of("carry")
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    rollout = make_rollout(model, "auto", gc)
     prompts = [p for p in test["prompt"][:n] for _ in range(k)]
     answers = [a for a in test["answer"][:n] for _ in range(k)]
-    was_training = model.training
-    model.eval()
     torch.manual_seed(seed)
-    scores = []
-    try:
-        for i in range(0, len(prompts), batch):
-            ids = tokenizer(prompts[i : i + batch]).input_ids
-            with torch.no_grad():
-                out = rollout(model, ids, gc)
-            texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-            scores += reward(texts, answers[i : i + batch])
-    finally:
-        model.train(was_training)
+    scores = study.rollout_rewards(model, tokenizer, prompts, answers, gc, reward, batch=batch)
     per_problem = [scores[j * k : (j + 1) * k] for j in range(len(scores) // k)]
     return {
         f"pass_at_{k}": sum(max(s) for s in per_problem) / len(per_problem),

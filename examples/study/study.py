@@ -454,27 +454,33 @@ def evaluate(
     the CUDA engine where it supports the model (many times faster than `generate` for a small model), else
     `model.generate`. The model runs its own inference path: packed FP4 experts for a TraceFP4Config model.
     `reward`: the task's reward function (default: the word problems')."""
+    reward = reward or reward_of("word")
+    gc = greedy_config(tokenizer, max_new_tokens)
+    prompts, answers = test["prompt"][:n], test["answer"][:n]
+    return sum(rollout_rewards(model, tokenizer, prompts, answers, gc, reward, rollout, batch)) / len(prompts)
+
+
+def rollout_rewards(model, tokenizer, prompts, answers, gc, reward, rollout=None, batch: int = 128) -> list[float]:
+    """Each prompt's reward for one completion under the generation config `gc`, rolled out `batch` prompts at a
+    time in eval mode (the model's inference path) through the library's rollout seam (`rollout`, or a new one)."""
     import torch
 
     from trace_hf.rollout import make_rollout
 
-    reward = reward or reward_of("word")
-    gc = greedy_config(tokenizer, max_new_tokens)
     rollout = rollout or make_rollout(model, "auto", gc)
     was_training = model.training
     model.eval()
-    prompts, answers = test["prompt"][:n], test["answer"][:n]
-    correct = 0.0
+    scores = []
     try:
         for i in range(0, len(prompts), batch):
             ids = tokenizer(prompts[i : i + batch]).input_ids
             with torch.no_grad():
                 out = rollout(model, ids, gc)
             texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-            correct += sum(reward(texts, answers[i : i + batch]))
+            scores += reward(texts, answers[i : i + batch])
     finally:
         model.train(was_training)
-    return correct / len(prompts)
+    return scores
 
 
 class TestAccuracy(TrainerCallback):
