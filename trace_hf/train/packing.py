@@ -11,7 +11,7 @@ attention on CUDA, one causal `sdpa` call per row elsewhere), and no mask is bui
 
 Gated DeltaNet layers (Qwen3.5) carry a state along the sequence, and transformers' torch rules and causal conv
 ignore packed boundaries (its `cu_seq_lens_q` reaches only flash-linear-attention's kernels). So within a packed
-forward each of those layers runs once per packed row (`rows_apart`): the row's state starts at zero as in the padded
+forward each of those layers runs once per packed row (`_row_by_row`): the row's state starts at zero as in the padded
 path, and only the chunked rule's chunk boundaries (counted from the row's first token rather than the padded
 row's) can change the summation order.
 """
