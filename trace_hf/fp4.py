@@ -462,6 +462,63 @@ def guided_quantize(x: torch.Tensor, hints: FP4Hints, backend: str = "auto") -> 
     return FP4Tensor(pack_codes(codes), block_scale, hints.global_scale, f.name)
 
 
+def _check_hinted(x: torch.Tensor, hints: FP4Hints, has: torch.Tensor) -> FP4Format:
+    f = check_hints(x, hints)
+    if has.shape != x.shape[:-1] or has.dtype != torch.bool or has.device != x.device:
+        raise ValueError(
+            f"hinted_quantize: has must be a bool flag per row of x, shape {tuple(x.shape[:-1])} on {x.device}; got "
+            f"{tuple(has.shape)} {has.dtype} on {has.device}."
+        )
+    return f
+
+
+def hinted_quantize(
+    x: torch.Tensor, hints: FP4Hints, has: torch.Tensor, apply: bool = True, backend: str = "auto"
+) -> tuple[FP4Tensor, torch.Tensor]:
+    """Training's quantization at a hinted site: each row of ``x`` (``has``: one flag per row, ``x.shape[:-1]``) is
+    `guided_quantize`'s where ``has`` is set and `quantize`'s (nearest, row scale) elsewhere, whole rows, so it
+    dequantizes to one or the other. ``apply=False`` keeps every row nearest (the "no hints" baseline).
+
+    Also returns the flips (int64, on ``x``'s device, no host sync): the values of the ``has`` rows whose nearest
+    code differs from the guided one, +-0 agreeing; counted whether or not they are applied. The Triton kernel does
+    all of it in one pass; the reference below is the definition."""
+    _check_hinted(x, hints, has)
+    if _use_triton(x, backend):
+        from trace_hf.kernels.fp4_hinted import hinted_quantize as triton_hinted_quantize
+
+        return triton_hinted_quantize(x, hints, has, apply)
+    return compose_hinted(x, hints, has, apply, backend)
+
+
+def compose_hinted(x: torch.Tensor, hints: FP4Hints, has: torch.Tensor, apply: bool, backend: str):
+    """`hinted_quantize` composed of `quantize` and `guided_quantize` (each on ``backend``): its definition, and
+    the Triton path for rows too wide for the one-pass kernel."""
+    f = get_format(hints.fmt)
+    near = quantize(x, f.name, "row", backend)
+    guided = guided_quantize(x, hints, backend)
+    cn, cg = near.codes(), guided.codes()
+    m = has.unsqueeze(-1)
+    flips = ((cn != cg) & (((cn | cg) & 7) != 0) & m).sum()
+    if not apply:
+        return near, flips
+    fields = ("packed", "block_scale", "global_scale")
+    return FP4Tensor(*(torch.where(m, getattr(guided, k), getattr(near, k)) for k in fields), f.name), flips
+
+
+def hinted_fake_quantize(
+    x: torch.Tensor, hints: FP4Hints, has: torch.Tensor, apply: bool = True, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hinted_quantize` dequantized to ``x.dtype`` (no codes written), and its flips. No autograd: wrap the values
+    in `straight_through`."""
+    if _use_triton(x, backend):
+        from trace_hf.kernels.fp4_hinted import hinted_fake_quantize as triton_hinted_fake_quantize
+
+        _check_hinted(x, hints, has)
+        return triton_hinted_fake_quantize(x, hints, has, apply)
+    q, flips = hinted_quantize(x, hints, has, apply, backend)
+    return q.dequantize(x.dtype), flips
+
+
 def e2m1_floor_index(a: torch.Tensor) -> torch.Tensor:
     """Index of the largest E2M1 magnitude ``<= a`` for ``0 <= a <= 6``."""
     idx = (a >= 0.5).to(torch.uint8)

@@ -71,6 +71,20 @@ def check_all(x: torch.Tensor, fmt: str, scale: str, hints_from: torch.Tensor | 
     gref = fp4.guided_quantize(xp, hints, backend="torch")
     same_fp4(fp4.guided_quantize(xp, hints, backend="triton"), gref, tag + " guided")
     same_bits(K.fake_quantize(xp, fmt, scale, hints=hints), gref.dequantize(x.dtype), tag + " guided fake-quant")
+    check_hinted(xp, hints, tag)
+
+
+def check_hinted(x: torch.Tensor, hints: fp4.FP4Hints, tag: str) -> None:
+    """The one-pass hinted quantization (`fp4_hinted`) against its composed definition: codes, scales, values and
+    flips, with hints on some rows, applied or only counted."""
+    has = torch.rand(x.shape[:-1], generator=torch.Generator().manual_seed(2)).to(x.device) < 0.6
+    for apply in (True, False):
+        ref, ref_flips = fp4.hinted_quantize(x, hints, has, apply, backend="torch")
+        q, flips = fp4.hinted_quantize(x, hints, has, apply, backend="triton")
+        same_fp4(q, ref, f"{tag} hinted apply={apply}")
+        v, v_flips = fp4.hinted_fake_quantize(x, hints, has, apply, backend="triton")
+        same_bits(v, ref.dequantize(x.dtype), f"{tag} hinted values apply={apply}")
+        assert flips.dtype == torch.int64 and int(flips) == int(ref_flips) == int(v_flips), tag
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -278,6 +292,41 @@ def test_guided_with_arbitrary_hints(device, fmt):
         xd = x.to(dtype)
         r = fp4.guided_quantize(xd, hints, backend="torch").dequantize(dtype)
         same_bits(fp4.fake_quantize(xd, fmt, hints=hints, backend="triton"), r, f"guided fake {dtype}")
+        check_hinted(xd, hints, f"arbitrary hints {fmt} {dtype}")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_hinted_in_one_pass(device, fmt, monkeypatch):
+    """The one-pass kernel, not the composed fallback, on the three layouts the training sites use ([T, H],
+    [T, top_k, I] and K/V's [T, 2, heads, D]), hints of a nearby tensor with some bits flipped at random; flips
+    are counted on hinted rows only, and each row's values are the guided or the nearest ones."""
+    import trace_hf.kernels.fp4_hinted as H
+
+    gen = torch.Generator().manual_seed(13)
+    for shape in ((64, 256), (8, 4, 128), (6, 2, 3, 64)):
+        lead, k = shape[:-1], shape[-1]
+        x = random_rows(int(torch.tensor(lead).prod()), k, seed=14).view(shape)
+        h = fp4.extract_hints(fp4.quantize(x * 1.01, fmt, "row", backend="torch"))
+        noise = torch.randint(0, 256, h.mantissa_bits.shape, generator=gen, dtype=torch.uint8)
+        keep = torch.rand(noise.shape, generator=gen) < 0.7
+        hints = fp4.FP4Hints(torch.where(keep, h.mantissa_bits, noise).to(device), h.block_scale.to(device),
+                             h.global_scale.to(device), fmt)  # fmt: skip
+        x = x.to(device)
+        has = (torch.rand(lead, generator=gen) < 0.5).to(device)
+        ref, ref_flips = fp4.hinted_quantize(x, hints, has, backend="torch")
+        _, all_flips = fp4.hinted_quantize(x, hints, torch.ones_like(has), backend="torch")
+        values = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, m = x.to(dtype), has.unsqueeze(-1)
+            guided = fp4.guided_quantize(xd, hints, backend="torch").dequantize(dtype)
+            values[dtype] = torch.where(m, guided, fp4.quantize(xd, fmt, "row", backend="torch").dequantize(dtype))
+        with monkeypatch.context() as mp:
+            mp.setattr(fp4, "compose_hinted", lambda *a, **kw: pytest.fail("took the composed path"))
+            q, flips = H.hinted_quantize(x, hints, has)
+            same_fp4(q, ref, f"{fmt} {shape}")
+            assert 0 < int(flips) == int(ref_flips) < int(all_flips)
+            for dtype, want in values.items():
+                same_bits(H.hinted_fake_quantize(x.to(dtype), hints, has)[0], want, f"{fmt} {shape} values {dtype}")
 
 
 def test_inputs_of_other_layouts(device):

@@ -40,25 +40,23 @@ class Guide(SiteGuide):
 
     def quantized(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> fp4.FP4Tensor:
         """The codes of ``x`` (its rows: ``has``'s shape, then the row width): guided where a row has a hint, nearest
-        elsewhere; whole rows are taken from one or the other, so it dequantizes to `quantize`'s values."""
+        elsewhere (`trace_hf.fp4.hinted_quantize`, one kernel on CUDA)."""
         with torch.no_grad():
-            near = fp4.quantize(x, hints.fmt, "row")
-            guided = fp4.guided_quantize(x, hints)
-            cn, cg = near.codes(), guided.codes()
-            m = has.unsqueeze(-1)
-            # A flip: the nearest code (training scales) is not the code the rollout's hint selects (+-0 agree).
-            flips = ((cn != cg) & (((cn | cg) & 7) != 0) & m).sum()
-            q = near
-            if self.apply:
-                fields = ("packed", "block_scale", "global_scale")
-                q = fp4.FP4Tensor(*(torch.where(m, getattr(guided, f), getattr(near, f)) for f in fields), near.fmt)
-        # Counted again when checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
-        self.report.count(self.site, self.layer, flips, has.sum() * x.shape[-1])
+            q, flips = fp4.hinted_quantize(x, hints, has.to(x.device), self.apply)
+        self._count(x, has, flips)
         return q
 
     def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> torch.Tensor:
-        """Fake-quantize ``x`` as `quantized`, straight-through in backward."""
-        return fp4.straight_through(x, self.quantized(x, hints, has).dequantize(x.dtype))
+        """Fake-quantize ``x`` as `quantized` (its values, no codes written), straight-through in backward."""
+        with torch.no_grad():
+            y, flips = fp4.hinted_fake_quantize(x, hints, has.to(x.device), self.apply)
+        self._count(x, has, flips)
+        return fp4.straight_through(x, y)
+
+    def _count(self, x: torch.Tensor, has: torch.Tensor, flips: torch.Tensor) -> None:
+        # A flip: the nearest code (training scales) is not the code the rollout's hint selects. Counted again when
+        # checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
+        self.report.count(self.site, self.layer, flips, has.sum() * x.shape[-1])
 
     def experts_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B * S, H], the MoE block's flattened input."""
