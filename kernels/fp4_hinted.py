@@ -14,6 +14,7 @@ Whole rows per program: rows wider than ``fp4_quant.CONFIG["max_row"]`` take the
 
 from __future__ import annotations
 
+
 if __name__.split(".")[0] == "kernels":
     raise ImportError("kernels/ is the package trace_hf.kernels: import trace_hf.kernels.fp4_hinted.")
 
