@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         mod = build(setup, gu, d)
         if setup.endswith("_hints"):
             guide = Guide(
-                "experts_input", hints, torch.ones(T, dtype=torch.bool, device=dev), 0, MismatchReport(), True
+                "experts_input", hints, torch.ones(T, dtype=torch.bool, device=dev), T, 0, MismatchReport(), True
             )
             mod.sites["experts_input"] = HintSite("experts_input", 0, guide=guide)
         xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)

@@ -103,9 +103,10 @@ def spy(monkeypatch):
     seen = []
     quantize = Guide.quantize
 
-    def on_site(self, x, hints, has):
+    def on_site(self, x, hints, has, rows):
         seen.append((self.site, self.layer, x.detach(), hints, has))
-        return quantize(self, x, hints, has)
+        assert rows == int(has.sum()), "the hinted rows counted must be the has rows"
+        return quantize(self, x, hints, has, rows)
 
     monkeypatch.setattr(Guide, "quantize", on_site)
     return seen

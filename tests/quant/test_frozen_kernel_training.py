@@ -58,7 +58,8 @@ def input_guide(x, rows, flip=True):
     has = torch.zeros(x.shape[0], dtype=torch.bool)
     has[rows] = True
     report = MismatchReport()
-    return Guide("experts_input", fp4.FP4Hints(bits, hints.block_scale, hints.global_scale), has, 0, report, True)
+    hints = fp4.FP4Hints(bits, hints.block_scale, hints.global_scale)
+    return Guide("experts_input", hints, has, int(has.sum()), 0, report, True)
 
 
 @pytest.mark.parametrize("cache", [False, True])
@@ -200,7 +201,7 @@ def test_a_hidden_guide_runs_the_torch_path():
     got = []
     for kernel in ("triton", "torch"):
         mod = frozen(kernel)
-        guide = Guide("experts_hidden", hints, torch.ones(10, dtype=torch.bool), 0, MismatchReport(), True, ids)
+        guide = Guide("experts_hidden", hints, torch.ones(10, dtype=torch.bool), 10, 0, MismatchReport(), True, ids)
         mod.sites["experts_hidden"] = HintSite("experts_hidden", 0, guide=guide)
         got.append(step(mod, x, ids, w))
     for a, b in zip(*got, strict=True):

@@ -26,9 +26,10 @@ class Guide(SiteGuide):
     hidden activation [T, top_k, I] and the router's top-k; the attention's K and V [B, kv_heads, S, D].
     """
 
-    def __init__(self, site: str, hints: fp4.FP4Hints, has: torch.Tensor, layer: int, report: MismatchReport,
-                 apply: bool, routing: torch.Tensor | None = None):  # fmt: skip
+    def __init__(self, site: str, hints: fp4.FP4Hints, has: torch.Tensor, n_has: int, layer: int,
+                 report: MismatchReport, apply: bool, routing: torch.Tensor | None = None):  # fmt: skip
         self.site, self.hints, self.has, self.layer, self.report, self.apply = site, hints, has, layer, report, apply
+        self.n_has = n_has  # has.sum(), counted once by use_hints (no launch per call)
         self.routing = routing  # experts_hidden: [B * S, top_k], the rollout's expert of each slot
 
     def _check(self, tokens: int) -> None:
@@ -38,35 +39,32 @@ class Guide(SiteGuide):
                 f"{self.has.shape[0]} (batch x sequence of the attention_mask); pass the mask of this forward."
             )
 
-    def quantized(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> fp4.FP4Tensor:
+    def quantized(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor, rows) -> fp4.FP4Tensor:
         """The codes of ``x`` (its rows: ``has``'s shape, then the row width): guided where a row has a hint, nearest
-        elsewhere (`trace_hf.fp4.hinted_quantize`, one kernel on CUDA)."""
+        elsewhere (`trace_hf.fp4.hinted_quantize`, one kernel on CUDA). ``rows``: how many rows have one."""
         with torch.no_grad():
             q, flips = fp4.hinted_quantize(x, hints, has.to(x.device), self.apply)
-        self._count(x, has, flips)
+        # A flip: the nearest code (training scales) is not the code the rollout's hint selects. Counted again when
+        # checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
+        self.report.count(self.site, self.layer, flips, rows * x.shape[-1])
         return q
 
-    def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, hints: fp4.FP4Hints, has: torch.Tensor, rows) -> torch.Tensor:
         """Fake-quantize ``x`` as `quantized` (its values, no codes written), straight-through in backward."""
         with torch.no_grad():
             y, flips = fp4.hinted_fake_quantize(x, hints, has.to(x.device), self.apply)
-        self._count(x, has, flips)
+        self.report.count(self.site, self.layer, flips, rows * x.shape[-1])
         return fp4.straight_through(x, y)
-
-    def _count(self, x: torch.Tensor, has: torch.Tensor, flips: torch.Tensor) -> None:
-        # A flip: the nearest code (training scales) is not the code the rollout's hint selects. Counted again when
-        # checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
-        self.report.count(self.site, self.layer, flips, has.sum() * x.shape[-1])
 
     def experts_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B * S, H], the MoE block's flattened input."""
         self._check(x.shape[0])
-        return self.quantize(x, self.hints, self.has)
+        return self.quantize(x, self.hints, self.has, self.n_has)
 
     def experts_input_codes(self, x: torch.Tensor) -> fp4.FP4Tensor:
         """`experts_input` as codes, for the fused kernels of frozen experts (`TraceFP4Experts`), which read them."""
         self._check(x.shape[0])
-        return self.quantized(x, self.hints, self.has)
+        return self.quantized(x, self.hints, self.has, self.n_has)
 
     def experts_hidden(self, h: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """``h`` [T, top_k, I] in (token, slot) order. A hint belongs to (token, expert): training's top-k slot of an
@@ -90,7 +88,7 @@ class Guide(SiteGuide):
 
             hi = self.hints
             hints = fp4.FP4Hints(take(hi.mantissa_bits), take(hi.block_scale), take(hi.global_scale), hi.fmt)
-        return self.quantize(h, hints, has.to(hints.mantissa_bits.device))
+        return self.quantize(h, hints, has.to(hints.mantissa_bits.device), has.sum())
 
     def kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key``, ``value`` [B, kv_heads, S, D], as the attention function receives them."""
@@ -98,7 +96,7 @@ class Guide(SiteGuide):
         self._check(b * s)
         x = torch.stack([key, value], dim=1).permute(0, 3, 1, 2, 4).flatten(0, 1)  # [B * S, 2, heads, D]
         has = self.has.to(x.device)[:, None, None].expand(-1, 2, heads)
-        y = self.quantize(x, self.hints, has).unflatten(0, (b, s)).permute(0, 2, 3, 1, 4)  # [B, 2, heads, S, D]
+        y = self.quantize(x, self.hints, has, self.n_has * 2 * heads).unflatten(0, (b, s)).permute(0, 2, 3, 1, 4)
         return y[:, 0].contiguous(), y[:, 1].contiguous()
 
 
@@ -222,7 +220,7 @@ def use_hints(
                         )
                     routing = tokens(_gather(hint_batch.routing[:, :, layer], pos)).long()
                 point = m.sites[site]
-                point.guide = Guide(site, hints, has_flat.to(bits.device), layer, report, apply_hints, routing)
+                point.guide = Guide(site, hints, has_flat.to(bits.device), n_has, layer, report, apply_hints, routing)
                 guided.append(point)
         if align_positions:
             handles.append(_register_position_hook(model, attention_mask, packed))

@@ -42,8 +42,14 @@ class MismatchReport:
     def count(self, site: str, layer: int, flips, elements) -> None:
         """Add one guided quantization's counts (tensors are fine: they are summed lazily, with no host sync)."""
         key = (site, layer)
-        self.flips[key] = self.flips.get(key, 0) + flips
-        self.elements[key] = self.elements.get(key, 0) + elements
+        self.flips[key] = _add(self.flips.get(key, 0), flips)
+        self.elements[key] = _add(self.elements.get(key, 0), elements)
+
+    def count_routing(self, diff, total) -> None:
+        """Add one router's counts: ``diff`` of its ``total`` hinted tokens chose another top-k set (lazily, as
+        `count`)."""
+        self.routing_diff = _add(self.routing_diff, diff)
+        self.routing_total = _add(self.routing_total, total)
 
     def flip_rate_by_layer(self, site: str = "experts_input") -> dict[int, float]:
         keys = sorted(k for k in self.elements if k[0] == site)
@@ -104,6 +110,11 @@ class MismatchReport:
             elif f.name != "hint_bytes_per_token":
                 setattr(self, f.name, a + b)
         self.hint_bytes_per_token = other.hint_bytes_per_token or self.hint_bytes_per_token
+
+
+def _add(total, n):
+    """``total + n``, without a device launch for the first tensor added to a count that is still 0."""
+    return n if isinstance(total, int) and total == 0 else total + n
 
 
 class StaleHintsWarning(UserWarning):

@@ -20,6 +20,7 @@ def check_replayable(router: torch.nn.Module) -> None:
 def routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report: MismatchReport, n_has: int):
     """The router's forward hook: counts (and with ``replay`` replaces) its top-k against ``recorded`` at the
     ``has`` tokens (``n_has`` of them, counted once by the caller: a host sync per hook would stall every layer)."""
+    recorded_set = recorded.sort(-1).values  # once, not at every call (the forward and its checkpointed recompute)
 
     def hook(router, args, output):
         logits, scores, indices = output
@@ -31,9 +32,8 @@ def routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report
         rec = recorded.to(indices.device)
         mask = has.to(indices.device)
         with torch.no_grad():
-            same = (indices.sort(-1).values == rec.sort(-1).values).all(-1)
-            report.routing_diff += (~same & mask).sum()
-            report.routing_total += n_has
+            same = (indices.sort(-1).values == recorded_set.to(indices.device)).all(-1)
+            report.count_routing((same < mask).sum(), n_has)  # hinted tokens (mask) whose set is not the same
         if not replay:
             return output
         idx = torch.where(mask.unsqueeze(-1), rec, indices)
