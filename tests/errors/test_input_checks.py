@@ -111,6 +111,22 @@ def test_malformed_hints_are_refused(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fake", [False, True])
+def test_hinted_quantize_needs_a_bool_flag_per_row(backend, fake):
+    x = rows(4, 64)
+    h = fp4.extract_hints(fp4.quantize(x, backend="torch"))
+    call = fp4.hinted_fake_quantize if fake else fp4.hinted_quantize
+    for has in (torch.ones(4, 1, dtype=torch.bool), torch.ones(3, dtype=torch.bool), torch.ones(4)):
+        with pytest.raises(ValueError, match=r"has must be a bool flag per row of x, shape \(4,\)"):
+            call(x, h, has, backend=backend)
+    with pytest.raises(ValueError, match="block_scale has shape"):
+        call(x, fp4.FP4Hints(h.mantissa_bits, h.block_scale[:, :1], h.global_scale), torch.ones(4, dtype=torch.bool),
+             backend=backend)  # fmt: skip
+    _, flips = call(x, h, torch.ones(4, dtype=torch.bool), backend=backend)
+    assert int(flips) == 0  # the hints of x itself: nothing to correct
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_last_dimension(backend):
     x = torch.zeros(3, 0)
     with pytest.raises(ValueError, match="non-zero multiple of 16"):
