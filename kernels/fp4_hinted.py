@@ -27,7 +27,6 @@ from trace_hf.fp4 import FP4Hints, FP4Tensor  # noqa: E402
 from trace_hf.kernels.common import (  # noqa: E402
     bits_of,
     check_device,
-    e2m1_decode,
     e2m1_nearest,
     e4m3_decode,
     float_of,
@@ -38,7 +37,6 @@ from trace_hf.kernels.fp4_quant import (  # noqa: E402
     _BF16,
     CONFIG,
     _as_input,
-    _e2m1_guided,
     _e8m0_decode,
     _hint_tensors,
     _load_f32,
@@ -47,6 +45,9 @@ from trace_hf.kernels.fp4_quant import (  # noqa: E402
     _scaled_magnitude,
     _store_codes,
     _tiles,
+    guided_index,
+    mxfp4_block_scale,
+    store_values,
 )
 
 
@@ -97,13 +98,8 @@ def _hinted_kernel(
         g_n = _nvfp4_row_global(amax_i)[:, None]
         sbyte_n, s_n, sg_n, ok_n = nvfp4_block_scale(amax_b, g_n)
     else:
-        ex = ((bits_of(amax_b) >> 23) & 0xFF) - 129
-        ex = tl.minimum(tl.maximum(ex, -127), 127)
-        ex = tl.where(amax_b == 0, -127, ex)
-        sbyte_n = tl.where(bad_b, 255, ex + 127)
-        s_n = _e8m0_decode(sbyte_n)
+        sbyte_n, s_n, ok_n = mxfp4_block_scale(amax_b, bad_b)
         g_n = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-        ok_n = ~bad_b
         sg_n = s_n
     a, _ = _scaled_magnitude(x, sg_n, ok_n)
     code_n = tl.where(ok_n[:, :, None], e2m1_nearest(a), 0) | sign
@@ -123,13 +119,8 @@ def _hinted_kernel(
     sg_h = s_h * g_h
     ok_h = is_finite(sg_h) & (sg_h > 0)
     a, d = _scaled_magnitude(x, sg_h, ok_h)
-    j8 = tl.arange(0, BS // 8)[None, None, :]
-    hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
-    hbytes = tl.load(hb_ptr + hb_offs, mask=hmask[:, :, None], other=0).to(tl.int32)
-    bits = (hbytes[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
-    tz = tl.where(d >= 16777216.0, (d * 2.0**-75) * 2.0**-75, float_of((d * 0.5).to(tl.int32)))
-    a = tl.where(tl.abs(x) <= tz[:, :, None], 0.0, tl.maximum(a, 1e-30))
-    code_h = tl.where(ok_h[:, :, None], _e2m1_guided(a, tl.reshape(bits, [BLOCK_M, NBT, BS])), 0) | sign
+    idx = guided_index(x, a, d, hb_ptr, row64, blks, K, hmask[:, :, None], BLOCK_M, NBT, BS)
+    code_h = tl.where(ok_h[:, :, None], idx, 0) | sign
 
     # ---- flips, and the rows' choice --------------------------------------------------------------------
     flip = (code_n != code_h) & (((code_n | code_h) & 7) != 0) & mask & has[:, None, None]
@@ -148,16 +139,7 @@ def _hinted_kernel(
         tl.store(sb_ptr + (row64 * NB)[:, None] + blks[None, :], sbyte.to(tl.uint8), mask=bmask)
         tl.store(g_ptr + rows, tl.sum(g, axis=1), mask=row_ok)
     if WRITE_OUT:
-        # (E2M1(code) * s) * g, NaN exactly where 0 * s * g is, as `_fp4_kernel`'s output.
-        u = bits_of((e2m1_decode(code) * s[:, :, None]) * g[:, :, None])
-        zero = (0.0 * s) * g
-        nan_b = (zero != zero)[:, :, None]
-        offs = base + blks[None, :, None] * BS + e
-        if OUT_KIND == 1:
-            r = tl.where(nan_b, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
-        else:
-            tl.store(out_ptr + offs, float_of(tl.where(nan_b, 0x7FC00000, u)), mask=mask)
+        store_values(out_ptr + base + blks[None, :, None] * BS + e, code, s, g, mask, OUT_KIND)
 
 
 def _launch(x, hints, has, apply, write_q, out):

@@ -192,6 +192,48 @@ def quantize_rows_nvfp4(x, row64, row_ok, blks, K, q_ptr, sb_ptr, g_ptr, hb_ptr,
         _store_bits(hb_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
 
 
+@triton.jit
+def mxfp4_block_scale(amax_b, bad_b):
+    """MXFP4 block scale: E8M0 = floor(log2 amax) - 2 from the exponent bits, clamped to [-127, 127], 0xFF for a
+    block holding a non-finite value; returns (byte, decoded s: 2^e, or NaN for a bad block, whether s can divide)."""
+    ex = ((bits_of(amax_b) >> 23) & 0xFF) - 129
+    ex = tl.minimum(tl.maximum(ex, -127), 127)
+    ex = tl.where(amax_b == 0, -127, ex)
+    sbyte = tl.where(bad_b, 255, ex + 127)
+    return sbyte, _e8m0_decode(sbyte), ~bad_b
+
+
+@triton.jit
+def guided_index(x, a, d, hb_ptr, row64, blks, K, mask, BLOCK_M: tl.constexpr, NBT: tl.constexpr, BS: tl.constexpr):
+    """E2M1 index of ``x`` [BLOCK_M, NBT, BS] by the recorded mantissa bits (rows ``row64`` of [M, K / 8] bytes at
+    ``hb_ptr``), from `_scaled_magnitude`'s (``a``, ``d``)."""
+    # A byte per 8 elements, i.e. per thread (a thread holds 8 neighbours).
+    j8 = tl.arange(0, BS // 8)[None, None, :]
+    hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
+    hbytes = tl.load(hb_ptr + hb_offs, mask=mask, other=0).to(tl.int32)
+    bits = (hbytes[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
+    # IEEE |x| / d is 0 exactly when |x| <= RD(d * 2^-150): floor(d / 2) subnormal ulps, or d * 2^-150 itself.
+    tz = tl.where(d >= 16777216.0, (d * 2.0**-75) * 2.0**-75, float_of((d * 0.5).to(tl.int32)))
+    a = tl.where(tl.abs(x) <= tz[:, :, None], 0.0, tl.maximum(a, 1e-30))
+    return _e2m1_guided(a, tl.reshape(bits, [BLOCK_M, NBT, BS]))
+
+
+@triton.jit
+def store_values(ptrs, code, s, g, mask, OUT_KIND: tl.constexpr):
+    """The dequantized values (E2M1(code) * s) * g of codes [rows, blocks, BS] with per-block ``s`` [rows, blocks]
+    and per-row ``g`` [rows, 1], in this order, as the reference (s and g of a hint may be negative). A block's values
+    are NaN exactly when 0 * s * g is: that is decided per block, not per element. bf16 (OUT_KIND 1) or fp32."""
+    u = bits_of((e2m1_decode(code) * s[:, :, None]) * g[:, :, None])
+    zero = (0.0 * s) * g
+    nan_b = (zero != zero)[:, :, None]
+    if OUT_KIND == 1:
+        # fp32 -> bf16 round to nearest even on the bits (the interpreter's cast truncates).
+        r = tl.where(nan_b, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        tl.store(ptrs, r.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, float_of(tl.where(nan_b, 0x7FC00000, u)), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------
@@ -291,27 +333,13 @@ def _fp4_kernel(
             g = tl.load(g_ptr + rows // rows_per_g, mask=rows < M, other=1.0)[:, None]
         sbyte, s, sg, ok = nvfp4_block_scale(amax_b, g)
     else:
-        # MXFP4: E8M0 = floor(log2 amax) - 2 from the exponent bits, clamped to [-127, 127]; bad blocks 0xFF.
-        ex = ((bits_of(amax_b) >> 23) & 0xFF) - 129
-        ex = tl.minimum(tl.maximum(ex, -127), 127)
-        ex = tl.where(amax_b == 0, -127, ex)
-        sbyte = tl.where(bad_b, 255, ex + 127)
-        s = _e8m0_decode(sbyte)  # 2^ex, or NaN for a bad block (what its dequantized values must be)
+        sbyte, s, ok = mxfp4_block_scale(amax_b, bad_b)
         g = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-        ok = ~bad_b
         sg = s
 
     a, d = _scaled_magnitude(x, sg, ok)
     if MODE == 2:
-        # The recorded mantissa bits: a byte per 8 elements, i.e. per thread (a thread holds 8 neighbours).
-        j8 = tl.arange(0, BS // 8)[None, None, :]
-        hb_offs = (row64 * (K // 8))[:, None, None] + blks[None, :, None] * (BS // 8) + j8
-        hbytes = tl.load(hb_ptr + hb_offs, mask=mask, other=0).to(tl.int32)
-        bits = (hbytes[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1
-        # IEEE |x| / d is 0 exactly when |x| <= RD(d * 2^-150): floor(d / 2) subnormal ulps, or d * 2^-150 itself.
-        tz = tl.where(d >= 16777216.0, (d * 2.0**-75) * 2.0**-75, float_of((d * 0.5).to(tl.int32)))
-        a = tl.where(tl.abs(x) <= tz[:, :, None], 0.0, tl.maximum(a, 1e-30))
-        idx = _e2m1_guided(a, tl.reshape(bits, [BLOCK_M, NBT, BS]))
+        idx = guided_index(x, a, d, hb_ptr, row64, blks, K, mask, BLOCK_M, NBT, BS)
     else:
         idx = e2m1_nearest(a)
     idx = tl.where(ok[:, :, None], idx, 0)
@@ -325,18 +353,7 @@ def _fp4_kernel(
     if WRITE_BITS:
         _store_bits(hb_ptr, code, row64, blks, K, mask, BLOCK_M, NBT, BS)
     if WRITE_OUT:
-        # value = (E2M1(code) * s) * g, in this order, as the reference (s and g of a hint may be negative).
-        # A block's values are NaN exactly when 0 * s * g is: that is decided per block, not per element.
-        u = bits_of((e2m1_decode(code) * s[:, :, None]) * g[:, :, None])
-        zero = (0.0 * s) * g
-        nan_b = (zero != zero)[:, :, None]
-        offs = base + blks[None, :, None] * BS + e
-        if OUT_KIND == 1:
-            # fp32 -> bf16 round to nearest even on the bits (the interpreter's cast truncates).
-            r = tl.where(nan_b, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
-        else:
-            tl.store(out_ptr + offs, float_of(tl.where(nan_b, 0x7FC00000, u)), mask=mask)
+        store_values(out_ptr + base + blks[None, :, None] * BS + e, code, s, g, mask, OUT_KIND)
 
 
 @triton.jit
