@@ -1,6 +1,6 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Padding-free packed training-side forwards (`TraceGRPOConfig.token_budget`) on the tiny Qwen3 MoE and Qwen3.5 MoE
-(Gated DeltaNet run row by row): the same log-probs, hints, routing and step as TRL's padded row micro-batches, rows
+(Gated DeltaNet given its rows right-padded): the same log-probs, hints, routing and step as TRL's padded row micro-batches, rows
 kept apart, fewer forwards."""
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def test_scoring_forwards_fall_as_the_budget_grows(tmp_path, model_dir, dataset)
 
 def test_the_default_packs_where_exact_and_measured(tmp_path, dataset):
     """token_budget=None: the all-attention Qwen3 MoE packs (each scoring forward holding its padded micro-batch's
-    tokens), the Qwen3.5 MoE (Gated DeltaNet, run row by row when packed) pads; 0 pads; a budget packs both; a model
+    tokens), the Qwen3.5 MoE (Gated DeltaNet) pads; 0 pads; a budget packs both; a model
     that cannot pack is left padded by the default rather than refused."""
     kw = {"rollout_precision": "bf16", "trace_hints": False, "routing_replay": False}
     qwen3, hybrid = T.tiny_model(), T.tiny_model("qwen3_5_moe_text")
@@ -374,6 +374,35 @@ def test_packed_attention_is_each_rows_own_causal_attention_and_builds_no_mask(m
     packing.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = sdpa_mask
     with torch.no_grad():
         rows = [model(input_ids=ids[:, :3]).logits, model(input_ids=ids[:, 3:]).logits]
+    torch.testing.assert_close(packed, torch.cat(rows, dim=1), **TOL)
+
+
+def test_gated_deltanet_takes_the_packed_rows_in_one_padded_call():
+    """A packed forward gives each Gated DeltaNet layer its rows right-padded to the longest in one call (not a call
+    per row), and each row's logits are those of its own forward."""
+    from trace_hf.train import packing
+
+    model = T.tiny_model("qwen3_5_moe_text").train()
+    mixers = packing.sequence_mixers(model)
+    seen = []
+
+    def spy(forward):
+        def call(hidden_states, *args, **kwargs):
+            seen.append(tuple(hidden_states.shape))
+            return forward(hidden_states, *args, **kwargs)
+
+        return call
+
+    for m in mixers:
+        m.forward = spy(m.forward)  # what the packed forward wraps
+    lengths = [2, 5, 3]
+    ids = torch.randint(4, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad(), packing.packed_attention(model, lengths):
+        packed = model(input_ids=ids, position_ids=positions).logits
+    assert seen == [(3, 5, model.config.hidden_size)] * len(mixers)
+    with torch.no_grad():
+        rows = [model(input_ids=r).logits for r in ids.split(lengths, dim=1)]
     torch.testing.assert_close(packed, torch.cat(rows, dim=1), **TOL)
 
 

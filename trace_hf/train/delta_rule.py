@@ -79,7 +79,7 @@ def _recurrent_values(chunk, recurrent):
         if kwargs.get("cu_seqlens") is not None:
             raise ValueError(
                 "gated_delta_rule='recurrent' steps each row on its own and cannot split packed sequences "
-                "(cu_seqlens). Pack with TraceGRPOConfig.token_budget, which runs these layers row by row, or use "
+                "(cu_seqlens). Pack with TraceGRPOConfig.token_budget, which gives these layers each row on its own, or use "
                 "gated_delta_rule='chunk'."
             )
         inputs = (query, key, value, g, beta)

@@ -11,9 +11,9 @@ attention on CUDA, one causal `sdpa` call per row elsewhere), and no mask is bui
 
 Gated DeltaNet layers (Qwen3.5) carry a state along the sequence, and transformers' torch rules and causal conv
 ignore packed boundaries (its `cu_seq_lens_q` reaches only flash-linear-attention's kernels). So within a packed
-forward each of those layers runs once per packed row (`_row_by_row`): the row's state starts at zero as in the padded
-path, and only the chunked rule's chunk boundaries (counted from the row's first token rather than the padded
-row's) can change the summation order.
+forward each of those layers takes the packed rows right-padded to the longest, in one call (`_rows_padded`): each
+row's state starts at zero as in the padded path, and only the chunked rule's chunk boundaries (counted from the
+row's first token rather than the left-padded row's) can change the summation order.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _packed_name(impl: str) -> str:
 
 
 def sequence_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The layers that carry a state along the sequence (Gated DeltaNet), which a packed forward runs row by row."""
+    """The layers that carry a state along the sequence (Gated DeltaNet), which a packed forward gives its rows padded."""
     return [m for m in model.modules() if "GatedDeltaNet" in type(m).__name__]
 
 
@@ -128,29 +128,37 @@ def sequence_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 
 
-def _row_by_row(module: torch.nn.Module, lengths: tuple[int, ...]):
+def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...]):
     """`module`'s forward (an accelerate hook's, where one is installed) over a packed [1, N, H] sequence as one call
-    per row, each without mask or cache."""
+    on its rows right-padded to the longest, [rows, longest, H], without mask or cache. Each row starts at position 0
+    with a zero state, as in the padded path; the conv and the rule are causal, so the padding after a row's tokens
+    cannot reach them, and its outputs are dropped."""
     forward = module.forward
+    longest = max(lengths)
+    # Where each packed token sits in the [rows * longest] layout.
+    slots = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lengths)])
 
-    def per_row(hidden_states, *args, attention_mask=None, **kwargs):
+    def padded(hidden_states, *args, attention_mask=None, **kwargs):
         if hidden_states.shape[:2] != (1, sum(lengths)):
             raise RuntimeError(
                 f"A packed forward of rows {list(lengths)} reached {type(module).__name__} with hidden states of "
                 f"shape {tuple(hidden_states.shape)}; it expects [1, {sum(lengths)}, hidden]."
             )
-        rows = hidden_states.split(list(lengths), dim=1)
-        # No cache: a row's state must start at zero, not where the previous packed row left it.
+        h = hidden_states[0]
+        at = slots.to(h.device)
+        rows = h.new_zeros(len(lengths) * longest, h.shape[-1]).index_copy(0, at, h)
+        # No cache: each row's state must start at zero, not where another row left it.
         kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_ARGS}
-        return torch.cat([forward(h, *args, **kwargs) for h in rows], dim=1)
+        out = forward(rows.view(len(lengths), longest, -1), *args, **kwargs)
+        return out.reshape(len(lengths) * longest, -1)[at].unsqueeze(0)
 
-    return per_row
+    return padded
 
 
 @contextlib.contextmanager
 def packed_attention(model: torch.nn.Module, lengths: list[int]):
     """Within the context, `model`'s attention keeps the packed rows of these `lengths` apart (`varlen_attention`),
-    builds no mask, and its Gated DeltaNet layers run row by row. Kept open until backward is done, so checkpointed
+    builds no mask, and its Gated DeltaNet layers take the rows right-padded (`_rows_padded`). Kept open until backward is done, so checkpointed
     layers recompute the same way."""
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
     saved = [(c, c._attn_implementation) for c in configs.values() if getattr(c, "_attn_implementation", None)]
@@ -162,7 +170,7 @@ def packed_attention(model: torch.nn.Module, lengths: list[int]):
         c._attn_implementation = _packed_name(impl)
     mixers = [(m, m.__dict__.get("forward")) for m in sequence_mixers(model)]
     for m, _ in mixers:
-        m.forward = _row_by_row(m, tuple(lengths))
+        m.forward = _rows_padded(m, tuple(lengths))
     try:
         yield
     finally:
@@ -215,8 +223,8 @@ def packing_refusal(model) -> str | None:
     if other or ("linear_attention" in types and not sequence_mixers(model)):
         return (
             f"this {text.model_type} model has {other or 'linear-attention layers other than Gated DeltaNet'}, which "
-            "a packed forward does not keep apart per row (sliding windows are not packed; only Gated DeltaNet runs "
-            "row by row)"
+            "a packed forward does not keep apart per row (sliding windows are not packed; only Gated DeltaNet takes "
+            "its rows padded)"
         )
     return None
 
