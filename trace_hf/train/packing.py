@@ -128,7 +128,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 
 
-def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...]):
+def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...], device: torch.device):
     """`module`'s forward (an accelerate hook's, where one is installed) over a packed [1, N, H] sequence as one call
     on its rows right-padded to the longest, [rows, longest, H], without mask or cache. Each row starts at position 0
     with a zero state, as in the padded path; the conv and the rule are causal, so the padding after a row's tokens
@@ -136,7 +136,7 @@ def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...]):
     forward = module.forward
     longest = max(lengths)
     # Where each packed token sits in the [rows * longest] layout.
-    slots = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lengths)])
+    slots = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lengths)]).to(device)
 
     def padded(hidden_states, *args, attention_mask=None, **kwargs):
         if hidden_states.shape[:2] != (1, sum(lengths)):
@@ -145,12 +145,11 @@ def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...]):
                 f"shape {tuple(hidden_states.shape)}; it expects [1, {sum(lengths)}, hidden]."
             )
         h = hidden_states[0]
-        at = slots.to(h.device)
-        rows = h.new_zeros(len(lengths) * longest, h.shape[-1]).index_copy(0, at, h)
+        rows = h.new_zeros(len(lengths) * longest, h.shape[-1]).index_copy(0, slots, h)
         # No cache: each row's state must start at zero, not where another row left it.
         kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_ARGS}
         out = forward(rows.view(len(lengths), longest, -1), *args, **kwargs)
-        return out.reshape(len(lengths) * longest, -1)[at].unsqueeze(0)
+        return out.reshape(len(lengths) * longest, -1)[slots].unsqueeze(0)
 
     return padded
 
@@ -170,7 +169,7 @@ def packed_attention(model: torch.nn.Module, lengths: list[int]):
         c._attn_implementation = _packed_name(impl)
     mixers = [(m, m.__dict__.get("forward")) for m in sequence_mixers(model)]
     for m, _ in mixers:
-        m.forward = _rows_padded(m, tuple(lengths))
+        m.forward = _rows_padded(m, tuple(lengths), device)
     try:
         yield
     finally:
