@@ -114,7 +114,8 @@ class TraceGRPOConfig(GRPOConfig):
             TRL's micro-batch (`per_device_train_batch_size` rows), so the loss and its normalisation are TRL's.
             `None` (default): packed where it is exact and measured faster, models whose layers are all attention
             (Qwen3 MoE), each scoring forward holding the tokens of TRL's padded one; Gated DeltaNet models
-            (Qwen3.5), whose layers then run once per packed row, stay padded unless given a budget. `0` (or less):
+            (Qwen3.5), whose layers then take the packed rows padded, stay padded unless given a budget (not yet
+            timed on a GPU). `0` (or less):
             TRL's padded row micro-batches (each cut to the columns its rows use). A budget on a model whose
             attention cannot keep packed rows apart (sliding windows, other implementations) is refused.
 
