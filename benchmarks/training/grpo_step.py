@@ -71,9 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--setups", default="generate_bf16,engine_bf16,engine_fp4")
-    p.add_argument("--profile", nargs="?", const="step", choices=["step", "rollout"], default=None,
-                   help="break the last step's device time down by kernel; `--profile rollout`: only its rollout "
-                        "(the engine's or generate's), to compare the precisions' rollouts kernel by kernel")  # fmt: skip
+    p.add_argument("--profile", nargs="?", const="step", choices=["step", "rollout", "train"], default=None,
+                   help="break the last step's device time down by kernel and kernel class; `--profile rollout`: only "
+                        "its rollout (the engine's or generate's), to compare the precisions' rollouts kernel by kernel; "
+                        "`--profile train`: only its training side (scoring forwards, training forwards, backward)")  # fmt: skip
     p.add_argument("--profile-host", action="store_true",
                    help="profile one call of each training phase in the last step, host side included")  # fmt: skip
     p.add_argument(
@@ -366,8 +367,9 @@ class StepLog:
 
 class LastStepProfile:
     """A TrainerCallback that runs torch.profiler over the last optimizer step (``scope="step"``: rollout and
-    training) or over that step's rollout only (``"rollout"``, through `watch`): which kernels the device time goes to
-    (on CPU, the CPU time of each op), and their total."""
+    training), over that step's rollout only (``"rollout"``, through `watch`) or over what follows it (``"train"``):
+    which kernels the device time goes to (on CPU, the CPU time of each op), by class (`kernel_class`), and their
+    total."""
 
     def __init__(self, cuda: bool, scope: str = "step"):
         from transformers import TrainerCallback
@@ -375,6 +377,7 @@ class LastStepProfile:
         prof = self
         self.cuda, self.scope, self.armed, self._p = cuda, scope, False, None
         self.kernels: list = []
+        self.classes: dict = {}
         self.total_ms: float | None = None
 
         class _CB(TrainerCallback):
@@ -404,18 +407,24 @@ class LastStepProfile:
         self._p.__exit__(None, None, None)
         events = self._p.key_averages()
         self.kernels = top_times(events, self.cuda, 25 if self.scope == "rollout" else 20)
+        self.classes = kernel_classes(events) if self.cuda else {}
         self.total_ms = round(sum(_self_time(e, self.cuda) for e in events) / 1e3, 2)
         self._p = None
 
     def watch(self, obj, name: str) -> None:
-        """With ``scope="rollout"``: profile the last step's first call of `obj.name` (the trainer's rollout)."""
-        if self.scope != "rollout":
+        """With ``scope="rollout"``: profile the last step's first call of `obj.name` (the trainer's rollout); with
+        ``"train"``: start profiling when it returns (the step's end stops it)."""
+        if self.scope == "step":
             return
         orig = getattr(obj, name)
 
         def profiled(*a, **k):
-            if not self.armed or self.kernels:
+            if not self.armed or self.kernels or self._p is not None:
                 return orig(*a, **k)
+            if self.scope == "train":
+                out = orig(*a, **k)
+                self._start()
+                return out
             self._start()
             try:
                 return orig(*a, **k)
@@ -435,6 +444,41 @@ def top_times(events, cuda: bool, n: int) -> list:
     rows = [(k, t) for k, t in rows if t > 0]
     total = sum(t for _, t in rows) or 1.0
     return [(k[:60], round(t / 1e3, 2), round(t / total, 3)) for k, t in sorted(rows, key=lambda r: -r[1])[:n]]
+
+
+#: Kernel classes by name fragment, tried in order; the first that matches a kernel's name is its class.
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attn", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Kernel2", "splitKreduce")),
+    ("copy/gather/scatter", ("gather", "scatter", "index", "copy", "CatArray", "cat_", "Memcpy", "memcpy")),
+    ("elementwise", ("elementwise", "fill", "Memset")),
+    ("reduce/sort/scan", ("reduce", "softmax", "norm", "sort", "scan", "Radix", "cub::", "topk")),
+)
+
+
+def kernel_class(name: str, ours: frozenset) -> str:
+    """``"trace-hf kernels"`` for a Triton/Gluon kernel of `kernels/` (``ours``: their names), else the first class
+    of `KERNEL_CLASSES` whose fragment the name holds, else ``"other"``."""
+    if name.split("(")[0].split(" ")[-1] in ours:
+        return "trace-hf kernels"
+    return next((c for c, frags in KERNEL_CLASSES if any(f in name for f in frags)), "other")
+
+
+def kernel_classes(events) -> dict:
+    """Device ms by `kernel_class` over a profile's kernels: where the glue (elementwise, copies, gathers) stands
+    against the GEMMs, attention and trace-hf's own kernels."""
+    import pathlib
+    import re
+
+    src = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+    ours = frozenset(m for f in src.glob("*.py") for m in re.findall(r"^def (\w+)\(", f.read_text(), re.M))
+    out: dict = {}
+    for e in events:
+        t = e.self_device_time_total
+        if t > 0:
+            c = kernel_class(e.key, ours)
+            out[c] = out.get(c, 0.0) + t / 1e3
+    return {c: round(ms, 1) for c, ms in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 #: The runtime calls that make the host wait for the device (`.item()`, `.tolist()`, `int(t)` go through
@@ -616,8 +660,9 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "trace_metrics": {k: v for k, v in later[-1].items() if k.startswith("trace/")},
     }
     if profiler:
-        key = "last_rollout" if args.profile == "rollout" else "last_step"
+        key = {"rollout": "last_rollout", "train": "last_train_side"}.get(args.profile, "last_step")
         res[f"kernels_{key}"] = profiler.kernels  # [(kernel, ms, share of the device time)]
+        res[f"kernel_classes_{key}"] = profiler.classes  # {class: device ms}
         res[f"device_ms_{key}"] = profiler.total_ms
     if phases.host:
         res["host_profile_last_step"] = phases.host.phases  # one call of each phase

@@ -44,10 +44,13 @@ def build_model(args, fp4: bool, dev):
                                linear_conv_kernel_dim=4, **shape)  # fmt: skip
     torch.manual_seed(0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    opt_in = getattr(args, "prefill_bf16_gemms", False)
+    if args.freeze_experts:  # no BF16 expert master: 40 layers of 256 experts would not fit beside the FP4 ones
+        return grpo_step.build_frozen(cfg, fp4, dev, dtype, opt_in)
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if fp4:
-        quantize_model(model, TraceFP4Config(prefill_bf16_gemms=getattr(args, "prefill_bf16_gemms", False)))
+        quantize_model(model, TraceFP4Config(prefill_bf16_gemms=opt_in))
     return model
 
 

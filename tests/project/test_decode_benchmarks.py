@@ -282,3 +282,51 @@ def test_last_step_profile_of_the_rollout_only():
     names = [k for k, _, _ in first]
     assert "aten::mm" in names and "aten::sum" not in names and prof.kernels == first
     assert prof.total_ms >= sum(ms for _, ms, _ in first) - 0.05
+
+
+def test_last_step_profile_of_the_training_side_only():
+    """`--profile train`: the profile starts when the last step's rollout returns and stops at the step's end, so
+    the rollout's ops are not in it and the training side's are."""
+    from types import SimpleNamespace as S
+
+    from benchmarks.training import grpo_step as g
+
+    class Trainer:
+        def roll(self, n):
+            return torch.ones(n, n) @ torch.ones(n, n)
+
+    prof, t = g.LastStepProfile(cuda=False, scope="train"), Trainer()
+    prof.watch(t, "roll")
+    for step in range(2):
+        state = S(global_step=step, max_steps=2)
+        prof.callback.on_step_begin(None, state, None)
+        t.roll(64)
+        torch.ones(8).sum()  # the training side
+        prof.callback.on_step_end(None, state, None)
+    names = [k for k, _, _ in prof.kernels]
+    assert "aten::sum" in names and "aten::mm" not in names
+
+
+def test_kernel_classes_sort_the_glue_from_the_gemms():
+    """`kernel_class`: trace-hf's own kernels by name, then attention, GEMMs, copies and gathers, elementwise,
+    reductions; `kernel_classes` sums device ms by class."""
+    from types import SimpleNamespace as E
+
+    from benchmarks.training import grpo_step as g
+
+    ours = frozenset({"_fp4_kernel", "gate_up_kernel", "_grouped_gemm_kernel"})
+    cases = {
+        "_fp4_kernel": "trace-hf kernels",
+        "_grouped_gemm_kernel": "trace-hf kernels",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd>(Flash_bwd_params)": "attention",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "gemm",
+        "void at::native::vectorized_gather_kernel<16, long>(char*, char*)": "copy/gather/scatter",
+        "void at::native::index_elementwise_kernel<128, 4>(long, at::native::gpu_index_kernel)": "copy/gather/scatter",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>(int)": "elementwise",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>(at::native::ReduceOp<float>)": "reduce/sort/scan",
+        "something_else": "other",
+    }  # fmt: skip
+    assert {n: g.kernel_class(n, ours) for n in cases} == cases
+    ev = [E(key="_fp4_kernel", self_device_time_total=2000), E(key="nvjet_x", self_device_time_total=5000),
+          E(key="aten::mm", self_device_time_total=0)]  # fmt: skip
+    assert g.kernel_classes(ev) == {"gemm": 5.0, "trace-hf kernels": 2.0}
