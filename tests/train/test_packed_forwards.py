@@ -264,20 +264,43 @@ def test_scoring_forwards_fall_as_the_budget_grows(tmp_path, model_dir, dataset)
         torch.testing.assert_close(out[budget][real], out[None][real], **TOL)
 
 
+def test_gated_deltanet_chunks_count_the_padding_their_layers_take():
+    """`token_chunks(padded=True)` (Gated DeltaNet models, whose layers take a forward's rows padded to its longest)
+    bounds rows x longest, not the real tokens: many short rows beside a long one would otherwise pad to several
+    times the budget. Both ways the rows stay in order, none is dropped, a row over the budget runs alone, and the
+    count of forwards never rises with the budget."""
+    from trace_hf.train.packing import token_chunks
+
+    lengths = [2, 30, 1, 3, 30, 2, 5, 4]
+    assert token_chunks(lengths, 40) == [(0, 4), (4, 7), (7, 8)]
+    assert token_chunks(lengths, 40, padded=True) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 8)]
+    for padded in (False, True):
+        counts = []
+        for budget in (1, 8, 20, 40, 64, 100, 300, None):
+            chunks = token_chunks(lengths, budget, padded=padded)
+            assert [lo for lo, _ in chunks] == [0] + [hi for _, hi in chunks[:-1]] and chunks[-1][1] == len(lengths)
+            for lo, hi in chunks:
+                rows = lengths[lo:hi]
+                cost = len(rows) * max(rows) if padded else sum(rows)
+                assert budget is None or hi - lo == 1 or cost <= budget
+            counts.append(len(chunks))
+        assert counts == sorted(counts, reverse=True) and counts[0] == len(lengths) and counts[-1] == 1
+
+
 # ----------------------------------------------------------------------------------------------------------
 # (5) Refusals name the fix
 # ----------------------------------------------------------------------------------------------------------
 
 
 def test_the_default_packs_where_exact_and_measured(tmp_path, dataset):
-    """token_budget=None: the all-attention Qwen3 MoE packs (each scoring forward holding its padded micro-batch's
-    tokens), the Qwen3.5 MoE (Gated DeltaNet) pads; 0 pads; a budget packs both; a model
-    that cannot pack is left padded by the default rather than refused."""
+    """token_budget=None: the all-attention Qwen3 MoE and the Qwen3.5 MoE (Gated DeltaNet) pack (each scoring forward
+    holding its padded micro-batch's tokens); 0 pads; a budget packs both; a model that cannot pack is left padded
+    by the default rather than refused."""
     kw = {"rollout_precision": "bf16", "trace_hints": False, "routing_replay": False}
     qwen3, hybrid = T.tiny_model(), T.tiny_model("qwen3_5_moe_text")
     assert make(qwen3, tmp_path, dataset, **kw).token_budget == "auto"
     assert make(qwen3, tmp_path, dataset, token_budget=0, **kw).token_budget is None
-    assert make(hybrid, tmp_path, dataset, **kw).token_budget is None
+    assert make(hybrid, tmp_path, dataset, **kw).token_budget == "auto"
     assert make(hybrid, tmp_path, dataset, token_budget=-1, **kw).token_budget is None
     assert make(hybrid, tmp_path, dataset, token_budget=512, **kw).token_budget == 512
     windowed = T.tiny_model(layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=4)

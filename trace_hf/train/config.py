@@ -112,10 +112,10 @@ class TraceGRPOConfig(GRPOConfig):
             A scoring forward (old and reference log-probs) packs rows, in order, up to `token_budget` real tokens
             (a row longer than that gets a forward of its own, never dropped); a training forward packs exactly
             TRL's micro-batch (`per_device_train_batch_size` rows), so the loss and its normalisation are TRL's.
-            `None` (default): packed where it is exact and measured faster, models whose layers are all attention
-            (Qwen3 MoE), each scoring forward holding the tokens of TRL's padded one; Gated DeltaNet models
-            (Qwen3.5), whose layers then take the packed rows padded, stay padded unless given a budget (not yet
-            timed on a GPU). `0` (or less):
+            `None` (default): packed wherever the packed forward keeps the rows apart (Qwen3 MoE and Qwen3.5 MoE, both
+            measured faster packed), each scoring forward holding the tokens of TRL's padded one; Gated DeltaNet
+            layers (Qwen3.5) take the packed rows right-padded, so there a scoring forward's budget counts rows x
+            the longest row. `0` (or less):
             TRL's padded row micro-batches (each cut to the columns its rows use). A budget on a model whose
             attention cannot keep packed rows apart (sliding windows, other implementations) is refused.
 
@@ -214,7 +214,7 @@ class TraceGRPOConfig(GRPOConfig):
         metadata={
             "help": "Pack training-side forwards padding-free: scoring forwards take rows up to this many real "
             "tokens (a longer row runs alone, never dropped), training forwards their whole micro-batch. None: packed "
-            "where exact and faster (all-attention models, the padded forwards' tokens); 0: TRL's padded micro-batches."
+            "wherever rows stay apart (Qwen3 MoE, Qwen3.5 MoE), the padded forwards' tokens; 0: TRL's padded micro-batches."
         },
     )
     rollout_importance_sampling: bool = field(

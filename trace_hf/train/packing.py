@@ -183,15 +183,19 @@ def packed_attention(model: torch.nn.Module, lengths: list[int]):
         _OPEN.remove(rows)
 
 
-def token_chunks(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
-    """Packed forwards as row ranges [lo, hi): rows in their order, as many as fit ``budget`` real tokens (next
-    fit, so the count never rises with the budget); a row longer than the budget has a forward of its own."""
-    chunks, lo, tokens = [], 0, 0
+def token_chunks(lengths: list[int], budget: int | None, padded: bool = False) -> list[tuple[int, int]]:
+    """Packed forwards as row ranges [lo, hi): rows in their order, as many as fit ``budget`` (next fit, so the count
+    never rises with the budget); a row longer than the budget has a forward of its own. The budget counts real
+    tokens, or with ``padded`` rows x the longest row: the positions `_rows_padded` gives the Gated DeltaNet layers,
+    which would otherwise grow past the budget when many short rows share a forward with a long one."""
+    chunks, lo, longest = [], 0, 0
+    tokens = 0
     for r, n in enumerate(lengths):
-        if budget is not None and r > lo and tokens + n > budget:
+        cost = (r - lo + 1) * max(longest, n) if padded else tokens + n
+        if budget is not None and r > lo and cost > budget:
             chunks.append((lo, r))
-            lo, tokens = r, 0
-        tokens += n
+            lo, tokens, longest = r, 0, 0
+        tokens, longest = tokens + n, max(longest, n)
     return [*chunks, (lo, len(lengths))]
 
 
@@ -232,14 +236,14 @@ def resolve_token_budget(model, token_budget: int | None) -> int | str | None:
     """What `TraceGRPOConfig.token_budget` means for `model`: an int budget, ``"auto"`` (each scoring forward packs
     the tokens its padded micro-batch would hold), or None (TRL's padded micro-batches).
 
-    None (the default) packs where the packed forward is exact and measured faster: models whose layers are all
-    attention. Gated DeltaNet models (Qwen3.5) pack only when asked, since their layers then run once per row.
-    A budget <= 0 turns packing off, as in TRL; a budget > 0 on a model that cannot pack is refused."""
+    None (the default) packs wherever the packed forward keeps the rows apart: all-attention models (Qwen3 MoE) and
+    Gated DeltaNet ones (Qwen3.5 MoE), both measured faster packed (docs/benchmarks.md). A budget <= 0 turns packing
+    off, as in TRL; a budget > 0 on a model that cannot pack is refused."""
     if token_budget is not None and token_budget <= 0:
         return None
     refusal = packing_refusal(model)
     if token_budget is None:
-        return "auto" if refusal is None and not sequence_mixers(model) else None
+        return "auto" if refusal is None else None
     if refusal is not None:
         raise ValueError(f"TraceGRPOConfig(token_budget={token_budget}): {refusal}; or set token_budget=0.")
     return token_budget

@@ -48,7 +48,7 @@ from .delta_rule import delta_rule_modules, recurrent_values
 from .grouping import group_by_length
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
-from .packing import packed_attention, resolve_token_budget, token_chunks, unpack
+from .packing import packed_attention, resolve_token_budget, sequence_mixers, token_chunks, unpack
 
 
 #: Prefix of the hint columns in the trainer's inputs (TRL shuffles and splits them with their rows).
@@ -117,6 +117,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         experts = self._trace_validate_model()
         #: `token_budget` for this model: an int, "auto" (the padded micro-batch's tokens) or None (padded forwards).
         self.token_budget = resolve_token_budget(self.accelerator.unwrap_model(self.model), self.args.token_budget)
+        #: Whether packed rows reach Gated DeltaNet layers padded, so that a scoring forward's budget counts padding.
+        self.packs_padded_rows = bool(sequence_mixers(self.accelerator.unwrap_model(self.model)))
         self._fp4 = bool(experts)  # an FP4 model (TraceFP4Config), not the BF16 baseline
         self._fmt = experts[0].fmt if experts else None
         self._hint_layers = tuple(m.moe_index for m in experts if m.hinted)  # what HintBatch.from_inputs rebuilds
@@ -450,15 +452,17 @@ class TraceGRPOTrainer(GRPOTrainer):
         GEMM summation order can differ. The labels mark each row's completion tokens (whose predecessor is always in
         their row), and the results go back to TRL's [rows, logits_to_keep] layout, 0 at padding.
 
-        ``budget``: the most real tokens one forward packs, rows in their order (a row longer than it gets a forward
-        of its own, never dropped); None packs all rows into one forward."""
+        ``budget``: the most real tokens one forward packs, rows in their order (on a Gated DeltaNet model, rows x
+        the longest row: what its layers take padded); a row longer than it gets a forward of its own, never
+        dropped; None packs all rows into one forward.
+        """
         step = self._trace_state
         mask = attention_mask.bool()
         width = input_ids.size(1)
         labels = input_ids.masked_fill(~mask, -100)
         labels[:, : width - logits_to_keep] = -100
         logps, entropies, aux = [], [], []
-        for lo, hi in token_chunks(mask.sum(1).tolist(), budget):
+        for lo, hi in token_chunks(mask.sum(1).tolist(), budget, padded=self.packs_padded_rows):
             m = mask[lo:hi]
             positions = (m.long().cumsum(1) - 1)[m].unsqueeze(0)
             extra = {"output_router_logits": True} if compute_aux_loss else {}
