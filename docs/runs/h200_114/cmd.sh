@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOT RUN in the session that wrote it: no H200 could be started (three refusals). The next session runs it as is
+# (needs_h200: BF16 at 48 layers takes ~94 GiB).
 # Device call h200_114 (one H200, commit 68974a3): FP4 against BF16 at the full 48-layer Qwen3-30B-A3B shape, frozen experts + LoRA
 # r=32, 256 long-tailed rows x 1K, micro-batch 32, packed (the default), one process per setup. Step 2 is the
 # measurement; step 3 is profiled (--profile train: the training side's device time by kernel and kernel class). Then
