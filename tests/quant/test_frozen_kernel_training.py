@@ -279,3 +279,23 @@ def test_a_model_trains_alike_on_both_paths_under_hints_and_checkpointing(tmp_pa
     for n in g_t:
         assert rel(g_k[n], g_t[n]) < 1e-4, n
     assert torch.equal(l_c, l_k) and all(torch.equal(g_c[n], g_k[n]) for n in g_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["F.silu", "nn.SiLU", "gelu"])
+def test_gated_activation_backward_is_autograds_bit_for_bit(dtype, act):
+    """`gated_act_backward` (the frozen experts' backward through SiLU(gate) * up) writes what autograd computes, bit
+    for bit, into one [R, 2I] tensor: SiLU by the same aten kernels, other activations through autograd itself."""
+    from trace_hf.quant.expert_paths import gated_act_backward
+
+    act_fn = {"F.silu": nn.functional.silu, "nn.SiLU": nn.SiLU(), "gelu": nn.GELU()}[act]
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(37, 2 * 24, generator=g) * 3).to(dtype)
+    gate_up[0, :3] = torch.tensor([0.0, -0.0, 88.0])  # zero, signed zero, sigmoid saturated
+    grad = torch.randn(37, 24, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)  # strided views, as the grouped GEMM's output gives them
+    got = gated_act_backward(act_fn, gate, up, grad)
+    gl, ul = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)  # the former code's leaves
+    want = torch.cat(torch.autograd.grad(act_fn(gl) * ul, (gl, ul), grad), dim=-1)
+    assert got.shape == (37, 48) and got.dtype == dtype
+    assert torch.equal(got, want)

@@ -294,16 +294,32 @@ def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw):
     if need_dx or (need_dw and dw is None):  # dense activations: dw reads the recomputed hidden
         w_gu = cached[0] if cached else dequantize(q_gu, x.dtype)
         gate, up = grouped_linear(x[rows], w_gu, offsets, spans).chunk(2, dim=-1)
-        with torch.enable_grad():
-            gate, up = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
-            h = m.act_fn(gate) * up
         if need_dw and dw is None:
-            dw = (dhq * h.detach()).sum(-1, dtype=torch.float32)
+            dw = (dhq * (m.act_fn(gate) * up)).sum(-1, dtype=torch.float32)
         if need_dx:
             w_sorted = weights.reshape(-1)[order]
-            dgate, dup = torch.autograd.grad(h, (gate, up), dhq * w_sorted[:, None].to(dhq.dtype))
-            dx = grouped_matmul(torch.cat([dgate, dup], dim=-1), w_gu, offsets, spans)
+            d_gate_up = gated_act_backward(m.act_fn, gate, up, dhq * w_sorted[:, None].to(dhq.dtype))
+            dx = grouped_matmul(d_gate_up, w_gu, offsets, spans)
             dx = dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
     if dw is not None:
         dw = dw[inverse].view(t, k).to(weights.dtype)
     return dx, dw
+
+
+def gated_act_backward(act_fn, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """[d gate | d up] of ``act_fn(gate) * up`` for ``grad``, side by side in one [R, 2I] tensor (what the gate/up
+    projection's input gradient reads). For SiLU, the aten kernels autograd would launch (the two products and
+    `silu_backward`), written in place: the same values in four passes, without autograd's graph, the product's
+    forward or a concatenation. Other activations go through autograd."""
+    out = grad.new_empty(grad.shape[0], 2 * grad.shape[1])
+    d_gate, d_up = out.chunk(2, dim=-1)
+    if act_fn is nn.functional.silu or isinstance(act_fn, nn.SiLU):
+        torch.mul(grad, nn.functional.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return out
+    with torch.enable_grad():
+        g, u = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+        grads = torch.autograd.grad(act_fn(g) * u, (g, u), grad)
+    d_gate.copy_(grads[0])
+    d_up.copy_(grads[1])
+    return out
