@@ -11,9 +11,17 @@ dequantization, the experts' alignment) and its grouped GEMMs one `grouped_mm`, 
 take torch ones and a loop over the experts hit). What it cannot see: the Gluon (sm_90) expert kernels, which the
 CPU replaces by the Triton ones one for one, and the kernels an aten call launches inside (cuBLAS, sdpa), counted
 as one each. So it compares setups and code versions; GPU time is for the profiler
-(`grpo_step --profile-host`).
+(`grpo_step --profile-host`, `--profile train`).
+
+Each launch also counts the bytes of the tensors it reads and writes (its tensor arguments and outputs, whole), by
+class (`OP_CLASSES`: GEMM, attention, copy/gather, reduction, elementwise, Triton) and by source: the traffic the
+glue between the matmuls costs, which bounds the training side at large token counts (docs/benchmarks.md, "Where
+does the training side's device time go?"). ``--shape mid`` gives the model the real shape's ratios (top-8 of 16
+experts, hidden 2.7x the experts' width, 32 query heads per 4 KV) at a size the interpreter runs, so that the bytes
+of [tokens x top-k] and [tokens] tensors weigh as they do at full size.
 
     TRITON_INTERPRET=1 python -m benchmarks.training.launch_census --out census.json
+    TRITON_INTERPRET=1 python -m benchmarks.training.launch_census --shape mid --tokens 256 --out census_mid.json
 
 Per layer = (count at ``--layers`` + 2) - (count at ``--layers``), halved: the embedding, the final norm and the LM
 head cancel out, and for FP4 it is the mean of a hinted and an unhinted layer (the default hints the deeper half).
@@ -33,8 +41,43 @@ METADATA = frozenset({
     "view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "slice", "expand", "detach", "alias",
     "as_strided", "select", "split", "split_with_sizes", "permute", "lift_fresh", "_reshape_alias", "unbind", "chunk",
     "narrow", "reshape", "empty", "empty_like", "empty_strided", "sym_size", "is_same_size", "_local_scalar_dense",
-    "item", "unflatten", "flatten", "view_as", "contiguous", "_has_compatible_shallow_copy_type",
+    "item", "unflatten", "flatten", "view_as", "contiguous", "_has_compatible_shallow_copy_type", "new_empty",
 })  # fmt: skip
+#: Launch classes by aten op name (a Triton launch is its own class); the rest is elementwise.
+OP_CLASSES = {
+    "gemm": {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "addmv", "mv", "dot"},
+    "attention": {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
+                  "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+                  "_scaled_dot_product_efficient_attention_backward", "_flash_attention_backward",
+                  "_efficient_attention_backward", "_scaled_dot_product_attention_math"},
+    "copy/gather": {"index", "index_select", "gather", "scatter", "scatter_add", "scatter_add_", "index_put_",
+                    "index_put", "copy_", "cat", "_to_copy", "clone", "masked_scatter", "index_copy", "index_copy_",
+                    "slice_scatter", "select_scatter", "stack", "embedding", "embedding_dense_backward",
+                    "index_add_", "index_add", "masked_select", "nonzero", "repeat", "repeat_interleave"},
+    "reduce/sort": {"sum", "mean", "amax", "amin", "max", "min", "sort", "topk", "cumsum", "_softmax", "_log_softmax",
+                    "logsumexp", "argmax", "norm", "linalg_vector_norm", "_softmax_backward_data",
+                    "_log_softmax_backward_data", "any", "all", "var_mean", "prod"},
+}  # fmt: skip
+
+
+def op_class(name: str) -> str:
+    return next((c for c, ops in OP_CLASSES.items() if name in ops), "elementwise")
+
+
+def _nbytes(obj) -> int:
+    """Bytes of every tensor in a (nested) argument or output."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    return 0
+
+
 #: Source folders a launch is attributed to (the innermost frame in one of them).
 SOURCES = ("/trace_hf/", "/kernels/", "/peft/", "/transformers/models/", "/transformers/integrations/")
 
@@ -45,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2, help="the smaller of the two depths compared (the other: +2)")
     p.add_argument("--tokens", type=int, default=48, help="tokens of the one row")
     p.add_argument("--setups", default="bf16,fp4")
+    p.add_argument("--shape", choices=["tiny", "mid"], default="tiny",
+                   help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="accepted for the benchmarks' common interface (always CPU)")
     return p.parse_args(argv)
 
@@ -58,6 +103,12 @@ class Census:
 
     def reset(self) -> None:
         self.ops, self.sources, self.triton = collections.Counter(), collections.Counter(), 0
+        self.bytes, self.source_bytes = collections.Counter(), collections.Counter()  # by class; glue by source
+
+    def add_bytes(self, cls: str, n: int, source: str) -> None:
+        self.bytes[cls] += n
+        if cls in ("elementwise", "copy/gather", "reduce/sort"):
+            self.source_bytes[source] += n
 
     def source(self) -> str:
         f = sys._getframe(2)
@@ -83,6 +134,7 @@ def _install(census: Census):
 
     def counted_run(self, *args, **kwargs):
         census.triton += 1
+        census.add_bytes("triton", _nbytes(args), "triton")
         census._in_triton += 1  # the interpreter's own torch calls are not launches
         try:
             return run(self, *args, **kwargs)
@@ -108,15 +160,39 @@ def _install(census: Census):
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
+            out = func(*args, **(kwargs or {}))
             if name not in METADATA and not census._in_triton:
+                source = census.source()
                 census.ops[name] += 1
-                census.sources[census.source()] += 1
-            return func(*args, **(kwargs or {}))
+                census.sources[source] += 1
+                census.add_bytes(op_class(name), _nbytes(args) + _nbytes(kwargs) + _nbytes(out), source)
+            return out
 
     return Mode
 
 
-def count(setup: str, layers: int, tokens: int, census: Census, mode) -> dict:
+def mid_model(layers: int, fp4: bool):
+    """`lora_model`'s model at ``--shape mid``: Qwen3-30B-A3B's ratios (top-8 of many experts, hidden 2048 / expert
+    width 768, 32 query / 4 KV heads) at hidden 256, frozen experts, LoRA r=32 on q/k/v/o, checkpointing."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig
+
+    from benchmarks.training.grpo_step import build_frozen
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=layers, hidden_size=256, num_attention_heads=32, num_key_value_heads=4,
+                         head_dim=16, num_experts=16, num_experts_per_tok=8, moe_intermediate_size=96,
+                         intermediate_size=512, vocab_size=1024, max_position_embeddings=4096,
+                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = build_frozen(cfg, fp4, torch.device("cpu"), torch.float32)
+    lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model = get_peft_model(model, lora)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str = "tiny") -> dict:
     """One setup at one depth: the counts of a no-grad forward and of a forward + backward."""
     import torch
 
@@ -125,7 +201,7 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode) -> dict:
     from trace_hf.hints import aligned_positions
 
     fp4 = setup == "fp4"
-    model = lora_model(layers, fp4, torch.device("cpu"), smoke=True)
+    model = mid_model(layers, fp4) if shape == "mid" else lora_model(layers, fp4, torch.device("cpu"), smoke=True)
     ids = torch.randint(4, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     hints = record_hints(model, ids, mask, "triton") if fp4 else None  # the rollout's kernels, as on CUDA
@@ -147,7 +223,8 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode) -> dict:
                     logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=tokens // 2).logits
                     logits.float().logsumexp(-1).mean().backward()
         out[phase] = {"aten": sum(census.ops.values()), "triton": census.triton, "ops": dict(census.ops),
-                      "sources": dict(census.sources)}  # fmt: skip
+                      "sources": dict(census.sources), "bytes": dict(census.bytes),
+                      "glue_bytes_by_source": dict(census.source_bytes)}  # fmt: skip
     return out
 
 
@@ -167,6 +244,10 @@ def per_layer(shallow: dict, deep: dict) -> dict:
             "triton_per_layer": (b["triton"] - a["triton"]) / 2,
             "sources_per_layer": sources,
             "ops_per_layer": sorted(diff(a["ops"], b["ops"]).items(), key=lambda kv: -kv[1]),
+            "bytes_per_layer": dict(sorted(diff(a["bytes"], b["bytes"]).items(), key=lambda kv: -kv[1])),
+            "glue_bytes_per_layer_by_source": sorted(
+                diff(a["glue_bytes_by_source"], b["glue_bytes_by_source"]).items(), key=lambda kv: -kv[1]
+            )[:15],
         }
     return res
 
@@ -183,14 +264,17 @@ def main(argv=None) -> int:
     mode = _install(census)
     results = {}
     for setup in args.setups.split(","):
-        shallow = count(setup, args.layers, args.tokens, census, mode)
-        deep = count(setup, args.layers + 2, args.tokens, census, mode)
+        shallow = count(setup, args.layers, args.tokens, census, mode, args.shape)
+        deep = count(setup, args.layers + 2, args.tokens, census, mode, args.shape)
         results[setup] = per_layer(shallow, deep)
         for phase, r in results[setup].items():
+            mb = {c: round(n / 2**20, 2) for c, n in r["bytes_per_layer"].items()}
             print(f"{setup} {phase}: {r['aten_per_layer']:.1f} aten launches + {r['triton_per_layer']:.1f} Triton "
-                  f"launches per layer; top sources {r['sources_per_layer'][:4]}", flush=True)  # fmt: skip
+                  f"launches per layer; top sources {r['sources_per_layer'][:4]}; MiB per layer by class {mb}",
+                  flush=True)  # fmt: skip
     with open(args.out, "w") as f:
-        json.dump({"layers": [args.layers, args.layers + 2], "tokens": args.tokens, "results": results}, f, indent=1)
+        json.dump({"layers": [args.layers, args.layers + 2], "tokens": args.tokens, "shape": args.shape,
+                   "results": results}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -282,13 +282,15 @@ def test_a_model_trains_alike_on_both_paths_under_hints_and_checkpointing(tmp_pa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", ["F.silu", "nn.SiLU", "gelu"])
+@pytest.mark.parametrize("act", ["F.silu", "nn.SiLU", "ACT2FN", "gelu"])
 def test_gated_activation_backward_is_autograds_bit_for_bit(dtype, act):
     """`gated_act_backward` (the frozen experts' backward through SiLU(gate) * up) writes what autograd computes, bit
     for bit, into one [R, 2I] tensor: SiLU by the same aten kernels, other activations through autograd itself."""
     from trace_hf.quant.expert_paths import gated_act_backward
 
-    act_fn = {"F.silu": nn.functional.silu, "nn.SiLU": nn.SiLU(), "gelu": nn.GELU()}[act]
+    from transformers.activations import ACT2FN
+
+    act_fn = {"F.silu": nn.functional.silu, "nn.SiLU": nn.SiLU(), "ACT2FN": ACT2FN["silu"], "gelu": nn.GELU()}[act]
     g = torch.Generator().manual_seed(4)
     gate_up = (torch.randn(37, 2 * 24, generator=g) * 3).to(dtype)
     gate_up[0, :3] = torch.tensor([0.0, -0.0, 88.0])  # zero, signed zero, sigmoid saturated
@@ -299,3 +301,10 @@ def test_gated_activation_backward_is_autograds_bit_for_bit(dtype, act):
     want = torch.cat(torch.autograd.grad(act_fn(gl) * ul, (gl, ul), grad), dim=-1)
     assert got.shape == (37, 48) and got.dtype == dtype
     assert torch.equal(got, want)
+    if act != "gelu":  # SiLU takes the aten kernels, not autograd
+        backward = torch.autograd.grad
+        try:
+            torch.autograd.grad = None
+            assert torch.equal(gated_act_backward(act_fn, gate, up, grad), want)
+        finally:
+            torch.autograd.grad = backward

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import activations
 
 from .. import fp4
 from .expert_weights import dequantize, fields
@@ -306,6 +307,10 @@ def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw):
     return dx, dw
 
 
+#: The SiLU modules models hold as ``act_fn`` (transformers' `ACT2FN["silu"]` is its own `SiLUActivation`).
+_SILU_MODULES = (nn.SiLU, *(c for c in [getattr(activations, "SiLUActivation", None)] if c is not None))
+
+
 def gated_act_backward(act_fn, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """[d gate | d up] of ``act_fn(gate) * up`` for ``grad``, side by side in one [R, 2I] tensor (what the gate/up
     projection's input gradient reads). For SiLU, the aten kernels autograd would launch (the two products and
@@ -313,7 +318,7 @@ def gated_act_backward(act_fn, gate: torch.Tensor, up: torch.Tensor, grad: torch
     forward or a concatenation. Other activations go through autograd."""
     out = grad.new_empty(grad.shape[0], 2 * grad.shape[1])
     d_gate, d_up = out.chunk(2, dim=-1)
-    if act_fn is nn.functional.silu or isinstance(act_fn, nn.SiLU):
+    if act_fn is nn.functional.silu or isinstance(act_fn, _SILU_MODULES):
         torch.mul(grad, nn.functional.silu(gate), out=d_up)
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
         return out
