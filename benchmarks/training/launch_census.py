@@ -103,12 +103,14 @@ class Census:
 
     def reset(self) -> None:
         self.ops, self.sources, self.triton = collections.Counter(), collections.Counter(), 0
-        self.bytes, self.source_bytes = collections.Counter(), collections.Counter()  # by class; glue by source
+        # Bytes by class, and the glue's by source and by op (autograd's backward ops have no Python source).
+        self.bytes, self.source_bytes, self.op_bytes = (collections.Counter() for _ in range(3))
 
-    def add_bytes(self, cls: str, n: int, source: str) -> None:
+    def add_bytes(self, cls: str, n: int, source: str, op: str) -> None:
         self.bytes[cls] += n
         if cls in ("elementwise", "copy/gather", "reduce/sort"):
             self.source_bytes[source] += n
+            self.op_bytes[op] += n
 
     def source(self) -> str:
         f = sys._getframe(2)
@@ -134,7 +136,7 @@ def _install(census: Census):
 
     def counted_run(self, *args, **kwargs):
         census.triton += 1
-        census.add_bytes("triton", _nbytes(args), "triton")
+        census.add_bytes("triton", _nbytes(args), "triton", "triton")
         census._in_triton += 1  # the interpreter's own torch calls are not launches
         try:
             return run(self, *args, **kwargs)
@@ -165,7 +167,7 @@ def _install(census: Census):
                 source = census.source()
                 census.ops[name] += 1
                 census.sources[source] += 1
-                census.add_bytes(op_class(name), _nbytes(args) + _nbytes(kwargs) + _nbytes(out), source)
+                census.add_bytes(op_class(name), _nbytes(args) + _nbytes(kwargs) + _nbytes(out), source, name)
             return out
 
     return Mode
@@ -224,7 +226,8 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
                     logits.float().logsumexp(-1).mean().backward()
         out[phase] = {"aten": sum(census.ops.values()), "triton": census.triton, "ops": dict(census.ops),
                       "sources": dict(census.sources), "bytes": dict(census.bytes),
-                      "glue_bytes_by_source": dict(census.source_bytes)}  # fmt: skip
+                      "glue_bytes_by_source": dict(census.source_bytes),
+                      "glue_bytes_by_op": dict(census.op_bytes)}  # fmt: skip
     return out
 
 
@@ -247,6 +250,9 @@ def per_layer(shallow: dict, deep: dict) -> dict:
             "bytes_per_layer": dict(sorted(diff(a["bytes"], b["bytes"]).items(), key=lambda kv: -kv[1])),
             "glue_bytes_per_layer_by_source": sorted(
                 diff(a["glue_bytes_by_source"], b["glue_bytes_by_source"]).items(), key=lambda kv: -kv[1]
+            )[:15],
+            "glue_bytes_per_layer_by_op": sorted(
+                diff(a["glue_bytes_by_op"], b["glue_bytes_by_op"]).items(), key=lambda kv: -kv[1]
             )[:15],
         }
     return res

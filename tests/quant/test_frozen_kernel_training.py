@@ -308,3 +308,21 @@ def test_gated_activation_backward_is_autograds_bit_for_bit(dtype, act):
             assert torch.equal(gated_act_backward(act_fn, gate, up, grad), want)
         finally:
             torch.autograd.grad = backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_backward_reads_the_input_codes_as_the_dequantized_input(dtype):
+    """`frozen_backward` given the input's FP4 codes (gathered by slot, then dequantized: a quarter of the bytes
+    moved) gives the gradients it gives on the dequantized input, bit for bit."""
+    from trace_hf.quant.expert_paths import frozen_backward
+
+    mod = frozen("triton", dtype=dtype)
+    ids, w = routing(19, 4, 2, dtype=dtype)
+    x = torch.randn(19, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    q = fp4.quantize(x, "nvfp4", "row")
+    grad = torch.randn(19, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    got = frozen_backward(mod, q, ids, w, grad, None, True, True, dtype)
+    want = frozen_backward(mod, q.dequantize(dtype), ids, w, grad, None, True, True)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+    assert got[0].abs().sum() > 0 and got[1].abs().sum() > 0

@@ -254,36 +254,38 @@ class FrozenKernelExperts(torch.autograd.Function):
         weights, ids, *rest = ctx.saved_tensors
         kept, xq = rest[: ctx.kept], rest[ctx.kept :]
         m = ctx.module
-        x = dequantize(fp4.FP4Tensor(*xq, m.fmt), ctx.dtype) if ctx.codes else xq[0]
+        x = fp4.FP4Tensor(*xq, m.fmt) if ctx.codes else xq[0]
         hidden = fp4.FP4Tensor(*kept, m.fmt) if kept else None
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        dx, dw = frozen_backward(m, x, ids, weights, grad.contiguous(), hidden, need_dx, need_dw)
+        dx, dw = frozen_backward(m, x, ids, weights, grad.contiguous(), hidden, need_dx, need_dw, ctx.dtype)
         return (dx, dw, None, None, None) + (None,) * ctx.codes
 
 
-def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw):
-    """Input and routing-weight gradients of the frozen experts at input values ``x`` (the FP4 input,
-    dequantized): straight-through both FP4 activation quantizations, as `routed`'s autograd does, from the
-    packed weights dequantized (or the kept copy with cache_qat_weights).
+def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw, dtype=None):
+    """Input and routing-weight gradients of the frozen experts at input values ``x`` (the FP4 input as an
+    `FP4Tensor`, dequantized to ``dtype`` one (token, slot) row at a time where gate/up are recomputed, or a dense
+    tensor): straight-through both FP4 activation quantizations, as `routed`'s autograd does, from the packed
+    weights dequantized (or the kept copy with cache_qat_weights).
 
     The routing weights' gradient is <grad @ W_down[e], hidden>, so no down projection runs. ``hidden`` is the
     FP4 hidden the forward kernel's down projection read (`FP4Tensor` [T * k, I], rows in slot order), so that
     gradient is that of the function the forward computed; a gate/up recomputed here in bf16 would round 1-2% of
     the hidden's codes the other way. With dense activations (``hidden`` None) the recomputed hidden serves.
-    Gate/up are still recomputed (in ``x``'s dtype) for the SiLU * up derivative of the input gradient: the
+    Gate/up are still recomputed (in ``dtype``) for the SiLU * up derivative of the input gradient: the
     kernels keep only the quantized hidden, and keeping gate/up would hold a [T * k, 2I] copy to the backward."""
     t, k = ids.shape
+    dtype = dtype or x.dtype
     ids_sorted, order = torch.sort(ids.reshape(-1), stable=True)
-    counts = torch.zeros(m.num_experts, dtype=torch.int64, device=x.device)
+    counts = torch.zeros(m.num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, ids_sorted, torch.ones_like(ids_sorted))
     offsets = counts.cumsum(0).to(torch.int32)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     # One projection dequantized at a time (without cache_qat_weights): the down one is dropped before gate/up's.
-    cached = m.fake_quantized_weights(x.dtype) if m.cache_qat_weights else None
+    cached = m.fake_quantized_weights(dtype) if m.cache_qat_weights else None
     q_gu, q_d = m.packed_weights()
-    w_d = cached[1] if cached else dequantize(q_d, x.dtype)
-    spans = None if grouped_mm_ok(x, w_d) else counts.tolist()
+    w_d = cached[1] if cached else dequantize(q_d, dtype)
+    spans = None if grouped_mm_ok(grad, w_d) else counts.tolist()
     rows = order // k
     dhq = grouped_matmul(grad[rows], w_d, offsets, spans)  # unweighted: grad @ W_down[e], [T * k, I]
     del w_d
@@ -293,15 +295,23 @@ def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw):
         dw = (dhq * h).sum(-1)
         del h
     if need_dx or (need_dw and dw is None):  # dense activations: dw reads the recomputed hidden
-        w_gu = cached[0] if cached else dequantize(q_gu, x.dtype)
-        gate, up = grouped_linear(x[rows], w_gu, offsets, spans).chunk(2, dim=-1)
+        w_gu = cached[0] if cached else dequantize(q_gu, dtype)
+        # FP4 codes are gathered (a quarter of the bytes) and dequantized as [T * k, H] in one pass, the same values
+        # as dequantizing [T, H] and gathering its rows.
+        xs = (
+            dequantize(fp4.FP4Tensor(*(f[rows] for f in fields(x)), x.fmt), dtype)
+            if isinstance(x, fp4.FP4Tensor)
+            else x[rows]
+        )
+        gate, up = grouped_linear(xs, w_gu, offsets, spans).chunk(2, dim=-1)
+        del xs
         if need_dw and dw is None:
             dw = (dhq * (m.act_fn(gate) * up)).sum(-1, dtype=torch.float32)
         if need_dx:
             w_sorted = weights.reshape(-1)[order]
             d_gate_up = gated_act_backward(m.act_fn, gate, up, dhq * w_sorted[:, None].to(dhq.dtype))
             dx = grouped_matmul(d_gate_up, w_gu, offsets, spans)
-            dx = dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+            dx = dx[inverse].view(t, k, -1).sum(1, dtype=torch.float32).to(dtype)
     if dw is not None:
         dw = dw[inverse].view(t, k).to(weights.dtype)
     return dx, dw
