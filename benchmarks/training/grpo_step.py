@@ -113,6 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--token-budget", type=int, default=None,
                    help="TraceGRPOConfig.token_budget: padding-free packed training-side forwards (default None: packed "
                         "where exact, i.e. Qwen3 MoE; 0: TRL's padded micro-batches)")  # fmt: skip
+    p.add_argument("--gated-delta-rule", choices=["chunk", "recurrent"], default="chunk",
+                   help="TraceGRPOConfig.gated_delta_rule (Gated DeltaNet models: grpo_step_qwen35): the training "
+                        "forwards' rule, to time what 'recurrent' costs")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -596,7 +599,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         rollout_precision="fp4" if fp4 else "bf16", trace_hints=fp4, routing_replay=fp4,
         rollout_engine="generate" if name.startswith("generate") else "engine",
         train_sampling_strategy="group_by_length" if args.group_by_length else "random",
-        token_budget=args.token_budget,
+        token_budget=args.token_budget, gated_delta_rule=args.gated_delta_rule,
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
@@ -646,6 +649,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
         "token_budget": args.token_budget,
+        "gated_delta_rule": args.gated_delta_rule,
         "freeze_experts": args.freeze_experts,
         "prefill_bf16_gemms": args.prefill_bf16_gemms,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
