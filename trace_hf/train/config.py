@@ -104,8 +104,9 @@ class TraceGRPOConfig(GRPOConfig):
             How training-side forwards compute the gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next).
             `"chunk"`: transformers' chunked form. `"recurrent"`: the recurrent form's values (what the rollout's
             decode steps compute) with the chunked form's gradient; on a warmed Qwen3.5 MoE this removed most of the
-            BF16 rollout/training KL (docs/results.md section 7), at the cost of one step per token in every
-            training-side forward. Models without Gated DeltaNet layers must keep `"chunk"`.
+            BF16 rollout/training KL (docs/results.md section 7). On CUDA the recurrent values take one kernel
+            launch per layer call (`trace_hf.kernels.gated_delta_recurrent`); elsewhere transformers' loop of one
+            step per token. Models without Gated DeltaNet layers must keep `"chunk"`.
         token_budget (`int`, *optional*):
             Padding-free packed training-side forwards (TRL's name, from its async GRPO trainer): the real tokens of
             a forward's rows go into one sequence, position ids restarting at each row, so no padding is computed.
@@ -205,7 +206,8 @@ class TraceGRPOConfig(GRPOConfig):
         default="chunk",
         metadata={
             "help": "Gated DeltaNet (Qwen3.5) in training forwards: 'chunk' (transformers' chunked form) or "
-            "'recurrent' (the rollout's recurrent values, chunked gradient: less rollout/training mismatch, slower).",
+            "'recurrent' (the rollout's recurrent values, chunked gradient: less rollout/training mismatch; one kernel "
+            "over the sequence on CUDA, one step per token elsewhere).",
             "choices": list(GATED_DELTA_RULES),
         },
     )

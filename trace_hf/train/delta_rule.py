@@ -6,7 +6,9 @@ chunked form, which sums the same terms in another order. On a warmed Qwen3.5 Mo
 the only block whose own output differs between rollout and training, and hints cannot reach it (it is not an FP4
 site; docs/results.md section 7). ``TraceGRPOConfig(gated_delta_rule="recurrent")`` makes every training-side
 forward take the recurrent form's values (transformers' torch rule: the engine's torch step op for op, its Triton
-step on CUDA up to fp32 summation order), with the chunked form's gradient
+step on CUDA up to fp32 summation order; on CUDA computed by `trace_hf.kernels.gated_delta_recurrent`, one launch
+over the sequence instead of the torch loop's ~10 per token, the same values up to fp32 summation order), with the
+chunked form's gradient
 (straight-through: the two differ by rounding, and the chunked backward needs no per-token state). No-grad
 forwards (the old log-probs) run the recurrent form alone.
 
@@ -69,6 +71,26 @@ def torch_rules(module) -> tuple[Callable, Callable]:
     return torch_rule(getattr(module, _CHUNK)), torch_rule(getattr(module, _RECURRENT))
 
 
+def _use_kernel(query: torch.Tensor) -> bool:
+    """Whether the recurrent values come from `trace_hf.kernels.gated_delta_recurrent` (CUDA) rather than the loop."""
+    return query.is_cuda
+
+
+def _recurrent_rule(torch_recurrent: Callable) -> Callable:
+    """The recurrent rule for a call: on CUDA the kernel (one launch over the sequence; transformers' torch rule up to
+    fp32 summation order), where head sizes are powers of two as the kernel's tiles need; else the torch loop."""
+
+    def recurrent(query, key, value, *args, **kwargs):
+        dk, dv = key.shape[-1], value.shape[-1]
+        if _use_kernel(query) and not (dk & (dk - 1) or dv & (dv - 1)):
+            from trace_hf.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
+
+            return recurrent_gated_delta_rule(query, key, value, *args, **kwargs)
+        return torch_recurrent(query, key, value, *args, **kwargs)
+
+    return recurrent
+
+
 def _recurrent_values(chunk, recurrent):
     """A chunked gated delta rule whose values are `recurrent`'s and whose gradient is `chunk`'s."""
 
@@ -108,7 +130,7 @@ def recurrent_values(model: torch.nn.Module):
     for mod, chunk in saved:
         # The torch recurrent rule: transformers binds flash-linear-attention's kernel in its place when that imports,
         # and the engine follows the torch one.
-        setattr(mod, _CHUNK, _recurrent_values(chunk, torch_rule(getattr(mod, _RECURRENT))))
+        setattr(mod, _CHUNK, _recurrent_values(chunk, _recurrent_rule(torch_rule(getattr(mod, _RECURRENT)))))
     try:
         yield
     finally:

@@ -1,0 +1,92 @@
+# Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
+"""`trace_hf.kernels.gated_delta_recurrent`: transformers' torch recurrent gated delta rule over whole sequences in
+one launch, up to the fp32 summation order of its sums over Dk (interpreter on the CPU, bf16 on the GPU), and the
+kernel `gated_delta_rule="recurrent"` computes its values with on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_hf.train.delta_rule import torch_rules
+
+
+pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+
+
+def _inputs(dev, dtype, B=2, T=13, hk=2, dk=16, hv=4, dv=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, hk, dk, generator=g) for _ in range(2))
+    v = torch.randn(B, T, hv, dv, generator=g)
+    decay_log = -torch.rand(B, T, hv, generator=g) * 3  # exp(g) in (e^-3, 1]
+    decay_log[0, 0] = 0.0  # no decay
+    beta = torch.rand(B, T, hv, generator=g)
+    return [t.to(dev, dtype) for t in (q, k, v, decay_log, beta)]
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize("block_v", [32, 8])
+def test_the_kernel_steps_as_transformers_torch_rule(dev, l2norm, block_v, monkeypatch):
+    """Output and final state from a random initial state, with repeated key heads, value slices of one or several
+    programs (``block_v``); and from no state, without keeping one."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as M
+
+    from trace_hf.kernels import gated_delta
+    from trace_hf.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
+
+    monkeypatch.setitem(gated_delta.CONFIG, "block_v", block_v)
+    _, torch_recurrent = torch_rules(M)
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    inputs = _inputs(dev, dtype)
+    state0 = torch.randn(2, 4, 16, 32, generator=torch.Generator().manual_seed(1)).to(dev)
+    kw = {"use_qk_l2norm_in_kernel": l2norm}
+    want, want_state = torch_recurrent(*inputs, initial_state=state0, output_final_state=True, **kw)
+    got, got_state = recurrent_gated_delta_rule(*inputs, initial_state=state0, output_final_state=True, **kw)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dev == "cpu" else {"rtol": 2e-2, "atol": 2e-2}
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_state, want_state, **tol)
+    assert not torch.equal(state0, got_state)  # the state moved
+    want, _ = torch_recurrent(*inputs, **kw)
+    got, none = recurrent_gated_delta_rule(*inputs, **kw)
+    assert none is None
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_kernel_refuses_shapes_it_cannot_tile():
+    from trace_hf.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
+
+    q, k, v, g, beta = _inputs("cpu", torch.float32, dv=24)
+    with pytest.raises(ValueError, match="powers of two"):
+        recurrent_gated_delta_rule(q, k, v, g, beta)
+
+
+def test_recurrent_values_take_the_kernel_on_cuda(monkeypatch):
+    """`recurrent_values` computes the recurrent values with the kernel where `_use_kernel` says (CUDA; here the
+    interpreter stands in): a Qwen3.5 forward then calls it once per Gated DeltaNet layer and gives the torch loop's
+    logits up to summation order, and its chunked gradient still flows."""
+    from trace_hf import testing as T
+    from trace_hf.kernels import gated_delta_recurrent
+    from trace_hf.train import delta_rule
+
+    model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with delta_rule.recurrent_values(model):
+        want = model(ids).logits
+    calls = []
+    kernel = gated_delta_recurrent.recurrent_gated_delta_rule
+    monkeypatch.setattr(
+        gated_delta_recurrent, "recurrent_gated_delta_rule", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    monkeypatch.setattr(delta_rule, "_use_kernel", lambda q: True)
+    with delta_rule.recurrent_values(model):
+        got = model(ids).logits
+        got.sum().backward()
+    n_linear = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert len(calls) == n_linear > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "linear_attn" in n)
