@@ -286,9 +286,9 @@ def test_a_model_trains_alike_on_both_paths_under_hints_and_checkpointing(tmp_pa
 def test_gated_activation_backward_is_autograds_bit_for_bit(dtype, act):
     """`gated_act_backward` (the frozen experts' backward through SiLU(gate) * up) writes what autograd computes, bit
     for bit, into one [R, 2I] tensor: SiLU by the same aten kernels, other activations through autograd itself."""
-    from trace_hf.quant.expert_paths import gated_act_backward
-
     from transformers.activations import ACT2FN
+
+    from trace_hf.quant.expert_paths import gated_act_backward
 
     act_fn = {"F.silu": nn.functional.silu, "nn.SiLU": nn.SiLU(), "ACT2FN": ACT2FN["silu"], "gelu": nn.GELU()}[act]
     g = torch.Generator().manual_seed(4)
