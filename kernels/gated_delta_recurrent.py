@@ -24,7 +24,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from trace_hf.kernels.common import check_device  # noqa: E402
-from trace_hf.kernels.gated_delta import CONFIG  # noqa: E402
+from trace_hf.kernels.gated_delta import CONFIG as STEP_CONFIG  # noqa: E402
+
+
+#: Warps per program: the [Dk, BV] state slice stays in registers for the whole sequence (128 x 64 fp32 at
+#: Qwen3.5's shape: 64 registers a thread at 4 warps, 128 at the decode step's 2).
+CONFIG = {"num_warps": 4}
 
 
 @triton.jit
@@ -85,7 +90,7 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, o
         if initial_state is not None:
             state.copy_(initial_state)
     out = torch.empty_like(value)
-    bv = min(CONFIG["block_v"], dv)
+    bv = min(STEP_CONFIG["block_v"], dv)
     _recurrent_rule_kernel[(B * hv, dv // bv)](query, key, value, decay, beta, out if state is None else state, out,
                                                T, DK=dk, DV=dv, BV=bv, HAS_STATE=initial_state is not None,
                                                KEEP_STATE=output_final_state, num_warps=CONFIG["num_warps"])  # fmt: skip
