@@ -90,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--setups", default="bf16,fp4")
     p.add_argument("--shape", choices=["tiny", "mid"], default="tiny",
                    help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes)")  # fmt: skip
+    p.add_argument("--no-fused-rms-norm", action="store_true",
+                   help="transformers' RMSNorm ops (TraceGRPOConfig(fused_rms_norm=False)); default: the trainer's fused norms")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="accepted for the benchmarks' common interface (always CPU)")
     return p.parse_args(argv)
 
@@ -131,6 +133,7 @@ def _install(census: Census):
     import trace_hf.fp4 as fp4
     from trace_hf.kernels import moe_align
     from trace_hf.quant import expert_paths
+    from trace_hf.train import rms_norm
 
     run = interpreter.InterpretedFunction.run
 
@@ -146,6 +149,7 @@ def _install(census: Census):
     interpreter.InterpretedFunction.run = counted_run
     fp4._use_triton = lambda x, backend: backend != "torch"  # "auto" is Triton on CUDA
     expert_paths.grouped_mm_ok = lambda x, w: True  # one grouped GEMM, not a loop over the experts hit
+    rms_norm._use_kernel = lambda x, weight: True  # `FusedRMSNorm` runs its kernels, as on CUDA
     from trace_hf.kernels.fp4_quant import dequantize
 
     expert_paths.dequantize = dequantize  # `expert_weights.dequantize` on CUDA: the Triton kernel
@@ -194,16 +198,19 @@ def mid_model(layers: int, fp4: bool):
     return model
 
 
-def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str = "tiny") -> dict:
+def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str = "tiny", fused: bool = True) -> dict:
     """One setup at one depth: the counts of a no-grad forward and of a forward + backward."""
     import torch
 
     from benchmarks.training.frozen_train_side import lora_model, record_hints
     from trace_hf import use_hints
     from trace_hf.hints import aligned_positions
+    from trace_hf.train.rms_norm import fuse_rms_norms
 
     fp4 = setup == "fp4"
     model = mid_model(layers, fp4) if shape == "mid" else lora_model(layers, fp4, torch.device("cpu"), smoke=True)
+    if fused:
+        fuse_rms_norms(model)  # as TraceGRPOTrainer does by default
     ids = torch.randint(4, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     hints = record_hints(model, ids, mask, "triton") if fp4 else None  # the rollout's kernels, as on CUDA
@@ -270,8 +277,9 @@ def main(argv=None) -> int:
     mode = _install(census)
     results = {}
     for setup in args.setups.split(","):
-        shallow = count(setup, args.layers, args.tokens, census, mode, args.shape)
-        deep = count(setup, args.layers + 2, args.tokens, census, mode, args.shape)
+        fused = not args.no_fused_rms_norm
+        shallow = count(setup, args.layers, args.tokens, census, mode, args.shape, fused)
+        deep = count(setup, args.layers + 2, args.tokens, census, mode, args.shape, fused)
         results[setup] = per_layer(shallow, deep)
         for phase, r in results[setup].items():
             mb = {c: round(n / 2**20, 2) for c, n in r["bytes_per_layer"].items()}
@@ -280,7 +288,7 @@ def main(argv=None) -> int:
                   flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"layers": [args.layers, args.layers + 2], "tokens": args.tokens, "shape": args.shape,
-                   "results": results}, f, indent=1)  # fmt: skip
+                   "fused_rms_norm": not args.no_fused_rms_norm, "results": results}, f, indent=1)  # fmt: skip
     return 0
 
 

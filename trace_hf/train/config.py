@@ -32,6 +32,7 @@ _BOOL_FIELDS = (
     "routing_replay",
     "rollout_importance_sampling",
     "trace_metrics",
+    "fused_rms_norm",
 )
 _FLOAT_FIELDS = (  # int accepted, bool not; the optional ones take None
     "rollout_free_memory_fraction",
@@ -217,6 +218,14 @@ class TraceGRPOConfig(GRPOConfig):
             "help": "Pack training-side forwards padding-free: scoring forwards take rows up to this many real "
             "tokens (a longer row runs alone, never dropped), training forwards their whole micro-batch. None: packed "
             "wherever rows stay apart (Qwen3 MoE, Qwen3.5 MoE), the padded forwards' tokens; 0: TRL's padded micro-batches."
+        },
+    )
+    fused_rms_norm: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the model's RMSNorms (transformers' Qwen3 MoE, Qwen3.5 MoE and other known classes) as one "
+            "Triton launch forward and one backward on CUDA instead of ~20 elementwise launches: values differ from "
+            "transformers' only by the fp32 order of the sum of squares. CPU forwards keep transformers' ops."
         },
     )
     rollout_importance_sampling: bool = field(

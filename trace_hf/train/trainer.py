@@ -49,6 +49,7 @@ from .grouping import group_by_length
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
 from .packing import packed_attention, resolve_token_budget, sequence_mixers, token_chunks, unpack
+from .rms_norm import fuse_rms_norms
 
 
 #: Prefix of the hint columns in the trainer's inputs (TRL shuffles and splits them with their rows).
@@ -112,6 +113,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         if peft_config is not None and not isinstance(model, str):
             _check_peft(model, peft_config)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        #: How many RMSNorms run as `trace_hf.train.rms_norm.FusedRMSNorm` (`fused_rms_norm`).
+        self.fused_rms_norms = fuse_rms_norms(self.model) if self.args.fused_rms_norm else 0
         self.rollout = None  # the rollout path (`trace_hf.rollout`), chosen at the first rollout
         self._trace_state = StepState()
         experts = self._trace_validate_model()
