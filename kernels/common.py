@@ -79,6 +79,21 @@ def float_of(b):
 
 
 @triton.jit
+def round_bf16(x, BF16: tl.constexpr):
+    """fp32 -> the nearest bf16 value (ties to even, NaN kept), still fp32: how torch rounds a bf16 op's fp32 result
+    (the interpreter's ``.to(bfloat16)`` truncates). Identity where ``BF16`` is off (fp32 tensors do not round)."""
+    if BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        x = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
+    return x
+
+
+#: The dtypes whose rounding the kernels that follow torch's elementwise ops (`rms_norm`, `rope`) reproduce.
+ROUNDED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
 def is_finite(v):
     # Exponent all ones means Inf or NaN; comparisons against Inf would need NaN care on two backends.
     return (bits_of(v) & 0x7F800000) != 0x7F800000

@@ -26,25 +26,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trace_hf.kernels.common import check_device  # noqa: E402
+from trace_hf.kernels.common import ROUNDED_DTYPES, check_device, round_bf16  # noqa: E402
 
 
 #: Elements a program holds (its rows times the padded row width): one or two rows of the hidden size, or 32 rows of
 #: a 128-wide head norm; and warps per program (more for rows wider than 2,048: 512 elements a warp at most).
 CONFIG = {"block": 4096, "num_warps": 4}
-
-#: The dtypes the kernels take (rounding is written for bf16; fp32 does not round).
-DTYPES = (torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _round(x, BF16: tl.constexpr):
-    """fp32 -> the nearest bf16 value (ties to even, NaN kept), as fp32; identity where the dtype is fp32."""
-    if BF16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        x = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
-    return x
 
 
 @triton.jit
@@ -61,8 +48,8 @@ def _forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, R, N, inv_n, eps, ZERO_CENTER
     if ZERO_CENTERED:
         y = xhat * (1.0 + w)[None, :]
     else:
-        y = _round(xhat, X_BF16) * w[None, :]
-    tl.store(y_ptr + at, _round(y, Y_BF16).to(y_ptr.dtype.element_ty), mask=m)
+        y = round_bf16(xhat, X_BF16) * w[None, :]
+    tl.store(y_ptr + at, round_bf16(y, Y_BF16).to(y_ptr.dtype.element_ty), mask=m)
     tl.store(rstd_ptr + rows, rstd, mask=rows < R)
 
 
@@ -84,12 +71,12 @@ def _backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, N, inv_n
         g = dy * (1.0 + w)[None, :]
         dw = dy * xhat
     else:
-        g = _round(dy * w[None, :], Y_BF16)  # autograd's product of the output's gradient and the weight, rounded
-        dw = dy * _round(xhat, X_BF16)
+        g = round_bf16(dy * w[None, :], Y_BF16)  # autograd's product of the output's gradient and the weight, rounded
+        dw = dy * round_bf16(xhat, X_BF16)
     # d/dx of x * (mean(x^2) + eps)^-1/2: g * rstd - x * rstd^3 * mean(g * x).
     s = (tl.sum(g * x, axis=1) * inv_n)[:, None]
     dx = g * rstd - x * (rstd * rstd * rstd * s)
-    tl.store(dx_ptr + at, _round(dx, X_BF16).to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dx_ptr + at, round_bf16(dx, X_BF16).to(dx_ptr.dtype.element_ty), mask=m)
     if HAS_DW:
         tl.store(dw_ptr + pid * N + cols, tl.sum(dw, axis=0), mask=cols < N)
 
@@ -102,7 +89,7 @@ def _launch(n: int) -> tuple[int, int, int]:
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_device(x)
-    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+    if x.dtype not in ROUNDED_DTYPES or weight.dtype not in ROUNDED_DTYPES:
         raise ValueError(f"rms_norm takes bf16 or fp32 inputs and weights, got {x.dtype} and {weight.dtype}: use "
                          "transformers' RMSNorm for other dtypes.")  # fmt: skip
     if weight.dim() != 1 or x.shape[-1] != weight.numel():

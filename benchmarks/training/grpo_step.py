@@ -116,8 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--gated-delta-rule", choices=["chunk", "recurrent"], default="chunk",
                    help="TraceGRPOConfig.gated_delta_rule (Gated DeltaNet models: grpo_step_qwen35): the training "
                         "forwards' rule, to time what 'recurrent' costs")  # fmt: skip
-    p.add_argument("--no-fused-rms-norm", action="store_true",
-                   help="TraceGRPOConfig(fused_rms_norm=False): transformers' RMSNorm ops, the before of the fused norms")  # fmt: skip
+    p.add_argument("--no-fused", action="store_true",
+                   help="TraceGRPOConfig(fused_rms_norm=False, fused_rope=False): transformers' RMSNorm and rotary ops, "
+                        "the before of the fused kernels")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -602,7 +603,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         rollout_engine="generate" if name.startswith("generate") else "engine",
         train_sampling_strategy="group_by_length" if args.group_by_length else "random",
         token_budget=args.token_budget, gated_delta_rule=args.gated_delta_rule,
-        fused_rms_norm=not args.no_fused_rms_norm,
+        fused_rms_norm=not args.no_fused, fused_rope=not args.no_fused,
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
@@ -654,6 +655,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "token_budget": args.token_budget,
         "gated_delta_rule": args.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,
+        "fused_rope": cfg.fused_rope,
         "freeze_experts": args.freeze_experts,
         "prefill_bf16_gemms": args.prefill_bf16_gemms,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

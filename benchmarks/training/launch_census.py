@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -90,8 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--setups", default="bf16,fp4")
     p.add_argument("--shape", choices=["tiny", "mid"], default="tiny",
                    help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes)")  # fmt: skip
-    p.add_argument("--no-fused-rms-norm", action="store_true",
-                   help="transformers' RMSNorm ops (TraceGRPOConfig(fused_rms_norm=False)); default: the trainer's fused norms")  # fmt: skip
+    p.add_argument("--no-fused", action="store_true",
+                   help="transformers' RMSNorm and rotary ops (TraceGRPOConfig(fused_rms_norm=False, fused_rope=False)); "
+                        "default: the trainer's fused kernels")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="accepted for the benchmarks' common interface (always CPU)")
     return p.parse_args(argv)
 
@@ -133,7 +135,7 @@ def _install(census: Census):
     import trace_hf.fp4 as fp4
     from trace_hf.kernels import moe_align
     from trace_hf.quant import expert_paths
-    from trace_hf.train import rms_norm
+    from trace_hf.train import rms_norm, rope
 
     run = interpreter.InterpretedFunction.run
 
@@ -150,6 +152,7 @@ def _install(census: Census):
     fp4._use_triton = lambda x, backend: backend != "torch"  # "auto" is Triton on CUDA
     expert_paths.grouped_mm_ok = lambda x, w: True  # one grouped GEMM, not a loop over the experts hit
     rms_norm._use_kernel = lambda x, weight: True  # `FusedRMSNorm` runs its kernels, as on CUDA
+    rope._use_kernel = lambda q: True  # and `fused_rope` its kernel
     from trace_hf.kernels.fp4_quant import dequantize
 
     expert_paths.dequantize = dequantize  # `expert_weights.dequantize` on CUDA: the Triton kernel
@@ -206,6 +209,7 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
     from trace_hf import use_hints
     from trace_hf.hints import aligned_positions
     from trace_hf.train.rms_norm import fuse_rms_norms
+    from trace_hf.train.rope import fused_rope
 
     fp4 = setup == "fp4"
     model = mid_model(layers, fp4) if shape == "mid" else lora_model(layers, fp4, torch.device("cpu"), smoke=True)
@@ -216,9 +220,14 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
     hints = record_hints(model, ids, mask, "triton") if fp4 else None  # the rollout's kernels, as on CUDA
 
     def ctx():
+        stack = contextlib.ExitStack()
+        if fused:
+            stack.enter_context(fused_rope(model))  # as TraceGRPOTrainer's forwards do by default
         if fp4:
-            return use_hints(model, hints, mask, routing_replay=True, apply_hints=True)
-        return aligned_positions(model, mask)
+            stack.enter_context(use_hints(model, hints, mask, routing_replay=True, apply_hints=True))
+        else:
+            stack.enter_context(aligned_positions(model, mask))
+        return stack
 
     out = {}
     for phase in ("no_grad_forward", "forward_backward"):
@@ -277,7 +286,7 @@ def main(argv=None) -> int:
     mode = _install(census)
     results = {}
     for setup in args.setups.split(","):
-        fused = not args.no_fused_rms_norm
+        fused = not args.no_fused
         shallow = count(setup, args.layers, args.tokens, census, mode, args.shape, fused)
         deep = count(setup, args.layers + 2, args.tokens, census, mode, args.shape, fused)
         results[setup] = per_layer(shallow, deep)
@@ -288,7 +297,7 @@ def main(argv=None) -> int:
                   flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"layers": [args.layers, args.layers + 2], "tokens": args.tokens, "shape": args.shape,
-                   "fused_rms_norm": not args.no_fused_rms_norm, "results": results}, f, indent=1)  # fmt: skip
+                   "fused": not args.no_fused, "results": results}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -33,6 +33,7 @@ _BOOL_FIELDS = (
     "rollout_importance_sampling",
     "trace_metrics",
     "fused_rms_norm",
+    "fused_rope",
 )
 _FLOAT_FIELDS = (  # int accepted, bool not; the optional ones take None
     "rollout_free_memory_fraction",
@@ -226,6 +227,14 @@ class TraceGRPOConfig(GRPOConfig):
             "help": "Run the model's RMSNorms (transformers' Qwen3 MoE, Qwen3.5 MoE and other known classes) as one "
             "Triton launch forward and one backward on CUDA instead of ~20 elementwise launches: values differ from "
             "transformers' only by the fp32 order of the sum of squares. CPU forwards keep transformers' ops."
+        },
+    )
+    fused_rope: bool = field(
+        default=True,
+        metadata={
+            "help": "Run the attention's rotary embedding (transformers' apply_rotary_pos_emb of Qwen3 MoE, Qwen3.5 "
+            "MoE and other known models) as one Triton launch forward and one backward on CUDA in training-side "
+            "forwards: transformers' values bit for bit, fewer launches and passes."
         },
     )
     rollout_importance_sampling: bool = field(

@@ -25,7 +25,9 @@ _HOOK_DICTS = tuple(name for name in vars(nn.Module()) if "_hook" in name)
 
 def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The kernel runs CUDA tensors of the dtypes it rounds for (a benchmark on the interpreter patches this)."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype in (torch.bfloat16, torch.float32)
+    from trace_hf.kernels.common import ROUNDED_DTYPES
+
+    return x.is_cuda and x.dtype in ROUNDED_DTYPES and weight.dtype in ROUNDED_DTYPES
 
 
 class FusedRMSNorm(nn.Module):

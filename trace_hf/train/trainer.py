@@ -50,6 +50,7 @@ from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
 from .packing import packed_attention, resolve_token_budget, sequence_mixers, token_chunks, unpack
 from .rms_norm import fuse_rms_norms
+from .rope import fused_rope
 
 
 #: Prefix of the hint columns in the trainer's inputs (TRL shuffles and splits them with their rows).
@@ -189,6 +190,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                 stack.enter_context(packed_attention(core, attention_mask.sum(1).tolist()))
             if self.args.gated_delta_rule == "recurrent":
                 stack.enter_context(recurrent_values(core))
+            if self.args.fused_rope:
+                stack.enter_context(fused_rope(core))
             # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to
             # guide).
             if hints is None or not core.training or not any(isinstance(m, TraceFP4Experts) for m in core.modules()):
