@@ -113,9 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--token-budget", type=int, default=None,
                    help="TraceGRPOConfig.token_budget: padding-free packed training-side forwards (default None: packed "
                         "where exact, i.e. Qwen3 MoE; 0: TRL's padded micro-batches)")  # fmt: skip
-    p.add_argument("--gated-delta-rule", choices=["chunk", "recurrent"], default="chunk",
+    p.add_argument("--gated-delta-rule", choices=["auto", "chunk", "recurrent"], default="auto",
                    help="TraceGRPOConfig.gated_delta_rule (Gated DeltaNet models: grpo_step_qwen35): the training "
-                        "forwards' rule, to time what 'recurrent' costs")  # fmt: skip
+                        "forwards' rule (auto: recurrent on those models)")  # fmt: skip
     p.add_argument("--no-fused", action="store_true",
                    help="TraceGRPOConfig(fused_rms_norm=False, fused_rope=False): transformers' RMSNorm and rotary ops, "
                         "the before of the fused kernels")  # fmt: skip
@@ -653,7 +653,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
         "token_budget": args.token_budget,
-        "gated_delta_rule": args.gated_delta_rule,
+        "gated_delta_rule": trainer.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,
         "fused_rope": cfg.fused_rope,
         "freeze_experts": args.freeze_experts,

@@ -43,6 +43,7 @@ METADATA = frozenset({
     "as_strided", "select", "split", "split_with_sizes", "permute", "lift_fresh", "_reshape_alias", "unbind", "chunk",
     "narrow", "reshape", "empty", "empty_like", "empty_strided", "sym_size", "is_same_size", "_local_scalar_dense",
     "item", "unflatten", "flatten", "view_as", "contiguous", "_has_compatible_shallow_copy_type", "new_empty",
+    "promote_types", "result_type",
 })  # fmt: skip
 #: Launch classes by aten op name (a Triton launch is its own class); the rest is elementwise.
 OP_CLASSES = {

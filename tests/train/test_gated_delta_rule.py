@@ -118,3 +118,14 @@ def test_trainer_refuses_recurrent_without_gated_deltanet(tmp_path, engine_grpo_
     with pytest.raises(ValueError, match="qwen3_moe model has none"):
         engine_grpo_step(model, gated_delta_rule="recurrent", rollout_precision="bf16", trace_hints=False,
                          routing_replay=False)  # fmt: skip
+
+
+def test_auto_is_recurrent_where_there_are_gated_deltanet_layers():
+    from trace_hf.train.delta_rule import resolve_gated_delta_rule
+
+    qwen35, qwen3 = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=2), T.tiny_model("qwen3_moe")
+    assert resolve_gated_delta_rule(qwen35, "auto") == "recurrent"
+    assert resolve_gated_delta_rule(qwen35, "chunk") == "chunk"
+    assert resolve_gated_delta_rule(qwen3, "auto") == resolve_gated_delta_rule(qwen3, "chunk") == "chunk"
+    with pytest.raises(ValueError, match="Leave TraceGRPOConfig.gated_delta_rule='auto'"):
+        resolve_gated_delta_rule(qwen3, "recurrent")

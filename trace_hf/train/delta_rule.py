@@ -29,7 +29,9 @@ import torch
 from ..fp4 import straight_through
 
 
-GATED_DELTA_RULES = ("chunk", "recurrent")
+#: "auto": "recurrent" on models with Gated DeltaNet layers (cheaper and closer to the rollout, docs/benchmarks.md),
+#: nothing to choose on the others.
+GATED_DELTA_RULES = ("auto", "chunk", "recurrent")
 _CHUNK, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
 _WRAPPERS: set = set()  # the rebound functions, so a nested context does not wrap them twice
 
@@ -47,6 +49,20 @@ def delta_rule_modules(model: torch.nn.Module) -> list:
         ):
             found[mod.__name__] = mod
     return list(found.values())
+
+
+def resolve_gated_delta_rule(model: torch.nn.Module, rule: str) -> str:
+    """``TraceGRPOConfig.gated_delta_rule`` for ``model``: "auto" is "recurrent" where it has Gated DeltaNet layers,
+    else "chunk" (no layer to apply either to); "recurrent" on a model without them is refused."""
+    has = bool(delta_rule_modules(model))
+    if rule == "recurrent" and not has:
+        raise ValueError(
+            f"gated_delta_rule='recurrent' applies to models with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); this "
+            f"{model.config.model_type} model has none. Leave TraceGRPOConfig.gated_delta_rule='auto'."
+        )
+    if rule == "auto":
+        return "recurrent" if has else "chunk"
+    return rule
 
 
 def torch_rule(fn) -> Callable:
@@ -124,7 +140,7 @@ def recurrent_values(model: torch.nn.Module):
     if not modules:
         raise ValueError(
             f"gated_delta_rule='recurrent' applies to models with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); this "
-            f"{type(model).__name__} has none. Leave TraceGRPOConfig.gated_delta_rule='chunk'."
+            f"{type(model).__name__} has none. Leave TraceGRPOConfig.gated_delta_rule='auto'."
         )
     saved = [(mod, getattr(mod, _CHUNK)) for mod in modules if getattr(mod, _CHUNK) not in _WRAPPERS]
     for mod, chunk in saved:

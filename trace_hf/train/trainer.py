@@ -44,7 +44,7 @@ from ..hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use
 from ..quant.experts import TraceFP4Experts, fp4_experts
 from ..rollout import RolloutOutput, make_rollout
 from .config import TraceGRPOConfig
-from .delta_rule import delta_rule_modules, recurrent_values
+from .delta_rule import recurrent_values, resolve_gated_delta_rule
 from .grouping import group_by_length
 from .importance import importance_sampling_ratio
 from .metrics import log_ratio, reduce_sums
@@ -119,6 +119,10 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.rollout = None  # the rollout path (`trace_hf.rollout`), chosen at the first rollout
         self._trace_state = StepState()
         experts = self._trace_validate_model()
+        #: `gated_delta_rule` for this model: "recurrent" or "chunk" ("auto" resolved).
+        self.gated_delta_rule = resolve_gated_delta_rule(
+            self.accelerator.unwrap_model(self.model), self.args.gated_delta_rule
+        )
         #: `token_budget` for this model: an int, "auto" (the padded micro-batch's tokens) or None (padded forwards).
         self.token_budget = resolve_token_budget(self.accelerator.unwrap_model(self.model), self.args.token_budget)
         #: Whether packed rows reach Gated DeltaNet layers padded, so that a scoring forward's budget counts padding.
@@ -147,11 +151,6 @@ class TraceGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 "rollout_precision='bf16' is the unquantized baseline, but this model was loaded with TraceFP4Config "
                 "(FP4 experts). Load the plain model (no quantization_config), or use rollout_precision='fp4'."
-            )
-        if args.gated_delta_rule == "recurrent" and not delta_rule_modules(model):
-            raise ValueError(
-                f"gated_delta_rule='recurrent' applies to models with Gated DeltaNet layers (Qwen3.5, Qwen3-Next); "
-                f"this {model.config.model_type} model has none. Leave TraceGRPOConfig.gated_delta_rule='chunk'."
             )
         if args.trace_hints and not any(m.hinted for m in experts):
             raise ValueError(
@@ -188,7 +187,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         with contextlib.ExitStack() as stack:
             if packed:
                 stack.enter_context(packed_attention(core, attention_mask.sum(1).tolist()))
-            if self.args.gated_delta_rule == "recurrent":
+            if self.gated_delta_rule == "recurrent":
                 stack.enter_context(recurrent_values(core))
             if self.args.fused_rope:
                 stack.enter_context(fused_rope(core))
