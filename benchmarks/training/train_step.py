@@ -6,14 +6,18 @@ fake-quantized expert weights cached per optimizer step (the default) and withou
     python -m benchmarks.training.train_step --out outputs/train_step.json              # H200, under 1.5 minutes
     python -m benchmarks.training.train_step --smoke --out /tmp/train_step_smoke.json   # CPU, tiny model
 
-The hints are recorded the way a rollout would: an eval forward of the same batch under `HintRecorder`.
-Reported: median seconds per step of each, their ratio (goal: QAT <= 1.2x BF16) and the peak memory of each.
+The hints are recorded the way a rollout would: an eval forward of the same batch under `HintRecorder`. All three
+models run the training side's fused RMSNorm and rotary kernels, as `TraceGRPOTrainer` does by default
+(`--no-fused`: transformers' ops). Reported: median seconds per step of each, their ratio (goal: QAT <= 1.2x BF16)
+and the peak memory of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -34,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-fused", action="store_true",
+                   help="transformers' RMSNorm and rotary ops (TraceGRPOConfig(fused_rms_norm=False, fused_rope=False))")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -51,6 +57,8 @@ def main(argv=None) -> int:
     from trace_hf.hints import HintRecorder, use_hints
     from trace_hf.quant.experts import fp4_experts
     from trace_hf.quant.quantizer import quantize_model
+    from trace_hf.train.rms_norm import fuse_rms_norms
+    from trace_hf.train.rope import fused_rope
 
     dev = env.device
     if args.smoke:
@@ -70,6 +78,11 @@ def main(argv=None) -> int:
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
     qat = quantize_model(copy.deepcopy(base), TraceFP4Config())
     lean = quantize_model(copy.deepcopy(base), TraceFP4Config(cache_qat_weights=False))
+    fused = contextlib.nullcontext
+    if not args.no_fused:  # as TraceGRPOTrainer: norms swapped once, the rotary embedding rebound per forward
+        for m in (base, qat, lean):
+            fuse_rms_norms(m)
+        fused = functools.partial(fused_rope, base)
     base.train()
     ids = torch.randint(3, args.vocab, (args.batch, args.seq), device=dev)
     mask = torch.ones_like(ids)
@@ -81,13 +94,14 @@ def main(argv=None) -> int:
     qat.train()
 
     def step_base():
-        loss = base(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
-        loss.backward()
+        with fused():
+            loss = base(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            loss.backward()
         base.zero_grad(set_to_none=True)
 
     def step_of(model):
         def step():
-            with use_hints(model, hints, mask):
+            with fused(), use_hints(model, hints, mask):
                 loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
                 loss.backward()
             model.zero_grad(set_to_none=True)
