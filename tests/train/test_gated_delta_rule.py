@@ -129,3 +129,30 @@ def test_auto_is_recurrent_where_there_are_gated_deltanet_layers():
     assert resolve_gated_delta_rule(qwen3, "auto") == resolve_gated_delta_rule(qwen3, "chunk") == "chunk"
     with pytest.raises(ValueError, match="Leave TraceGRPOConfig.gated_delta_rule='auto'"):
         resolve_gated_delta_rule(qwen3, "recurrent")
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_recurrent_values_keep_every_gradient_of_the_chunked_form(kernel, monkeypatch):
+    """Under checkpointing, every parameter's gradient with the recurrent values (torch loop, or the kernel through
+    the interpreter) is the chunked form's up to fp32 summation order: the straight-through estimator drops none
+    (on the H100 the recurrent mode's backward ran faster than the chunked one's, docs/benchmarks.md)."""
+    import contextlib
+
+    from trace_hf.train import delta_rule
+
+    model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, model.config.vocab_size, (2, 130), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(delta_rule, "_use_kernel", lambda q: kernel)
+
+    def grads(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            model(ids).logits.float().logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    chunk, recurrent = grads(contextlib.nullcontext()), grads(delta_rule.recurrent_values(model))
+    assert chunk.keys() == recurrent.keys() and any("linear_attn" in n for n in chunk)
+    for n, g in chunk.items():
+        assert (recurrent[n] - g).norm() <= 1e-4 * g.norm() + 1e-12, n
