@@ -19,14 +19,16 @@ import sys
 from benchmarks.training import grpo_step
 
 
-def build_model(args, fp4: bool, dev):
+def build_model(args, fp4: bool, dev, shape: dict | None = None):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
 
     from trace_hf import TraceFP4Config
     from trace_hf.quant.quantizer import quantize_model
 
-    if args.smoke:
+    if shape is not None:  # a caller's (launch_census --shape mid_qwen35)
+        shape = dict(shape)
+    elif args.smoke:
         shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "vocab_size": 300,
                  "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,

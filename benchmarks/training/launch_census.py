@@ -90,8 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2, help="the smaller of the two depths compared (the other: +2)")
     p.add_argument("--tokens", type=int, default=48, help="tokens of the one row")
     p.add_argument("--setups", default="bf16,fp4")
-    p.add_argument("--shape", choices=["tiny", "mid"], default="tiny",
-                   help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes)")  # fmt: skip
+    p.add_argument("--shape", choices=["tiny", "mid", "mid_qwen35"], default="tiny",
+                   help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes); "
+                        "mid_qwen35: Qwen3.5-35B-A3B's, per layer of its 3 Gated DeltaNet + 1 attention period")  # fmt: skip
     p.add_argument("--no-fused", action="store_true",
                    help="transformers' RMSNorm and rotary ops (TraceGRPOConfig(fused_rms_norm=False, fused_rope=False)); "
                         "default: the trainer's fused kernels")  # fmt: skip
@@ -136,7 +137,7 @@ def _install(census: Census):
     import trace_hf.fp4 as fp4
     from trace_hf.kernels import moe_align
     from trace_hf.quant import expert_paths
-    from trace_hf.train import rms_norm, rope
+    from trace_hf.train import delta_rule, rms_norm, rope
 
     run = interpreter.InterpretedFunction.run
 
@@ -154,6 +155,7 @@ def _install(census: Census):
     expert_paths.grouped_mm_ok = lambda x, w: True  # one grouped GEMM, not a loop over the experts hit
     rms_norm._use_kernel = lambda x, weight: True  # `FusedRMSNorm` runs its kernels, as on CUDA
     rope._use_kernel = lambda q: True  # and `fused_rope` its kernel
+    delta_rule._use_kernel = lambda q: True  # and the recurrent values of Gated DeltaNet theirs
     from trace_hf.kernels.fp4_quant import dequantize
 
     expert_paths.dequantize = dequantize  # `expert_weights.dequantize` on CUDA: the Triton kernel
@@ -181,6 +183,14 @@ def _install(census: Census):
     return Mode
 
 
+#: Qwen3.5-35B-A3B's shape at hidden 256: head sizes divided by 8 (kept powers of two), the experts' width kept at a
+#: quarter of the hidden size, the head counts kept.
+MID_QWEN35 = {"hidden_size": 256, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 32,
+              "num_experts": 16, "num_experts_per_tok": 8, "moe_intermediate_size": 64, "vocab_size": 1024,
+              "shared_expert_intermediate_size": 64, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16}  # fmt: skip
+
+
 def mid_model(layers: int, fp4: bool):
     """`lora_model`'s model at ``--shape mid``: Qwen3-30B-A3B's ratios (top-8 of many experts, hidden 2048 / expert
     width 768, 32 query / 4 KV heads) at hidden 256, frozen experts, LoRA r=32 on q/k/v/o, checkpointing."""
@@ -202,6 +212,25 @@ def mid_model(layers: int, fp4: bool):
     return model
 
 
+def mid_qwen35_model(layers: int, fp4: bool):
+    """Qwen3.5-35B-A3B's ratios at hidden 256 (head sizes / 8, top-8 of 16 experts of width 64 and a shared one, Gated
+    DeltaNet 3 layers of every 4), frozen experts, LoRA r=32 on every target the hybrid engine folds, checkpointing."""
+    from types import SimpleNamespace
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks.training.grpo_step_qwen35 import build_model
+    from trace_hf.rollout.engine.layouts import layout_of
+
+    args = SimpleNamespace(smoke=False, layers=layers, freeze_experts=True)
+    model = build_model(args, fp4, torch.device("cpu"), shape=MID_QWEN35)
+    targets = list(layout_of(model.config).lora_targets)
+    model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=targets))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str = "tiny", fused: bool = True) -> dict:
     """One setup at one depth: the counts of a no-grad forward and of a forward + backward."""
     import torch
@@ -209,11 +238,17 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
     from benchmarks.training.frozen_train_side import lora_model, record_hints
     from trace_hf import use_hints
     from trace_hf.hints import aligned_positions
+    from trace_hf.train.delta_rule import delta_rule_modules, recurrent_values
     from trace_hf.train.rms_norm import fuse_rms_norms
     from trace_hf.train.rope import fused_rope
 
     fp4 = setup == "fp4"
-    model = mid_model(layers, fp4) if shape == "mid" else lora_model(layers, fp4, torch.device("cpu"), smoke=True)
+    if shape == "mid":
+        model = mid_model(layers, fp4)
+    elif shape == "mid_qwen35":
+        model = mid_qwen35_model(layers, fp4)
+    else:
+        model = lora_model(layers, fp4, torch.device("cpu"), smoke=True)
     if fused:
         fuse_rms_norms(model)  # as TraceGRPOTrainer does by default
     ids = torch.randint(4, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -224,6 +259,8 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
         stack = contextlib.ExitStack()
         if fused:
             stack.enter_context(fused_rope(model))  # as TraceGRPOTrainer's forwards do by default
+        if delta_rule_modules(model):
+            stack.enter_context(recurrent_values(model))  # gated_delta_rule="auto" on Qwen3.5
         if fp4:
             stack.enter_context(use_hints(model, hints, mask, routing_replay=True, apply_hints=True))
         else:
@@ -248,20 +285,20 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
     return out
 
 
-def per_layer(shallow: dict, deep: dict) -> dict:
-    """Counts per decoder layer: the difference of two depths 2 layers apart, halved."""
+def per_layer(shallow: dict, deep: dict, span: int = 2) -> dict:
+    """Counts per decoder layer: the difference of two depths ``span`` layers apart, divided by ``span``."""
 
     def diff(a: dict, b: dict) -> dict:
         keys = set(a) | set(b)
-        return {k: (b.get(k, 0) - a.get(k, 0)) / 2 for k in keys if b.get(k, 0) != a.get(k, 0)}
+        return {k: (b.get(k, 0) - a.get(k, 0)) / span for k in keys if b.get(k, 0) != a.get(k, 0)}
 
     res = {}
     for phase in shallow:
         a, b = shallow[phase], deep[phase]
         sources = sorted(diff(a["sources"], b["sources"]).items(), key=lambda kv: -kv[1])
         res[phase] = {
-            "aten_per_layer": (b["aten"] - a["aten"]) / 2,
-            "triton_per_layer": (b["triton"] - a["triton"]) / 2,
+            "aten_per_layer": (b["aten"] - a["aten"]) / span,
+            "triton_per_layer": (b["triton"] - a["triton"]) / span,
             "sources_per_layer": sources,
             "ops_per_layer": sorted(diff(a["ops"], b["ops"]).items(), key=lambda kv: -kv[1]),
             "bytes_per_layer": dict(sorted(diff(a["bytes"], b["bytes"]).items(), key=lambda kv: -kv[1])),
@@ -288,16 +325,17 @@ def main(argv=None) -> int:
     results = {}
     for setup in args.setups.split(","):
         fused = not args.no_fused
+        span = 4 if args.shape == "mid_qwen35" else 2  # a whole period of Qwen3.5's layer types
         shallow = count(setup, args.layers, args.tokens, census, mode, args.shape, fused)
-        deep = count(setup, args.layers + 2, args.tokens, census, mode, args.shape, fused)
-        results[setup] = per_layer(shallow, deep)
+        deep = count(setup, args.layers + span, args.tokens, census, mode, args.shape, fused)
+        results[setup] = per_layer(shallow, deep, span)
         for phase, r in results[setup].items():
             mb = {c: round(n / 2**20, 2) for c, n in r["bytes_per_layer"].items()}
             print(f"{setup} {phase}: {r['aten_per_layer']:.1f} aten launches + {r['triton_per_layer']:.1f} Triton "
                   f"launches per layer; top sources {r['sources_per_layer'][:4]}; MiB per layer by class {mb}",
                   flush=True)  # fmt: skip
     with open(args.out, "w") as f:
-        json.dump({"layers": [args.layers, args.layers + 2], "tokens": args.tokens, "shape": args.shape,
+        json.dump({"layers": [args.layers, args.layers + span], "tokens": args.tokens, "shape": args.shape,
                    "fused": not args.no_fused, "results": results}, f, indent=1)  # fmt: skip
     return 0
 

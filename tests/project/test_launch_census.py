@@ -43,3 +43,28 @@ def test_launches_per_layer_are_counted_the_same_at_any_depth(tmp_path):
     fp4 = a["fp4"]["no_grad_forward"]
     assert fp4["triton_per_layer"] >= 6 + 2  # and at least the experts' gate/up and down kernels
     assert any(src.startswith("trace_hf/hints/") for src, _ in fp4["sources_per_layer"])  # routing replay's hooks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the census runs on the CPU, under the interpreter")
+def test_qwen35_census_takes_the_trainers_cuda_paths(tmp_path):
+    """``--shape mid_qwen35``: per layer of a whole period (3 Gated DeltaNet layers and 1 attention layer), with the
+    trainer's defaults on CUDA: the recurrent values from the kernel (no torch loop over tokens) in every forward, the
+    chunked form only where a gradient is taken, and the fused norms."""
+    out = tmp_path / "q35.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.training.launch_census", "--shape", "mid_qwen35", "--layers", "4",
+         "--tokens", "16", "--setups", "fp4", "--out", str(out)],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["layers"] == [4, 8]
+    fp4 = data["results"]["fp4"]
+    for phase, r in fp4.items():
+        sources = dict(r["sources_per_layer"])
+        assert sum(sources.values()) == r["aten_per_layer"] > 0, phase
+        assert not any("torch_recurrent_gated_delta_rule" in s for s in sources), phase  # the kernel, not the loop
+        assert any(s.startswith("kernels/gated_delta_recurrent.py") for s in sources), phase
+        assert ("torch_chunk_gated_delta_rule" in str(sources)) == (phase == "forward_backward")
+        assert r["triton_per_layer"] > 0
