@@ -119,6 +119,9 @@ def parse_args(argv=None):
     p.add_argument("--no-fused", action="store_true",
                    help="TraceGRPOConfig(fused_rms_norm=False, fused_rope=False): transformers' RMSNorm and rotary ops, "
                         "the before of the fused kernels")  # fmt: skip
+    p.add_argument("--keep-adapter-casts", action="store_true",
+                   help="TraceGRPOConfig(disable_input_dtype_casting=False): PEFT casts each LoRA adapter's input to "
+                        "the adapter's fp32 under autocast, and autocast casts it back")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -604,6 +607,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         train_sampling_strategy="group_by_length" if args.group_by_length else "random",
         token_budget=args.token_budget, gated_delta_rule=args.gated_delta_rule,
         fused_rms_norm=not args.no_fused, fused_rope=not args.no_fused,
+        disable_input_dtype_casting=not args.keep_adapter_casts,
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")
@@ -656,6 +660,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "gated_delta_rule": trainer.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,
         "fused_rope": cfg.fused_rope,
+        "uncast_adapters": len(trainer.uncast_adapters),
         "freeze_experts": args.freeze_experts,
         "prefill_bf16_gemms": args.prefill_bf16_gemms,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

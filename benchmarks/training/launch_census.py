@@ -96,8 +96,17 @@ def parse_args(argv=None):
     p.add_argument("--no-fused", action="store_true",
                    help="transformers' RMSNorm and rotary ops (TraceGRPOConfig(fused_rms_norm=False, fused_rope=False)); "
                         "default: the trainer's fused kernels")  # fmt: skip
+    p.add_argument("--amp", action="store_true",
+                   help="as the GPU trains (grpo_step, bf16=True): bf16 weights, PEFT's default fp32 adapters and the "
+                        "forwards under bf16 autocast, the adapters fed their input uncast (disable_input_dtype_casting); "
+                        "default: fp32 throughout")  # fmt: skip
+    p.add_argument("--keep-adapter-casts", action="store_true",
+                   help="with --amp: PEFT casts each adapter's input to fp32 (disable_input_dtype_casting=False)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="accepted for the benchmarks' common interface (always CPU)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.keep_adapter_casts and not args.amp:
+        p.error("--keep-adapter-casts compares PEFT's casts under autocast: pass --amp too")
+    return args
 
 
 class Census:
@@ -231,13 +240,16 @@ def mid_qwen35_model(layers: int, fp4: bool):
     return model
 
 
-def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str = "tiny", fused: bool = True) -> dict:
-    """One setup at one depth: the counts of a no-grad forward and of a forward + backward."""
+def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str = "tiny", fused: bool = True,
+          amp: bool = False, uncast: bool = True) -> dict:  # fmt: skip
+    """One setup at one depth: the counts of a no-grad forward and of a forward + backward; with ``amp`` in the GPU
+    trainer's precision (bf16 weights, fp32 adapters, bf16 autocast; ``uncast``: `autocast_adapter_inputs`)."""
     import torch
 
     from benchmarks.training.frozen_train_side import lora_model, record_hints
     from trace_hf import use_hints
     from trace_hf.hints import aligned_positions
+    from trace_hf.train.adapter_casts import autocast_adapter_inputs, uncastable_adapters
     from trace_hf.train.delta_rule import delta_rule_modules, recurrent_values
     from trace_hf.train.rms_norm import fuse_rms_norms
     from trace_hf.train.rope import fused_rope
@@ -249,6 +261,10 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
         model = mid_qwen35_model(layers, fp4)
     else:
         model = lora_model(layers, fp4, torch.device("cpu"), smoke=True)
+    if amp:  # a bf16 model whose PEFT adapters stayed fp32 (PEFT's default, which TRL keeps)
+        for name, p in model.named_parameters():
+            if "lora_" not in name and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
     if fused:
         fuse_rms_norms(model)  # as TraceGRPOTrainer does by default
     ids = torch.randint(4, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -257,6 +273,10 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
 
     def ctx():
         stack = contextlib.ExitStack()
+        if amp:  # accelerate's bf16 mixed precision, and the trainer's uncast adapter inputs under it
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            if uncast:
+                stack.enter_context(autocast_adapter_inputs(uncastable_adapters(model)))
         if fused:
             stack.enter_context(fused_rope(model))  # as TraceGRPOTrainer's forwards do by default
         if delta_rule_modules(model):
@@ -326,8 +346,9 @@ def main(argv=None) -> int:
     for setup in args.setups.split(","):
         fused = not args.no_fused
         span = 4 if args.shape == "mid_qwen35" else 2  # a whole period of Qwen3.5's layer types
-        shallow = count(setup, args.layers, args.tokens, census, mode, args.shape, fused)
-        deep = count(setup, args.layers + span, args.tokens, census, mode, args.shape, fused)
+        kw = {"fused": fused, "amp": args.amp, "uncast": not args.keep_adapter_casts}
+        shallow = count(setup, args.layers, args.tokens, census, mode, args.shape, **kw)
+        deep = count(setup, args.layers + span, args.tokens, census, mode, args.shape, **kw)
         results[setup] = per_layer(shallow, deep, span)
         for phase, r in results[setup].items():
             mb = {c: round(n / 2**20, 2) for c, n in r["bytes_per_layer"].items()}
@@ -336,7 +357,8 @@ def main(argv=None) -> int:
                   flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"layers": [args.layers, args.layers + span], "tokens": args.tokens, "shape": args.shape,
-                   "fused": not args.no_fused, "results": results}, f, indent=1)  # fmt: skip
+                   "fused": not args.no_fused, "amp": args.amp, "adapter_casts": args.keep_adapter_casts or not args.amp,
+                   "results": results}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -34,6 +34,7 @@ _BOOL_FIELDS = (
     "trace_metrics",
     "fused_rms_norm",
     "fused_rope",
+    "disable_input_dtype_casting",
 )
 _FLOAT_FIELDS = (  # int accepted, bool not; the optional ones take None
     "rollout_free_memory_fraction",
@@ -238,6 +239,16 @@ class TraceGRPOConfig(GRPOConfig):
             "help": "Run the attention's rotary embedding (transformers' apply_rotary_pos_emb of Qwen3 MoE, Qwen3.5 "
             "MoE and other known models) as one Triton launch forward and one backward on CUDA in training-side "
             "forwards: transformers' values bit for bit, fewer launches and passes."
+        },
+    )
+    disable_input_dtype_casting: bool = field(
+        default=True,
+        metadata={
+            "help": "Under autocast (bf16=True or fp16=True), feed PEFT's LoRA adapters their input as it is instead "
+            "of cast to the adapters' dtype (fp32 by PEFT's default) first, as peft.helpers.disable_input_dtype_casting "
+            "does, on the adapters where it changes no value (plain LoRA without dropout): autocast casts the copy back "
+            "for the adapter's matmul, so every value is the same and each adapter makes four [tokens, in_features] "
+            "copies fewer per forward and backward. No effect without autocast."
         },
     )
     rollout_importance_sampling: bool = field(

@@ -43,6 +43,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from ..hints import HintBatch, MismatchReport, aligned_positions, hint_plan, use_hints
 from ..quant.experts import TraceFP4Experts, fp4_experts
 from ..rollout import RolloutOutput, make_rollout
+from .adapter_casts import autocast_adapter_inputs, uncastable_adapters
 from .config import TraceGRPOConfig
 from .delta_rule import recurrent_values, resolve_gated_delta_rule
 from .grouping import group_by_length
@@ -116,6 +117,9 @@ class TraceGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         #: How many RMSNorms run as `trace_hf.train.rms_norm.FusedRMSNorm` (`fused_rms_norm`).
         self.fused_rms_norms = fuse_rms_norms(self.model) if self.args.fused_rms_norm else 0
+        #: The PEFT adapters the training-side forwards feed their input uncast (`disable_input_dtype_casting`): empty
+        #: unless those forwards run under autocast, where the cast would be undone.
+        self.uncast_adapters = self._uncast_adapters()
         self.rollout = None  # the rollout path (`trace_hf.rollout`), chosen at the first rollout
         self._trace_state = StepState()
         experts = self._trace_validate_model()
@@ -160,6 +164,13 @@ class TraceGRPOTrainer(GRPOTrainer):
             )
         return experts
 
+    def _uncast_adapters(self) -> list[torch.nn.Module]:
+        if not self.args.disable_input_dtype_casting:
+            return []
+        with self.accelerator.autocast():  # what every training-side forward runs under (TRL's and the packed ones)
+            amp = torch.is_autocast_enabled(self.accelerator.device.type)
+        return uncastable_adapters(self.accelerator.unwrap_model(self.model)) if amp else []
+
     def _trace_core(self, model: torch.nn.Module) -> torch.nn.Module:
         """The transformer backbone inside any wrapper (DDP, PEFT, the CausalLM head): the module whose `__call__`
         every forward goes through (PEFT calls the CausalLM's `forward` directly, so hooks there would not fire)."""
@@ -191,6 +202,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                 stack.enter_context(recurrent_values(core))
             if self.args.fused_rope:
                 stack.enter_context(fused_rope(core))
+            if self.uncast_adapters:
+                stack.enter_context(autocast_adapter_inputs(self.uncast_adapters))
             # No hints, a plain reference model, or an eval-mode forward (evaluation: the rollout path, nothing to
             # guide).
             if hints is None or not core.training or not any(isinstance(m, TraceFP4Experts) for m in core.modules()):
