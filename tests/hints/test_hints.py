@@ -252,7 +252,7 @@ def test_routing_replay_gives_the_rollout_top_k(warmed, tokenizer, monkeypatch):
 
 def test_gradient_checkpointing_sees_the_hints(warmed, tokenizer):
     enc = prompts(tokenizer, n=3)
-    grads, losses = [], []
+    grads, losses, counts = [], [], []
     for ckpt in (False, True):
         model = AutoModelForCausalLM.from_pretrained(warmed, quantization_config=TraceFP4Config(), dtype=torch.float32)
         rec, seq, mask, _ = rollout(model, enc, recorder_cls=HintRecorder, new_tokens=8)
@@ -266,8 +266,14 @@ def test_gradient_checkpointing_sees_the_hints(warmed, tokenizer):
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         assert report.hint_coverage > 0.8
+        counts.append((report.flips, report.elements, int(report.routing_diff), int(report.routing_total)))
     assert losses[0] == losses[1]
     assert torch.equal(grads[0], grads[1])
+    # The recompute is not counted again: the counts are the forward's, checkpointed or not.
+    (flips, elements, diff, total), want = counts[1], counts[0]
+    assert {k: int(v) for k, v in flips.items()} == {k: int(v) for k, v in want[0].items()}
+    assert {k: int(v) for k, v in elements.items()} == {k: int(v) for k, v in want[1].items()}
+    assert (diff, total) == want[2:] and total > 0 and sum(map(int, elements.values())) > 0
 
 
 def test_hints_that_do_not_fit_raise(warmed, tokenizer):

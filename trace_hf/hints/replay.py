@@ -44,8 +44,8 @@ class Guide(SiteGuide):
         elsewhere (`trace_hf.fp4.hinted_quantize`, one kernel on CUDA). ``rows``: how many rows have one."""
         with torch.no_grad():
             q, flips = fp4.hinted_quantize(x, hints, has.to(x.device), self.apply)
-        # A flip: the nearest code (training scales) is not the code the rollout's hint selects. Counted again when
-        # checkpointing recomputes the forward; the rates are ratios, so they are unchanged.
+        # A flip: the nearest code (training scales) is not the code the rollout's hint selects (counted once per
+        # forward: `MismatchReport.count` leaves out a checkpointed recompute).
         self.report.count(self.site, self.layer, flips, rows * x.shape[-1])
         return q
 

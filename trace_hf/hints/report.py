@@ -13,6 +13,12 @@ import torch
 from ..quant.config import HINT_SITES
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside autograd's backward: gradient checkpointing recomputing a forward whose
+    tokens were counted when it first ran (so the counts are those of the forwards, checkpointed or not)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @dataclass
 class MismatchReport:
     """What the hints corrected in one `use_hints` block (counts accumulate over its forwards).
@@ -40,7 +46,10 @@ class MismatchReport:
         return self.total_flips / n if n else math.nan
 
     def count(self, site: str, layer: int, flips, elements) -> None:
-        """Add one guided quantization's counts (tensors are fine: they are summed lazily, with no host sync)."""
+        """Add one guided quantization's counts (tensors are fine: they are summed lazily, with no host sync); a
+        checkpointed recompute's are left out (`recomputing`)."""
+        if recomputing():
+            return
         key = (site, layer)
         self.flips[key] = _add(self.flips.get(key, 0), flips)
         self.elements[key] = _add(self.elements.get(key, 0), elements)
@@ -48,6 +57,8 @@ class MismatchReport:
     def count_routing(self, diff, total) -> None:
         """Add one router's counts: ``diff`` of its ``total`` hinted tokens chose another top-k set (lazily, as
         `count`)."""
+        if recomputing():
+            return
         self.routing_diff = _add(self.routing_diff, diff)
         self.routing_total = _add(self.routing_total, total)
 

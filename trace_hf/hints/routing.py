@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..models import is_softmax_topk_router
-from .report import MismatchReport
+from .report import MismatchReport, recomputing
 
 
 def check_replayable(router: torch.nn.Module) -> None:
@@ -31,9 +31,10 @@ def routing_hook(recorded: torch.Tensor, has: torch.Tensor, replay: bool, report
             )
         rec = recorded.to(indices.device)
         mask = has.to(indices.device)
-        with torch.no_grad():
-            same = (indices.sort(-1).values == recorded_set.to(indices.device)).all(-1)
-            report.count_routing((same < mask).sum(), n_has)  # hinted tokens (mask) whose set is not the same
+        if not recomputing():  # a checkpointed recompute routes as the forward did, which was counted
+            with torch.no_grad():
+                same = (indices.sort(-1).values == recorded_set.to(indices.device)).all(-1)
+                report.count_routing((same < mask).sum(), n_has)  # hinted tokens (mask) whose set is not the same
         if not replay:
             return output
         idx = torch.where(mask.unsqueeze(-1), rec, indices)

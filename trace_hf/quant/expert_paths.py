@@ -226,10 +226,11 @@ class FrozenKernelExperts(torch.autograd.Function):
     `frozen_backward`: input and routing-weight gradients, no weight gradient.
 
     Saved for backward: the input's codes (a quarter of a bf16 input's bytes; with dense activations the input
-    itself) and, with ``keep_hidden``, the FP4 hidden the down projection read, compacted to slot order: codes,
-    block and row scales, ``I / 2 + I / 16 + 4`` bytes a slot, about 0.28 of a bf16 hidden's ``2 I``. Under
-    non-reentrant checkpointing the forward reruns in backward and saves them again, the same bits (the kernels
-    are deterministic)."""
+    itself) and, with ``keep_hidden``, the FP4 hidden the down projection read, as the kernels left it (rows in
+    their sorted, padded layout, with each row's slot): codes, block and row scales, ``I / 2 + I / 16 + 4`` bytes a
+    row, about 0.28 of a bf16 hidden's ``2 I``. Backward finds each slot's row; the forward does no gather, since
+    under non-reentrant checkpointing it runs twice (its first run's saved tensors are dropped) and its recompute
+    saves the same bits (the kernels are deterministic)."""
 
     @staticmethod
     def forward(ctx, x, weights, ids, module, keep_hidden, *xq):
@@ -241,8 +242,7 @@ class FrozenKernelExperts(torch.autograd.Function):
         kept = ()
         if keep_hidden:
             y, hidden = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4, return_hidden=True)
-            pos = hidden.positions()  # padded sorted rows -> slot order, padding dropped
-            kept = tuple(f[pos] for f in fields(hidden.q))
+            kept = (*fields(hidden.q), hidden.slots)
         else:
             y = fp4_moe.experts_from_quantized(a, ids, weights, gu, d, hidden_fp4)
         ctx.module, ctx.dtype, ctx.codes, ctx.kept = module, x.dtype, len(xq), len(kept)
@@ -255,7 +255,11 @@ class FrozenKernelExperts(torch.autograd.Function):
         kept, xq = rest[: ctx.kept], rest[ctx.kept :]
         m = ctx.module
         x = fp4.FP4Tensor(*xq, m.fmt) if ctx.codes else xq[0]
-        hidden = fp4.FP4Tensor(*kept, m.fmt) if kept else None
+        hidden = None
+        if kept:  # the padded rows and the row of each (token, slot)
+            from trace_hf.kernels.fp4_moe_common import slot_rows
+
+            hidden = (fp4.FP4Tensor(*kept[:3], m.fmt), slot_rows(kept[3], ids.numel()))
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dx, dw = frozen_backward(m, x, ids, weights, grad.contiguous(), hidden, need_dx, need_dw, ctx.dtype)
         return (dx, dw, None, None, None) + (None,) * ctx.codes
@@ -268,9 +272,9 @@ def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw, dtype=No
     weights dequantized (or the kept copy with cache_qat_weights).
 
     The routing weights' gradient is <grad @ W_down[e], hidden>, so no down projection runs. ``hidden`` is the
-    FP4 hidden the forward kernel's down projection read (`FP4Tensor` [T * k, I], rows in slot order), so that
-    gradient is that of the function the forward computed; a gate/up recomputed here in bf16 would round 1-2% of
-    the hidden's codes the other way. With dense activations (``hidden`` None) the recomputed hidden serves.
+    FP4 hidden the forward kernel's down projection read and the row of each (token, slot) in it (`FP4Tensor`
+    [rows, I], int64 [T * k]), so that gradient is that of the function the forward computed; a gate/up recomputed
+    here in bf16 would round 1-2% of the hidden's codes the other way. With dense activations (``hidden`` None) the recomputed hidden serves.
     Gate/up are still recomputed (in ``dtype``) for the SiLU * up derivative of the input gradient: the
     kernels keep only the quantized hidden, and keeping gate/up would hold a [T * k, 2I] copy to the backward."""
     t, k = ids.shape
@@ -291,7 +295,9 @@ def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw, dtype=No
     del w_d
     dx = dw = None
     if need_dw and hidden is not None:  # the kernel's codes in sorted order, dequantized in fp32 for this product
-        h = dequantize(fp4.FP4Tensor(*(f[order] for f in fields(hidden)), m.fmt), torch.float32)
+        q, slot_row = hidden
+        sel = slot_row[order]
+        h = dequantize(fp4.FP4Tensor(*(f[sel] for f in fields(q)), m.fmt), torch.float32)
         dw = (dhq * h).sum(-1)
         del h
     if need_dx or (need_dw and dw is None):  # dense activations: dw reads the recomputed hidden
