@@ -274,9 +274,10 @@ def frozen_backward(m, x, ids, weights, grad, hidden, need_dx, need_dw, dtype=No
     The routing weights' gradient is <grad @ W_down[e], hidden>, so no down projection runs. ``hidden`` is the
     FP4 hidden the forward kernel's down projection read and the row of each (token, slot) in it (`FP4Tensor`
     [rows, I], int64 [T * k]), so that gradient is that of the function the forward computed; a gate/up recomputed
-    here in bf16 would round 1-2% of the hidden's codes the other way. With dense activations (``hidden`` None) the recomputed hidden serves.
-    Gate/up are still recomputed (in ``dtype``) for the SiLU * up derivative of the input gradient: the
-    kernels keep only the quantized hidden, and keeping gate/up would hold a [T * k, 2I] copy to the backward."""
+    here in bf16 would round 1-2% of the hidden's codes the other way. With dense activations (``hidden`` None)
+    the recomputed hidden serves. Gate/up are still recomputed (in ``dtype``) for the SiLU * up derivative of the
+    input gradient: the kernels keep only the quantized hidden, and keeping gate/up would hold a [T * k, 2I] copy to
+    the backward."""
     t, k = ids.shape
     dtype = dtype or x.dtype
     ids_sorted, order = torch.sort(ids.reshape(-1), stable=True)
