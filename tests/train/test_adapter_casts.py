@@ -39,19 +39,23 @@ def _lora(model, **lora):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text"])
-def test_uncast_inputs_keep_every_value_under_autocast(family):
-    model = _lora(T.tiny_model(family, num_hidden_layers=4).to(torch.bfloat16))
+@pytest.mark.parametrize(
+    "family, device",
+    [("qwen3_moe", "cpu"), ("qwen3_5_moe_text", "cpu"), pytest.param("qwen3_moe", "cuda", marks=pytest.mark.gpu)],
+)
+def test_uncast_inputs_keep_every_value_under_autocast(family, device):
+    """On CUDA too: autocast's casts and cuBLAS see the same bf16 operands either way."""
+    model = _lora(T.tiny_model(family, num_hidden_layers=4).to(torch.bfloat16)).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     adapters = uncastable_adapters(model)
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}  # PEFT's default
     assert len(adapters) == sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in model.modules()) > 0
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
 
     def run():
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as count:
+        with torch.autocast(device, dtype=torch.bfloat16), _Ops() as count:
             logits = model(input_ids=ids).logits
             logits.float().logsumexp(-1).sum().backward()
         return logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, count.ops
