@@ -154,5 +154,8 @@ def test_recurrent_values_keep_every_gradient_of_the_chunked_form(kernel, monkey
 
     chunk, recurrent = grads(contextlib.nullcontext()), grads(delta_rule.recurrent_values(model))
     assert chunk.keys() == recurrent.keys() and any("linear_attn" in n for n in chunk)
+    # Relative to each gradient, with a floor at 1e-8 of the whole gradient: some (a layer's dt_bias, A_log) are ~1e-9
+    # of it here, where fp32 order alone moves them by ~1% and by how much depends on the CPU's thread count.
+    scale = torch.cat([g.flatten() for g in chunk.values()]).norm()
     for n, g in chunk.items():
-        assert (recurrent[n] - g).norm() <= 1e-4 * g.norm() + 1e-12, n
+        assert (recurrent[n] - g).norm() <= 1e-4 * g.norm() + 1e-8 * scale, n
