@@ -13,6 +13,9 @@ CPU replaces by the Triton ones one for one, and the kernels an aten call launch
 as one each. So it compares setups and code versions; GPU time is for the profiler
 (`grpo_step --profile-host`, `--profile train`).
 
+It also counts the calls that make the host wait for the device (`SYNCS`: a value read back, an output sized by the
+data), per layer (none: a layer could be captured in a CUDA graph) and per forward.
+
 Each launch also counts the bytes of the tensors it reads and writes (its tensor arguments and outputs, whole), by
 class (`OP_CLASSES`: GEMM, attention, copy/gather, reduction, elementwise, Triton) and by source: the traffic the
 glue between the matmuls costs, which bounds the training side at large token counts (docs/benchmarks.md, "Where
@@ -45,6 +48,11 @@ METADATA = frozenset({
     "item", "unflatten", "flatten", "view_as", "contiguous", "_has_compatible_shallow_copy_type", "new_empty",
     "promote_types", "result_type",
 })  # fmt: skip
+#: aten calls that make the host wait for the device on CUDA: a value read back (``.item()``, ``int(t)``, ``bool(t)``)
+#: or an output sized by the data. One inside a decoder layer stalls every layer and rules out capturing it in a
+#: CUDA graph. (A ``.tolist()`` or ``.cpu()`` of a CUDA tensor is a device copy, which a CPU census cannot see.)
+SYNCS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
+                   "unique_dim", "bincount"})  # fmt: skip
 #: Launch classes by aten op name (a Triton launch is its own class); the rest is elementwise.
 OP_CLASSES = {
     "gemm": {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "addmv", "mv", "dot"},
@@ -118,6 +126,7 @@ class Census:
 
     def reset(self) -> None:
         self.ops, self.sources, self.triton = collections.Counter(), collections.Counter(), 0
+        self.syncs = collections.Counter()  # `SYNCS` calls by source
         # Bytes by class, and the glue's by source and by op (autograd's backward ops have no Python source).
         self.bytes, self.source_bytes, self.op_bytes = (collections.Counter() for _ in range(3))
 
@@ -182,6 +191,8 @@ def _install(census: Census):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             out = func(*args, **(kwargs or {}))
+            if name in SYNCS and not census._in_triton:
+                census.syncs[census.source()] += 1
             if name not in METADATA and not census._in_triton:
                 source = census.source()
                 census.ops[name] += 1
@@ -301,7 +312,7 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
         out[phase] = {"aten": sum(census.ops.values()), "triton": census.triton, "ops": dict(census.ops),
                       "sources": dict(census.sources), "bytes": dict(census.bytes),
                       "glue_bytes_by_source": dict(census.source_bytes),
-                      "glue_bytes_by_op": dict(census.op_bytes)}  # fmt: skip
+                      "glue_bytes_by_op": dict(census.op_bytes), "syncs": dict(census.syncs)}  # fmt: skip
     return out
 
 
@@ -320,6 +331,8 @@ def per_layer(shallow: dict, deep: dict, span: int = 2) -> dict:
             "aten_per_layer": (b["aten"] - a["aten"]) / span,
             "triton_per_layer": (b["triton"] - a["triton"]) / span,
             "sources_per_layer": sources,
+            "syncs_per_layer": sorted(diff(a["syncs"], b["syncs"]).items(), key=lambda kv: -kv[1]),
+            "syncs_whole_forward": a["syncs"],  # at the smaller depth: with none per layer, the model's own
             "ops_per_layer": sorted(diff(a["ops"], b["ops"]).items(), key=lambda kv: -kv[1]),
             "bytes_per_layer": dict(sorted(diff(a["bytes"], b["bytes"]).items(), key=lambda kv: -kv[1])),
             "glue_bytes_per_layer_by_source": sorted(
@@ -353,7 +366,8 @@ def main(argv=None) -> int:
         for phase, r in results[setup].items():
             mb = {c: round(n / 2**20, 2) for c, n in r["bytes_per_layer"].items()}
             print(f"{setup} {phase}: {r['aten_per_layer']:.1f} aten launches + {r['triton_per_layer']:.1f} Triton "
-                  f"launches per layer; top sources {r['sources_per_layer'][:4]}; MiB per layer by class {mb}",
+                  f"launches per layer; top sources {r['sources_per_layer'][:4]}; MiB per layer by class {mb}; host syncs "
+                  f"per layer {r['syncs_per_layer'] or 0}, per forward {r['syncs_whole_forward']}",
                   flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"layers": [args.layers, args.layers + span], "tokens": args.tokens, "shape": args.shape,

@@ -38,6 +38,10 @@ def test_launches_per_layer_are_counted_the_same_at_any_depth(tmp_path):
             assert x["aten_per_layer"] == y["aten_per_layer"] > 0, (setup, phase)
             assert x["triton_per_layer"] == y["triton_per_layer"], (setup, phase)
             assert sum(v for _, v in x["sources_per_layer"]) == x["aten_per_layer"]  # every launch has its source
+            # No host sync inside a layer (the precondition for capturing one in a CUDA graph); use_hints' and the
+            # model's own, once per forward, are seen.
+            assert x["syncs_per_layer"] == y["syncs_per_layer"] == [], (setup, phase)
+    assert sum(a["fp4"]["no_grad_forward"]["syncs_whole_forward"].values()) > 0
     # BF16 runs only the trainer's fused glue: 4 RMSNorms (input, post-attention, q, k) and the rotary of q and k.
     assert a["bf16"]["no_grad_forward"]["triton_per_layer"] == 4 + 2
     fp4 = a["fp4"]["no_grad_forward"]
@@ -68,3 +72,4 @@ def test_qwen35_census_takes_the_trainers_cuda_paths(tmp_path):
         assert any(s.startswith("kernels/gated_delta_recurrent.py") for s in sources), phase
         assert ("torch_chunk_gated_delta_rule" in str(sources)) == (phase == "forward_backward")
         assert r["triton_per_layer"] > 0
+        assert r["syncs_per_layer"] == [], phase
