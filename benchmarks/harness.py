@@ -1,6 +1,7 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """What the benchmarks share: the device they run on, timing, the copy bandwidth they quote fractions of, JSON
-output, overrides of the kernels' launch settings for A/B runs, and running another benchmark in this process.
+output, overrides of the kernels' launch settings for A/B runs, running another benchmark in this process, and the
+trainer-kernel flags of the training benchmarks.
 
 Imported as ``benchmarks.harness``: run the benchmarks as modules from the repository root
 (``python -m benchmarks.rollout.rollout_decode ...``), so that no script puts another's folder on ``sys.path``.
@@ -10,6 +11,7 @@ torch is imported inside the functions, so that ``--help`` stays fast and `setup
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
@@ -48,6 +50,19 @@ def setup_device(script: str, smoke: bool = False, gpu_only: bool = False) -> De
         return None
     os.environ.setdefault("TRITON_INTERPRET", "1")
     return Device(False, torch.device("cpu"), torch.float32, "cpu (interpreter)")
+
+
+def add_kernel_flags(p: argparse.ArgumentParser, adapter_casts: bool = True) -> None:
+    """The trainer's fused-kernel and PEFT-cast switches, as flags named after the `TraceGRPOConfig` fields they turn
+    off, so that every training benchmark spells and means them the same: ``--no-fused`` and, with
+    ``adapter_casts``, ``--keep-adapter-casts``."""
+    p.add_argument("--no-fused", action="store_true",
+                   help="TraceGRPOConfig(fused_rms_norm=False, fused_rope=False): transformers' RMSNorm and rotary ops, "
+                        "the before of the fused kernels")  # fmt: skip
+    if adapter_casts:
+        p.add_argument("--keep-adapter-casts", action="store_true",
+                       help="TraceGRPOConfig(disable_input_dtype_casting=False): PEFT casts each LoRA adapter's input "
+                            "to the adapter's fp32 under autocast, and autocast casts it back")  # fmt: skip
 
 
 def time_per_call(

@@ -59,6 +59,8 @@ import statistics
 import sys
 import time
 
+from benchmarks import harness
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,12 +118,7 @@ def parse_args(argv=None):
     p.add_argument("--gated-delta-rule", choices=["auto", "chunk", "recurrent"], default="auto",
                    help="TraceGRPOConfig.gated_delta_rule (Gated DeltaNet models: grpo_step_qwen35): the training "
                         "forwards' rule (auto: recurrent on those models)")  # fmt: skip
-    p.add_argument("--no-fused", action="store_true",
-                   help="TraceGRPOConfig(fused_rms_norm=False, fused_rope=False): transformers' RMSNorm and rotary ops, "
-                        "the before of the fused kernels")  # fmt: skip
-    p.add_argument("--keep-adapter-casts", action="store_true",
-                   help="TraceGRPOConfig(disable_input_dtype_casting=False): PEFT casts each LoRA adapter's input to "
-                        "the adapter's fp32 under autocast, and autocast casts it back")  # fmt: skip
+    harness.add_kernel_flags(p)
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -692,8 +689,6 @@ def main(argv=None, build_model=build_model) -> int:
     """The benchmark; ``build_model(args, fp4, dev)`` makes each setup's model (another family: grpo_step_qwen35)."""
     args = parse_args(argv)
     import torch
-
-    from benchmarks import harness
 
     env = harness.setup_device("grpo_step.py", args.smoke)
     if env is None:

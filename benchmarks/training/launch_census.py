@@ -39,6 +39,8 @@ import json
 import os
 import sys
 
+from benchmarks import harness
+
 
 #: aten calls that only make views or read metadata: no kernel on the GPU.
 METADATA = frozenset({
@@ -101,15 +103,11 @@ def parse_args(argv=None):
     p.add_argument("--shape", choices=["tiny", "mid", "mid_qwen35"], default="tiny",
                    help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes); "
                         "mid_qwen35: Qwen3.5-35B-A3B's, per layer of its 3 Gated DeltaNet + 1 attention period")  # fmt: skip
-    p.add_argument("--no-fused", action="store_true",
-                   help="transformers' RMSNorm and rotary ops (TraceGRPOConfig(fused_rms_norm=False, fused_rope=False)); "
-                        "default: the trainer's fused kernels")  # fmt: skip
     p.add_argument("--amp", action="store_true",
                    help="as the GPU trains (grpo_step, bf16=True): bf16 weights, PEFT's default fp32 adapters and the "
-                        "forwards under bf16 autocast, the adapters fed their input uncast (disable_input_dtype_casting); "
-                        "default: fp32 throughout")  # fmt: skip
-    p.add_argument("--keep-adapter-casts", action="store_true",
-                   help="with --amp: PEFT casts each adapter's input to fp32 (disable_input_dtype_casting=False)")  # fmt: skip
+                        "forwards under bf16 autocast, the adapters fed their input uncast (disable_input_dtype_casting; "
+                        "--keep-adapter-casts: PEFT's casts); default: fp32 throughout")  # fmt: skip
+    harness.add_kernel_flags(p)
     p.add_argument("--smoke", action="store_true", help="accepted for the benchmarks' common interface (always CPU)")
     args = p.parse_args(argv)
     if args.keep_adapter_casts and not args.amp:

@@ -38,8 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--no-fused", action="store_true",
-                   help="transformers' RMSNorm and rotary ops (TraceGRPOConfig(fused_rms_norm=False, fused_rope=False))")  # fmt: skip
+    harness.add_kernel_flags(p, adapter_casts=False)
     return p.parse_args(argv)
 
 
