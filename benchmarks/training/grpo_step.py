@@ -119,6 +119,10 @@ def parse_args(argv=None):
                    help="TraceGRPOConfig.gated_delta_rule (Gated DeltaNet models: grpo_step_qwen35): the training "
                         "forwards' rule (auto: recurrent on those models)")  # fmt: skip
     harness.add_kernel_flags(p)
+    p.add_argument("--scoring-forward", action="store_true",
+                   help="TraceGRPOConfig(skip_scoring_forward=False): a no-grad scoring forward over each generation "
+                        "batch for the IS ratio and the trace/* metrics, the before of taking them from the training "
+                        "forwards")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -605,6 +609,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         token_budget=args.token_budget, gated_delta_rule=args.gated_delta_rule,
         fused_rms_norm=not args.no_fused, fused_rope=not args.no_fused,
         disable_input_dtype_casting=not args.keep_adapter_casts,
+        skip_scoring_forward=not args.scoring_forward,
     )  # fmt: skip
     timer = StepTimer()
     phases = PhaseTimer(dev.type == "cuda")

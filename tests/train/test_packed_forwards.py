@@ -1,7 +1,8 @@
 # Copyright 2026 The trace-hf Authors. Licensed under the Apache License, Version 2.0.
 """Padding-free packed training-side forwards (`TraceGRPOConfig.token_budget`) on the tiny Qwen3 MoE and Qwen3.5 MoE
 (Gated DeltaNet given its rows right-padded): the same log-probs, hints, routing and step as TRL's padded row micro-batches, rows
-kept apart, fewer forwards."""
+kept apart, fewer forwards. And the scoring forward skipped where TRL keeps no old log-probs
+(`skip_scoring_forward`): the same step and metrics from the training forwards alone."""
 
 from __future__ import annotations
 
@@ -118,9 +119,10 @@ def score(trainer, inputs, budget, batch_size=1):
 
 
 def test_packed_logps_equal_padded_with_hints_and_replay(tmp_path, model_dir, dataset):
-    trainer = make(load(model_dir), tmp_path, dataset, learning_rate=0.0)  # hints stay the policy's own
+    # The hints stay the policy's own; the scoring forward runs, so its IS ratio is in the inputs TRL's loss sees.
+    trainer = make(load(model_dir), tmp_path, dataset, learning_rate=0.0, skip_scoring_forward=False)
     batches = loss_inputs(trainer)
-    assert all("importance_sampling_ratio" in b for b in batches)  # IS on: the inputs TRL's loss saw
+    assert all("importance_sampling_ratio" in b for b in batches)
     inputs = {k: torch.cat([b[k] for b in batches]) for k, v in batches[0].items() if torch.is_tensor(v) and v.dim()}
     real = inputs["completion_mask"].bool()
     trainer.model.train()
@@ -226,6 +228,64 @@ def test_one_step_packed_equals_padded(tmp_path, model_dir, dataset, kw):
     assert metrics[24].keys() == metrics[0].keys()
     for key, value in metrics[0].items():
         assert metrics[24][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def _training_side_forwards(model) -> tuple[list, object]:
+    """A log of the model's training-side forwards (whether each ran with grad) and the hook that fills it; the
+    rollout runs in eval mode and is not logged."""
+    log = []
+
+    def spy(module, args, kwargs):
+        if module.training:
+            log.append(torch.is_grad_enabled())
+
+    return log, model.register_forward_pre_hook(spy, with_kwargs=True)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_type": "grpo"},
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "rollout_importance_sampling_mode": "sequence_truncate"},
+        {"loss_type": "dapo", "beta": 0.05, "top_entropy_quantile": 0.5},  # reference model, entropy mask
+        {"loss_type": "vespo"},  # reads the IS ratio itself
+        {"loss_type": "grpo", "token_budget": 0},  # TRL's padded micro-batches
+    ],
+    ids=["grpo", "gspo-sequence-is", "dapo-ref-entropy", "vespo", "grpo-padded"],
+)  # fmt: skip
+def test_skipping_the_scoring_forward_gives_the_same_step_and_metrics(tmp_path, model_dir, dataset, kw):
+    params, metrics, forwards = {}, {}, {}
+    for skip in (False, True):
+        model = load(model_dir)
+        trainer = make(model, tmp_path / str(skip), dataset, skip_scoring_forward=skip, **kw)
+        forwards[skip], hook = _training_side_forwards(model)
+        trainer.train()
+        hook.remove()
+        params[skip] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        metrics[skip] = _metrics(trainer)
+    # Skipped: only the two loss forwards (TRL's micro-batches of 4 rows); else the no-grad scoring forwards too.
+    assert forwards[True] == [True, True], forwards
+    assert forwards[False].count(False) >= 1 and forwards[False].count(True) == 2, forwards
+    before = dict(load(model_dir).named_parameters())
+    assert any(not torch.equal(before[n], p) for n, p in params[False].items()), "the step changed nothing"
+    for name, p in params[False].items():
+        torch.testing.assert_close(params[True][name], p, rtol=1e-5, atol=1e-6, msg=name)
+    assert metrics[True].keys() == metrics[False].keys()
+    assert "trace/kl_rollout_train" in metrics[True] and "sampling/importance_sampling_ratio/max" in metrics[True]
+    for key, value in metrics[False].items():
+        assert metrics[True][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_the_scoring_forward_runs_where_trl_keeps_old_logps(tmp_path, model_dir, dataset):
+    """A generation batch over two optimizer steps: the policy changes between the rollout and the second step's
+    forwards, so TRL keeps old log-probs and the IS ratio comes from the scoring forward, before the first step."""
+    model = load(model_dir)
+    trainer = make(model, tmp_path, dataset, steps_per_generation=4, skip_scoring_forward=True)
+    forwards, hook = _training_side_forwards(model)
+    seen = loss_inputs(trainer)
+    hook.remove()
+    assert False in forwards, forwards  # the scoring forward ran
+    assert seen and all("old_per_token_logps" in x and "importance_sampling_ratio" in x for x in seen)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ _BOOL_FIELDS = (
     "fused_rms_norm",
     "fused_rope",
     "disable_input_dtype_casting",
+    "skip_scoring_forward",
 )
 _FLOAT_FIELDS = (  # int accepted, bool not; the optional ones take None
     "rollout_free_memory_fraction",
@@ -137,6 +138,16 @@ class TraceGRPOConfig(GRPOConfig):
             Upper bound of the ratio: truncated to it (`*_truncate`) or masked above it (`*_mask`).
         rollout_importance_sampling_clip_min (`float`, *optional*):
             Lower bound of the ratio, as `rollout_importance_sampling_clip_max`; `None` for no lower bound.
+        skip_scoring_forward (`bool`, *optional*, defaults to `True`):
+            Where TRL itself takes the old log-probs from the training forward (its `old_per_token_logps` is `None`:
+            `num_iterations=1` and `gradient_accumulation_steps` a multiple of `steps_per_generation`, so the policy
+            cannot change between a rollout and the training forwards of its rows), take the trainer's log-probs for
+            the IS ratio and the rollout's `trace/*` metrics from each training forward too (detached), instead of
+            from a separate no-grad scoring forward over the whole generation batch: one training-side forward
+            fewer per row. The rows, hints and routing are the same; the log-probs differ only by the forwards'
+            summation order. The metrics are then taken over the tokens of every training forward since the last
+            log (one generation batch when each optimizer step is logged, as with a scoring forward). Evaluation,
+            and runs where TRL keeps old log-probs, score as before. `False`: always run the scoring forward.
 
         > Parameters that control logging
 
@@ -270,6 +281,15 @@ class TraceGRPOConfig(GRPOConfig):
     rollout_importance_sampling_clip_min: float | None = field(
         default=None,
         metadata={"help": "Lower bound of the IS ratio (truncated to it, or masked below it); None for none."},
+    )
+    skip_scoring_forward: bool = field(
+        default=True,
+        metadata={
+            "help": "Where TRL takes the old log-probs from the training forward (num_iterations=1, one optimizer "
+            "step per generation batch), take the IS ratio and the rollout's trace/* metrics from each training "
+            "forward too, instead of a separate no-grad scoring forward: one training-side forward fewer per row. "
+            "Metrics then cover the training forwards since the last log. False: always run the scoring forward."
+        },
     )
     trace_metrics: bool = field(
         default=True,

@@ -9,7 +9,8 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   generation batch being scored (`StepState.batch`).
 * `_generate_and_score_completions`: attaches the hints as per-row ``trace_*`` tensors (so TRL's shuffle and split
   carry them with their rows), computes ``old_per_token_logps`` under the hint-guided forward, the importance-sampling
-  ratio against the sampler's log-probs, and the ``trace/*`` metrics.
+  ratio against the sampler's log-probs, and the ``trace/*`` metrics; with ``skip_scoring_forward``, where TRL keeps
+  no old log-probs, the loss forward computes the ratio and the metrics instead (`_trace_score_in_loss`).
 * `_get_per_token_logps_and_entropies`: every row chunk runs inside `use_hints` for exactly its rows, and in every
   regime with position ids from the attention mask, as `generate` makes them for left-padded prompts; each chunk
   runs only the columns its rows use (TRL pads every completion to the batch's longest). With
@@ -68,6 +69,11 @@ class StepState:
         reports: collects the `MismatchReport` of each scoring forward, while set.
         stack: the training forward's hint context, kept open until its backward is done.
         train_reports: the reports of the training forwards of the current step.
+        loss_inputs: with ``skip_scoring_forward``, the inputs of the loss being computed, which its forward completes
+            with the IS ratio from its own log-probs (TRL reads them only after that forward).
+        scored: with ``skip_scoring_forward``, what each loss forward since the last log scored (`_scored_tokens`:
+            the completion tokens' trainer - sampler log-prob differences and IS ratios), logged by `log`.
+        scored_reports: the reports of those forwards.
     """
 
     batch: RolloutOutput | None = None
@@ -75,6 +81,9 @@ class StepState:
     reports: list[MismatchReport] | None = None
     stack: contextlib.ExitStack | None = None
     train_reports: list[MismatchReport] = field(default_factory=list)
+    loss_inputs: dict | None = None
+    scored: list[tuple] = field(default_factory=list)
+    scored_reports: list[MismatchReport] = field(default_factory=list)
 
     def hint_rows(self) -> HintBatch | None:
         """The rows' hints: those set for this forward, else (TRL's own forwards while scoring) the rollout's, in
@@ -304,7 +313,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
 
         reports: list[MismatchReport] = []
-        if args.rollout_importance_sampling or args.trace_metrics:
+        if (args.rollout_importance_sampling or args.trace_metrics) and not self._scores_in_loss(output):
             self._trace_state.rows, self._trace_state.reports = hints, reports
             try:
                 with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
@@ -326,7 +335,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                     a.rollout_importance_sampling_clip_max,
                 )  # fmt: skip
             if args.trace_metrics:
-                self._trace_log_metrics(mode, old, sampling, mask, reports, output.get("importance_sampling_ratio"))
+                scored = _scored_tokens(old, sampling, mask, output.get("importance_sampling_ratio"))
+                self._trace_log_metrics(mode, *scored, reports)
 
         if hints is not None and self._trace_replays:
             output.update(hints.to_inputs(HINT_PREFIX))
@@ -336,15 +346,13 @@ class TraceGRPOTrainer(GRPOTrainer):
     # Importance sampling and metrics
     # ------------------------------------------------------------------------------------------------------
 
-    def _trace_log_metrics(self, mode, old, sampling, mask, reports, ratio) -> None:
-        """`trace/*` metrics of one scored batch, token-weighted over processes (`trace_hf.train.metrics`)."""
-        device = old.device
-        m = mask.bool() & ~torch.isnan(sampling)
-        d = (old - sampling)[m]
+    def _trace_log_metrics(self, mode, d, r, reports) -> None:
+        """`trace/*` metrics of the scored tokens (`_scored_tokens`: log-prob differences ``d``, IS ratios ``r``) and
+        the reports of their forwards, token-weighted over processes (`trace_hf.train.metrics`)."""
+        device = d.device
         k3 = torch.expm1(d) - d  # KL(sampler || trainer) estimator on the sampler's own tokens
         report = MismatchReport.merged(reports)
         sites = tuple(hint_plan(self._trace_core(self.model))) if self._fp4 else ()  # the same on every process
-        r = None if ratio is None else (ratio.flatten() if ratio.size(-1) == 1 else ratio[m])
         sums = {
             "logp_diff": d.abs().sum(),
             "tokens": d.numel(),
@@ -406,6 +414,19 @@ class TraceGRPOTrainer(GRPOTrainer):
             raise NotImplementedError(
                 f"TraceGRPOTrainer supports text-only models; got multimodal inputs {sorted(kwargs)}."
             )
+        out = self._trace_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+        )
+        pending = self._trace_state.loss_inputs
+        if pending is not None and batch_size is None:  # the forward of the loss `_compute_loss` is computing
+            self._trace_state.loss_inputs = None
+            self._trace_score_in_loss(pending, out[0])
+        return out
+
+    def _trace_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+    ):
+        """`_get_per_token_logps_and_entropies` itself: each forward in its hint context, packed or by row chunks."""
         step = self._trace_state
         rows = step.hint_rows()
         if rows is not None and len(rows) != input_ids.size(0):
@@ -510,16 +531,19 @@ class TraceGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch):
         # Backward runs inside Trainer.training_step; the hint context entered by the training forward stays open
         # until it returns, so checkpointed layers recompute with the same hints and routing.
-        self._trace_state.train_reports = []
+        step = self._trace_state
+        step.train_reports, scored = [], len(step.scored)
         with contextlib.ExitStack() as stack:
-            self._trace_state.stack = stack
+            step.stack = stack
             try:
                 loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
-                self._trace_state.stack = None
+                step.stack = None
+        if len(step.scored) > scored:  # skip_scoring_forward: this loss forward scored its rows; `log` logs them
+            step.scored_reports.extend(step.train_reports)
         if self.args.trace_metrics and self._trace_replays:
-            self._trace_log_train_reports(self._trace_state.train_reports)
-        self._trace_state.train_reports = []
+            self._trace_log_train_reports(step.train_reports)
+        step.train_reports = []
         return loss
 
     def _trace_log_train_reports(self, reports: list[MismatchReport]) -> None:
@@ -542,16 +566,69 @@ class TraceGRPOTrainer(GRPOTrainer):
         if self._trace_replays and all(k in inputs for k in keys):
             self._trace_state.rows = HintBatch.from_inputs(inputs, self._fmt, self._hint_layers, HINT_PREFIX)
         ratio = inputs.get("importance_sampling_ratio")
-        if ratio is not None and self.loss_type != "vespo":
-            # per_token_loss * r == loss computed with advantages * r for every TRL loss here (r >= 0 keeps the sign
-            # that clipping looks at), and TRL accepts [B, T] advantages from subclasses; VESPO reads the ratio itself.
-            advantages = inputs["advantages"]
-            advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-            inputs = {**inputs, "advantages": advantages * ratio}
+        if self._scores_in_loss(inputs):
+            # Completed by the loss forward with the ratio from its own log-probs (`_trace_score_in_loss`).
+            inputs = self._trace_state.loss_inputs = dict(inputs)
+        elif ratio is not None and self.loss_type != "vespo":
+            inputs = {**inputs, "advantages": _times_ratio(inputs["advantages"], ratio)}
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self._trace_state.rows = None
+            self._trace_state.rows = self._trace_state.loss_inputs = None
+
+    def _scores_in_loss(self, batch: dict) -> bool:
+        """Whether the IS ratio and the rollout's metrics come from the training forward (`skip_scoring_forward`):
+        in training, where TRL keeps no old log-probs for ``batch`` (a generation batch, or a micro-batch of one),
+        since the policy cannot change between its rollout and its training forwards."""
+        a = self.args
+        return (
+            a.skip_scoring_forward
+            and self.model.training
+            and "old_per_token_logps" not in batch
+            and (a.rollout_importance_sampling or a.trace_metrics)
+        )
+
+    def _trace_score_in_loss(self, inputs: dict, logps: torch.Tensor) -> None:
+        """The scoring forward's products from the loss forward's log-probs (detached): the IS ratio, applied to
+        ``inputs`` as `_compute_loss` applies a scored one, and what `training_step` logs after backward."""
+        a = self.args
+        old, sampling = logps.detach(), inputs["sampling_per_token_logps"]
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        ratio = None
+        if a.rollout_importance_sampling:
+            ratio = importance_sampling_ratio(
+                old, sampling, mask, a.rollout_importance_sampling_mode, a.rollout_importance_sampling_clip_min,
+                a.rollout_importance_sampling_clip_max,
+            )  # fmt: skip
+            inputs["importance_sampling_ratio"] = ratio
+            if self.loss_type != "vespo":
+                inputs["advantages"] = _times_ratio(inputs["advantages"], ratio)
+        if a.trace_metrics:
+            self._trace_state.scored.append(_scored_tokens(old, sampling, mask, ratio))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        step = self._trace_state
+        if step.scored:  # skip_scoring_forward: the rollout's metrics over the loss forwards since the last log
+            d = torch.cat([d for d, _ in step.scored])
+            r = [r for _, r in step.scored if r is not None]
+            self._trace_log_metrics("train", d, torch.cat(r) if r else None, step.scored_reports)
+            step.scored, step.scored_reports = [], []
+        super().log(logs, start_time)
+
+
+def _scored_tokens(old, sampling, mask, ratio) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the rollout metrics read of a scored batch: the trainer - sampler log-prob difference of each completion
+    token with a sampler log-prob, and the IS ratios (one per token, or per row in the sequence modes)."""
+    m = mask.bool() & ~torch.isnan(sampling)
+    r = None if ratio is None else (ratio.flatten() if ratio.size(-1) == 1 else ratio[m])
+    return (old - sampling)[m], r
+
+
+def _times_ratio(advantages: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages times the IS ratio: per_token_loss * r equals the loss computed with advantages * r for
+    every TRL loss here (r >= 0 keeps the sign that clipping looks at), and TRL accepts [B, T] advantages from
+    subclasses; VESPO reads the ratio itself."""
+    return (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * ratio
 
 
 def _row_chunks(attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int) -> list:
