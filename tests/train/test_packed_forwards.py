@@ -205,7 +205,8 @@ def test_one_step_packed_equals_padded(tmp_path, model_dir, dataset, kw):
     params, metrics, rows = {}, {}, {}
     for budget in (0, 24):  # 0: TRL's padded micro-batches
         model = load(model_dir)
-        trainer = make(model, tmp_path / str(budget), dataset, token_budget=budget, **kw)
+        # The scoring forwards run (skip_scoring_forward=False), so that their packing is compared too.
+        trainer = make(model, tmp_path / str(budget), dataset, token_budget=budget, skip_scoring_forward=False, **kw)
         rows[budget] = []
 
         def spy(module, args, kwargs, log=rows[budget]):

@@ -147,7 +147,8 @@ class TraceGRPOConfig(GRPOConfig):
             fewer per row. The rows, hints and routing are the same; the log-probs differ only by the forwards'
             summation order. The metrics are then taken over the tokens of every training forward since the last
             log (one generation batch when each optimizer step is logged, as with a scoring forward). Evaluation,
-            and runs where TRL keeps old log-probs, score as before. `False`: always run the scoring forward.
+            runs where TRL keeps old log-probs, and hints recorded only to be measured (`trace_hints=False`,
+            `routing_replay=False`) score as before. `False`: always run the scoring forward.
 
         > Parameters that control logging
 

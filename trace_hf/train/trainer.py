@@ -579,13 +579,15 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _scores_in_loss(self, batch: dict) -> bool:
         """Whether the IS ratio and the rollout's metrics come from the training forward (`skip_scoring_forward`):
         in training, where TRL keeps no old log-probs for ``batch`` (a generation batch, or a micro-batch of one),
-        since the policy cannot change between its rollout and its training forwards."""
+        since the policy cannot change between its rollout and its training forwards. Hints recorded only to be
+        measured (no hints or replay applied) reach the scoring forward alone, which then still runs."""
         a = self.args
         return (
             a.skip_scoring_forward
             and self.model.training
             and "old_per_token_logps" not in batch
             and (a.rollout_importance_sampling or a.trace_metrics)
+            and (self._trace_replays or not self._trace_records)
         )
 
     def _trace_score_in_loss(self, inputs: dict, logps: torch.Tensor) -> None:
