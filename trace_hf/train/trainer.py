@@ -71,8 +71,9 @@ class StepState:
         train_reports: the reports of the training forwards of the current step.
         loss_inputs: with ``skip_scoring_forward``, the inputs of the loss being computed, which its forward completes
             with the IS ratio from its own log-probs (TRL reads them only after that forward).
-        scored: with ``skip_scoring_forward``, what each loss forward since the last log scored (`_scored_tokens`:
-            the completion tokens' trainer - sampler log-prob differences and IS ratios), logged by `log`.
+        scored: with ``skip_scoring_forward``, what each loss forward since the last log scored (trainer and sampler
+            log-probs, mask, IS ratio), logged by `log` (reduced there: a boolean gather would make each training
+            forward wait for the GPU).
         scored_reports: the reports of those forwards.
     """
 
@@ -606,13 +607,14 @@ class TraceGRPOTrainer(GRPOTrainer):
             if self.loss_type != "vespo":
                 inputs["advantages"] = _times_ratio(inputs["advantages"], ratio)
         if a.trace_metrics:
-            self._trace_state.scored.append(_scored_tokens(old, sampling, mask, ratio))
+            self._trace_state.scored.append((old, sampling, mask, ratio))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         step = self._trace_state
         if step.scored:  # skip_scoring_forward: the rollout's metrics over the loss forwards since the last log
-            d = torch.cat([d for d, _ in step.scored])
-            r = [r for _, r in step.scored if r is not None]
+            scored = [_scored_tokens(*x) for x in step.scored]
+            d = torch.cat([d for d, _ in scored])
+            r = [r for _, r in scored if r is not None]
             self._trace_log_metrics("train", d, torch.cat(r) if r else None, step.scored_reports)
             step.scored, step.scored_reports = [], []
         super().log(logs, start_time)
