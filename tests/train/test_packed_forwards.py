@@ -277,6 +277,32 @@ def test_skipping_the_scoring_forward_gives_the_same_step_and_metrics(tmp_path, 
         assert metrics[True][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["token-ratio", "sequence-ratio"])
+def test_micro_batch_sums_add_up_to_the_batchs(per_row):
+    """The loss forwards' metric sums (kept on the device, no host sync) added over micro-batches are the whole
+    batch's: what a scoring forward over all rows would log."""
+    from trace_hf.train.trainer import _add_sums, _scored_sums
+
+    g = torch.Generator().manual_seed(0)
+    old, sampling = torch.randn(6, 9, generator=g), torch.randn(6, 9, generator=g)
+    sampling[1, 2] = float("nan")  # a token without a sampler log-prob is not counted
+    mask = (torch.rand(6, 9, generator=g) > 0.3).float()
+    ratio = torch.rand(6, 1 if per_row else 9, generator=g) * 2
+    whole = _scored_sums(old, sampling, mask, ratio)
+    parts = [_scored_sums(old[i : i + 2], sampling[i : i + 2], mask[i : i + 2], ratio[i : i + 2]) for i in (0, 2, 4)]
+    added = _add_sums(_add_sums(parts[0], parts[1]), parts[2])
+    m = mask.bool() & ~torch.isnan(sampling)
+    d = (old - sampling)[m]
+    r = ratio.flatten() if per_row else ratio[m]
+    want = {"logp_diff": d.abs().sum(), "tokens": m.sum(), "kl": (torch.expm1(d) - d).sum(),
+            "logp_diff_max": d.abs().max(), "ratio": r.sum(), "ratio_n": r.numel(), "ratio_min": r.min(),
+            "ratio_max": r.max()}  # fmt: skip
+    assert added.keys() == whole.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(added[key].double(), torch.as_tensor(value).double(), rtol=1e-5, atol=0, msg=key)
+        torch.testing.assert_close(whole[key].double(), torch.as_tensor(value).double(), rtol=1e-5, atol=0, msg=key)
+
+
 def test_the_scoring_forward_runs_where_trl_keeps_old_logps(tmp_path, model_dir, dataset):
     """A generation batch over two optimizer steps: the policy changes between the rollout and the second step's
     forwards, so TRL keeps old log-probs and the IS ratio comes from the scoring forward, before the first step."""

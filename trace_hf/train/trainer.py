@@ -71,9 +71,8 @@ class StepState:
         train_reports: the reports of the training forwards of the current step.
         loss_inputs: with ``skip_scoring_forward``, the inputs of the loss being computed, which its forward completes
             with the IS ratio from its own log-probs (TRL reads them only after that forward).
-        scored: with ``skip_scoring_forward``, what each loss forward since the last log scored (trainer and sampler
-            log-probs, mask, IS ratio), logged by `log` (reduced there: a boolean gather would make each training
-            forward wait for the GPU).
+        scored: with ``skip_scoring_forward``, what the loss forwards since the last log scored (`_scored_sums`,
+            added up on the device), logged by `log`.
         scored_reports: the reports of those forwards.
     """
 
@@ -83,7 +82,7 @@ class StepState:
     stack: contextlib.ExitStack | None = None
     train_reports: list[MismatchReport] = field(default_factory=list)
     loss_inputs: dict | None = None
-    scored: list[tuple] = field(default_factory=list)
+    scored: dict[str, torch.Tensor] | None = None
     scored_reports: list[MismatchReport] = field(default_factory=list)
 
     def hint_rows(self) -> HintBatch | None:
@@ -336,8 +335,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                     a.rollout_importance_sampling_clip_max,
                 )  # fmt: skip
             if args.trace_metrics:
-                scored = _scored_tokens(old, sampling, mask, output.get("importance_sampling_ratio"))
-                self._trace_log_metrics(mode, *scored, reports)
+                scored = _scored_sums(old, sampling, mask, output.get("importance_sampling_ratio"))
+                self._trace_log_metrics(mode, scored, reports)
 
         if hints is not None and self._trace_replays:
             output.update(hints.to_inputs(HINT_PREFIX))
@@ -347,32 +346,28 @@ class TraceGRPOTrainer(GRPOTrainer):
     # Importance sampling and metrics
     # ------------------------------------------------------------------------------------------------------
 
-    def _trace_log_metrics(self, mode, d, r, reports) -> None:
-        """`trace/*` metrics of the scored tokens (`_scored_tokens`: log-prob differences ``d``, IS ratios ``r``) and
-        the reports of their forwards, token-weighted over processes (`trace_hf.train.metrics`)."""
-        device = d.device
-        k3 = torch.expm1(d) - d  # KL(sampler || trainer) estimator on the sampler's own tokens
+    def _trace_log_metrics(self, mode, scored: dict[str, torch.Tensor], reports) -> None:
+        """`trace/*` metrics of the scored tokens (`_scored_sums`) and the reports of their forwards, token-weighted
+        over processes (`trace_hf.train.metrics`)."""
         report = MismatchReport.merged(reports)
         sites = tuple(hint_plan(self._trace_core(self.model))) if self._fp4 else ()  # the same on every process
         sums = {
-            "logp_diff": d.abs().sum(),
-            "tokens": d.numel(),
-            "kl": k3.sum(),
+            **{k: scored[k] for k in ("logp_diff", "tokens", "kl")},
             "flips": report.total_flips,
             "elements": report.total_elements,
             "routing_diff": int(report.routing_diff),
             "routing_total": report.routing_total,
             "hinted_tokens": report.hinted_tokens,
             "real_tokens": report.real_tokens,
-            "ratio": 0.0 if r is None else r.sum(),
-            "ratio_n": 0 if r is None else r.numel(),
+            "ratio": scored.get("ratio", 0.0),
+            "ratio_n": scored.get("ratio_n", 0),
             "hint_bytes": report.hint_bytes_per_token,
         }
         by_site = report.counts_by_site()
         for site in sites:
             sums[f"flips/{site}"], sums[f"elements/{site}"] = by_site.get(site, (0, 0))
         s = reduce_sums(self.accelerator, sums)
-        dmax = self.accelerator.gather(d.abs().max() if d.numel() else torch.zeros((), device=device)).max()
+        dmax = self.accelerator.gather(scored["logp_diff_max"]).max()
         metrics = self._metrics[mode]
         # TRL's names where TRL logs the same quantity for vLLM rollouts; trace/* for what is TRACE's own.
         log_ratio(metrics, "sampling/sampling_logp_difference/mean", s["logp_diff"], s["tokens"])
@@ -388,10 +383,9 @@ class TraceGRPOTrainer(GRPOTrainer):
             # Bytes a rollout must keep for training; without trace_hints they are recorded only to measure flips.
             n_proc = self.accelerator.num_processes
             metrics["trace/hint_bytes_per_token"].append(s["hint_bytes"] / n_proc if self.args.trace_hints else 0.0)
-        if r is not None and s["ratio_n"]:
-            inf = torch.tensor(math.inf, device=device)
-            lo = self.accelerator.gather(r.min() if r.numel() else inf).min()
-            hi = self.accelerator.gather(r.max() if r.numel() else -inf).max()
+        if "ratio" in scored and s["ratio_n"]:
+            lo = self.accelerator.gather(scored["ratio_min"]).min()
+            hi = self.accelerator.gather(scored["ratio_max"]).max()
             metrics["sampling/importance_sampling_ratio/min"].append(lo.item())
             metrics["sampling/importance_sampling_ratio/mean"].append(s["ratio"] / s["ratio_n"])
             metrics["sampling/importance_sampling_ratio/max"].append(hi.item())
@@ -533,14 +527,14 @@ class TraceGRPOTrainer(GRPOTrainer):
         # Backward runs inside Trainer.training_step; the hint context entered by the training forward stays open
         # until it returns, so checkpointed layers recompute with the same hints and routing.
         step = self._trace_state
-        step.train_reports, scored = [], len(step.scored)
+        step.train_reports, scored = [], step.scored
         with contextlib.ExitStack() as stack:
             step.stack = stack
             try:
                 loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
                 step.stack = None
-        if len(step.scored) > scored:  # skip_scoring_forward: this loss forward scored its rows; `log` logs them
+        if step.scored is not scored:  # skip_scoring_forward: this loss forward scored its rows; `log` logs them
             step.scored_reports.extend(step.train_reports)
         if self.args.trace_metrics and self._trace_replays:
             self._trace_log_train_reports(step.train_reports)
@@ -593,7 +587,7 @@ class TraceGRPOTrainer(GRPOTrainer):
 
     def _trace_score_in_loss(self, inputs: dict, logps: torch.Tensor) -> None:
         """The scoring forward's products from the loss forward's log-probs (detached): the IS ratio, applied to
-        ``inputs`` as `_compute_loss` applies a scored one, and what `training_step` logs after backward."""
+        ``inputs`` as `_compute_loss` applies a scored one, and the metrics' sums, which `log` logs."""
         a = self.args
         old, sampling = logps.detach(), inputs["sampling_per_token_logps"]
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
@@ -607,25 +601,48 @@ class TraceGRPOTrainer(GRPOTrainer):
             if self.loss_type != "vespo":
                 inputs["advantages"] = _times_ratio(inputs["advantages"], ratio)
         if a.trace_metrics:
-            self._trace_state.scored.append((old, sampling, mask, ratio))
+            step = self._trace_state
+            step.scored = _add_sums(step.scored, _scored_sums(old, sampling, mask, ratio))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         step = self._trace_state
-        if step.scored:  # skip_scoring_forward: the rollout's metrics over the loss forwards since the last log
-            scored = [_scored_tokens(*x) for x in step.scored]
-            d = torch.cat([d for d, _ in scored])
-            r = [r for _, r in scored if r is not None]
-            self._trace_log_metrics("train", d, torch.cat(r) if r else None, step.scored_reports)
-            step.scored, step.scored_reports = [], []
+        if step.scored is not None:  # skip_scoring_forward: the loss forwards' rollout metrics since the last log
+            self._trace_log_metrics("train", step.scored, step.scored_reports)
+            step.scored, step.scored_reports = None, []
         super().log(logs, start_time)
 
 
-def _scored_tokens(old, sampling, mask, ratio) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the rollout metrics read of a scored batch: the trainer - sampler log-prob difference of each completion
-    token with a sampler log-prob, and the IS ratios (one per token, or per row in the sequence modes)."""
+def _scored_sums(old, sampling, mask, ratio) -> dict[str, torch.Tensor]:
+    """The rollout metrics' sums over a scored batch's completion tokens that have a sampler log-prob, as device
+    scalars, so that each training forward adds its own without waiting for the GPU: the trainer - sampler log-prob
+    difference (sum of |d|, count, KL estimator, max |d|) and, with ``ratio``, the IS ratios (sum, count, min, max;
+    one a token, or one a row in the sequence modes)."""
     m = mask.bool() & ~torch.isnan(sampling)
-    r = None if ratio is None else (ratio.flatten() if ratio.size(-1) == 1 else ratio[m])
-    return (old - sampling)[m], r
+    d = torch.where(m, old - sampling, 0.0)
+    zero = d.new_zeros(())
+    sums = {
+        "logp_diff": d.abs().sum(),
+        "tokens": m.sum(),
+        "kl": (torch.expm1(d) - d).sum(),  # KL(sampler || trainer) estimator on the sampler's own tokens
+        "logp_diff_max": d.abs().amax() if d.numel() else zero,
+    }
+    if ratio is not None:
+        counted = torch.ones_like(ratio, dtype=torch.bool) if ratio.size(-1) == 1 else m
+        sums |= {
+            "ratio": torch.where(counted, ratio, 0.0).sum(),
+            "ratio_n": counted.sum(),
+            "ratio_min": torch.where(counted, ratio, math.inf).amin() if ratio.numel() else zero + math.inf,
+            "ratio_max": torch.where(counted, ratio, -math.inf).amax() if ratio.numel() else zero - math.inf,
+        }
+    return sums
+
+
+def _add_sums(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Two `_scored_sums` as one: sums and counts added, extremes kept."""
+    if a is None:
+        return b
+    pick = {"logp_diff_max": torch.maximum, "ratio_max": torch.maximum, "ratio_min": torch.minimum}
+    return {k: pick.get(k, torch.add)(a[k], b[k]) for k in b}
 
 
 def _times_ratio(advantages: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
