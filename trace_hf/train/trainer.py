@@ -20,6 +20,7 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
 * `training_step`: keeps the hint context open until backward is done, because gradient checkpointing recomputes
   the forward there.
 * `_compute_loss`: applies the IS ratio (`trace_hf.train.importance`) through TRL's per-token advantages.
+* `log`: with ``skip_scoring_forward``, logs the rollout metrics the loss forwards added up since the last log.
 
 State that TRL's hooks hand each other lives in one declared `StepState` (`_trace_state`; TRL owns `_step`); the config is
 `trace_hf.train.config`, the metric reductions `trace_hf.train.metrics`.
