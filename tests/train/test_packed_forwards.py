@@ -41,20 +41,20 @@ def dataset():
     )
 
 
-def load(path, **quant):
+def load(path, dtype=torch.float32, device="cpu", **quant):
     quant = {"hint_layers": 4, "hint_sites": SITES, **quant}  # every MoE layer hinted, at every site
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=TraceFP4Config(**quant)
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=TraceFP4Config(**quant))
+    model.to(device)
     with torch.no_grad():  # EOS likely enough that completions stop at many lengths: rows right-padded too
         ids = T.build_char_tokenizer()(D.format_prompt("12+3"), return_tensors="pt").input_ids
-        d = model.model(input_ids=ids).last_hidden_state[0].mean(0)
+        d = model.model(input_ids=ids.to(device)).last_hidden_state[0].mean(0)
         model.lm_head.weight[model.config.eos_token_id] = 5 * d / d.dot(d)
     # The rollout's own rounding, as in test_trainer: noise on the MoE input in eval mode, so hints and replay act.
     gen = torch.Generator().manual_seed(0)
 
     def hook(module, args, output):
-        return output if module.training else output * (1 + 1e-2 * torch.randn(output.shape, generator=gen))
+        noise = torch.randn(output.shape, generator=gen).to(output)
+        return output if module.training else output * (1 + 1e-2 * noise)
 
     for layer in model.model.layers:
         layer.post_attention_layernorm.register_forward_hook(hook)
@@ -275,6 +275,28 @@ def test_skipping_the_scoring_forward_gives_the_same_step_and_metrics(tmp_path, 
     assert "trace/kl_rollout_train" in metrics[True] and "sampling/importance_sampling_ratio/max" in metrics[True]
     for key, value in metrics[False].items():
         assert metrics[True][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.gpu
+def test_skipping_the_scoring_forward_on_cuda_in_bf16_gpu(tmp_path, model_dir, dataset):
+    """The trainer's precision on the GPU (bf16, CUDA rollout, varlen flash attention): only the loss forwards run,
+    and the step and metrics match the scoring forward's within bf16 rounding (the two pack rows differently)."""
+    params, metrics, forwards = {}, {}, {}
+    for skip in (False, True):
+        model = load(model_dir, dtype=torch.bfloat16, device="cuda")
+        trainer = make(model, tmp_path / str(skip), dataset, skip_scoring_forward=skip, bf16=True, use_cpu=False)
+        forwards[skip], hook = _training_side_forwards(model)
+        trainer.train()
+        hook.remove()
+        params[skip] = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+        metrics[skip] = _metrics(trainer)
+    assert forwards[True] == [True, True], forwards
+    assert forwards[False].count(False) >= 1, forwards
+    for name, p in params[False].items():
+        torch.testing.assert_close(params[True][name], p, rtol=2e-2, atol=2e-2, msg=name)
+    assert metrics[True].keys() == metrics[False].keys()
+    for key in ("trace/kl_rollout_train", "sampling/importance_sampling_ratio/mean", "loss"):
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=5e-2, abs=5e-3), key
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["token-ratio", "sequence-ratio"])
