@@ -16,11 +16,18 @@ setup's best batch that fits (``best``: per context and setup, the batch with th
 BF16's with the same delta rule):
 
     python -m benchmarks.rollout.decode_qwen35 --cells 64x1024,64x32768,128x32768,256x32768,384x32768 --out ...
+
+``--admit`` adds, per setup and context, the cell the rollout engine itself would run: the rows it admits for one
+wave decoding to that context (`runner.bytes_per_row` under `planner.memory_budget` with EngineRollout's default
+``free_memory_fraction``, measured when the cell starts), with the step records an FP4 rollout keeps for every
+decoded token held beside it (``records_gib``). Against the best batch of the listed cells, it says whether
+admission leaves throughput behind and whether what it admits fits.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -86,6 +93,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="also record where each cell's GPU time goes: by kernel, and the launches per step",
     )
+    p.add_argument("--admit", action="store_true",
+                   help="also run, per setup and context, the rows the rollout engine admits (its step records held)")  # fmt: skip
     p.add_argument("--setups", default="bf16,fp4,fp4_triton",
                    help=f"comma-separated, of {','.join(SETUPS)} (run in that order: fp4 quantizes in place)")  # fmt: skip
     args = p.parse_args(argv)
@@ -116,9 +125,18 @@ def main(argv=None) -> int:
                 lw.gate_up, lw.down = quantize_experts(lw.gate_up, lw.down)
                 if cuda:
                     torch.cuda.empty_cache()
-        for B, T in cells:
+        runs = [(B, T, False) for B, T in cells]
+        if args.admit:
+            runs += [(None, T, True) for T in dict.fromkeys(T for _, T in cells)]
+        for B, T, admit in runs:
             t0 = time.perf_counter()
+            records = None
             try:
+                if admit:  # after the cells before it are freed, as the engine plans a wave
+                    B, nbytes = admitted_rows(w, T + args.steps + 8, T, fp4, dev)
+                    if B == 0:
+                        raise torch.OutOfMemoryError("the engine admits no row at this context")
+                    records = torch.empty(B * nbytes, dtype=torch.uint8, device=dev)
                 dec = HybridDecoder(w, B, T + args.steps + 8, kv_fp4=fp4, record_hints=fp4,
                                     delta_rule="triton" if setup.endswith("triton") else "torch")  # fmt: skip
                 g = torch.Generator(device=dev).manual_seed(0)
@@ -136,12 +154,17 @@ def main(argv=None) -> int:
                 assert torch.isfinite(dec.logits).all(), "non-finite logits"
                 cell = {"setup": setup, "batch": B, "context": T, "step_ms": step_s * 1e3, "tokens_per_s": B / step_s,
                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
+                if admit:
+                    cell |= {"admitted": True, "records_gib": records.numel() / 2**30}
                 if args.profile and cuda:
                     dec.positions.fill_(T)
                     cell["kernels"] = harness.kernel_times(dec.run, top=25)
                 del dec
             except Exception as e:  # keep the other cells
                 cell = {"setup": setup, "batch": B, "context": T, "error": f"{type(e).__name__}: {e}"[:300]}
+                if admit:
+                    cell["admitted"] = True
+            records = None
             cell["wall_s"] = time.perf_counter() - t0
             res["cells"].append(cell)
             print(json.dumps(cell), flush=True)
@@ -166,11 +189,34 @@ def main(argv=None) -> int:
     return 0
 
 
+def admitted_rows(w, length: int, context: int, fp4: bool, dev) -> tuple[int, int]:
+    """The rows the rollout engine admits for one wave of ``length``-token cache rows decoding ``context`` tokens
+    (the bucket `planner.plan_waves` picks under EngineRollout's default budget; FP4 records hints), and the step
+    records' bytes per row, which the engine holds on the device until the wave ends."""
+    from trace_hf.rollout.engine import EngineRollout
+    from trace_hf.rollout.engine.planner import memory_budget
+    from trace_hf.rollout.engine.runner import bytes_per_row, largest_bucket
+    from trace_hf.rollout.sampling import SamplingSettings
+
+    fraction = inspect.signature(EngineRollout).parameters["free_memory_fraction"].default
+    s = SamplingSettings(max_new_tokens=context)
+    per_row = bytes_per_row(w, length, 1, s, kv_fp4=fp4, record=fp4)
+    without = bytes_per_row(w, length, 1, s, kv_fp4=fp4, record=False)
+    budget = memory_budget(dev, None, fraction, 0)
+    rows = largest_bucket(budget // per_row.decode) if budget is not None else 1
+    return rows, per_row.decode - without.decode
+
+
 def best_batches(cells: list[dict]) -> dict:
     """Per context: each setup's fastest cell that ran (``batch``, ``tokens_per_s``), and FP4's best over BF16's
-    with the same delta rule."""
+    with the same delta rule; with ``--admit``, each setup's admitted cell (``admitted``: its batch and tokens/s, or
+    its error) beside it."""
     out = {}
     for c in cells:
+        if c.get("admitted"):
+            ctx = out.setdefault(str(c["context"]), {})
+            ctx[f"{c['setup']}_admitted"] = {k: c[k] for k in ("batch", "tokens_per_s", "error") if k in c}
+            continue
         if "error" in c:
             continue
         ctx = out.setdefault(str(c["context"]), {})

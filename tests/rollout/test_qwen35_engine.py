@@ -323,7 +323,7 @@ def test_qwen35_engine_graphs_match_eager_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU mode")
 def test_decode_benchmark_smoke(tmp_path):
     """`benchmarks.rollout.decode_qwen35 --smoke` steps every setup (BF16 and FP4, each with either delta rule) and
-    names each setup's best batch."""
+    names each setup's best batch; ``--admit`` adds the cell the engine admits, FP4's with its step records held."""
     import json
     import os
     import subprocess
@@ -333,15 +333,19 @@ def test_decode_benchmark_smoke(tmp_path):
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.rollout.decode_qwen35", "--smoke", "--out", str(out),
-                           "--setups", "fp4_triton,bf16,fp4,bf16_triton"],
+                           "--setups", "fp4_triton,bf16,fp4,bf16_triton", "--admit"],
                           cwd=str(tmp_path), env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     cells = res["cells"]
-    assert [c["setup"] for c in cells] == ["bf16", "bf16_triton", "fp4", "fp4_triton"], cells  # BF16 before quantizing
-    assert all("step_ms" in c for c in cells), cells
+    order = [(c["setup"], c.get("admitted", False)) for c in cells]
+    assert order == [(x, a) for x in ("bf16", "bf16_triton", "fp4", "fp4_triton") for a in (False, True)], order
+    assert all("step_ms" in c for c in cells), cells  # BF16 before quantizing; every cell ran
+    records = {c["setup"]: c["records_gib"] for c in cells if c.get("admitted")}
+    assert records["bf16"] == records["bf16_triton"] == 0 < records["fp4"] == records["fp4_triton"], records
     best = res["best"]["16"]
     assert (
         best["fp4_triton_over_bf16_triton"] == best["fp4_triton"]["tokens_per_s"] / best["bf16_triton"]["tokens_per_s"]
     )
+    assert best["fp4_triton_admitted"]["batch"] == 1  # no memory budget on the CPU: one row a wave
