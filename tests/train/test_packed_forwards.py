@@ -325,16 +325,32 @@ def test_micro_batch_sums_add_up_to_the_batchs(per_row):
         torch.testing.assert_close(whole[key].double(), torch.as_tensor(value).double(), rtol=1e-5, atol=0, msg=key)
 
 
-def test_the_scoring_forward_runs_where_trl_keeps_old_logps(tmp_path, model_dir, dataset):
+def test_trls_old_logprob_forward_is_the_scoring_forward(tmp_path, model_dir, dataset):
     """A generation batch over two optimizer steps: the policy changes between the rollout and the second step's
-    forwards, so TRL keeps old log-probs and the IS ratio comes from the scoring forward, before the first step."""
-    model = load(model_dir)
-    trainer = make(model, tmp_path, dataset, steps_per_generation=4, skip_scoring_forward=True)
-    forwards, hook = _training_side_forwards(model)
+    forwards, so TRL keeps old log-probs. Its own no-grad forward of them is the scoring forward: one pass over the
+    batch (not a second one of trace-hf's), whose log-probs give the IS ratio and whose hints give the metrics."""
+    from trace_hf.train.importance import importance_sampling_ratio
+
+    trainer = make(load(model_dir), tmp_path, dataset, steps_per_generation=4, skip_scoring_forward=True)
+    passes, inner = [], trainer._trace_logps_and_entropies
+
+    def spy(*args):
+        passes.append(torch.is_grad_enabled())
+        return inner(*args)
+
+    trainer._trace_logps_and_entropies = spy
     seen = loss_inputs(trainer)
-    hook.remove()
-    assert False in forwards, forwards  # the scoring forward ran
-    assert seen and all("old_per_token_logps" in x and "importance_sampling_ratio" in x for x in seen)
+    assert passes == [False, True, True], passes  # one scoring pass, then the step's two loss forwards
+    assert len(seen) == 2
+    for x in seen:
+        ratio = importance_sampling_ratio(
+            x["old_per_token_logps"], x["sampling_per_token_logps"], x["completion_mask"], "token_truncate",
+            trainer.args.rollout_importance_sampling_clip_min, trainer.args.rollout_importance_sampling_clip_max,
+        )  # fmt: skip
+        torch.testing.assert_close(x["importance_sampling_ratio"], ratio, rtol=0, atol=0)
+    metrics = _metrics(trainer)
+    assert "trace/hint_flip_rate/experts_input" in metrics and "trace/kl_rollout_train" in metrics, sorted(metrics)
+    assert metrics["trace/hint_coverage"] > 0.5
 
 
 # ----------------------------------------------------------------------------------------------------------

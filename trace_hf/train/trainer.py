@@ -9,8 +9,9 @@ What the subclass changes in `trl.GRPOTrainer` (TRL 1.16), and why:
   generation batch being scored (`StepState.batch`).
 * `_generate_and_score_completions`: attaches the hints as per-row ``trace_*`` tensors (so TRL's shuffle and split
   carry them with their rows), computes ``old_per_token_logps`` under the hint-guided forward, the importance-sampling
-  ratio against the sampler's log-probs, and the ``trace/*`` metrics; with ``skip_scoring_forward``, where TRL keeps
-  no old log-probs, the loss forward computes the ratio and the metrics instead (`_trace_score_in_loss`).
+  ratio against the sampler's log-probs, and the ``trace/*`` metrics; where TRL keeps old log-probs, its own
+  forward of them is that scoring forward (`StepState.trl_old`); with ``skip_scoring_forward``, where TRL keeps
+  none, the loss forward computes the ratio and the metrics instead (`_trace_score_in_loss`).
 * `_get_per_token_logps_and_entropies`: every row chunk runs inside `use_hints` for exactly its rows, and in every
   regime with position ids from the attention mask, as `generate` makes them for left-padded prompts; each chunk
   runs only the columns its rows use (TRL pads every completion to the batch's longest). With
@@ -75,6 +76,9 @@ class StepState:
         scored: with ``skip_scoring_forward``, what the loss forwards since the last log scored (`_scored_sums`,
             added up on the device), logged by `log`.
         scored_reports: the reports of those forwards.
+        trl_old: while a generation batch is scored, the reports of TRL's own old-log-prob forward (its first no-grad
+            forward of the policy, before any reference one), and ``trl_old_logps`` its log-probs: that forward is
+            the scoring forward, and none other runs.
     """
 
     batch: RolloutOutput | None = None
@@ -85,6 +89,8 @@ class StepState:
     loss_inputs: dict | None = None
     scored: dict[str, torch.Tensor] | None = None
     scored_reports: list[MismatchReport] = field(default_factory=list)
+    trl_old: list[MismatchReport] | None = None
+    trl_old_logps: torch.Tensor | None = None
 
     def hint_rows(self) -> HintBatch | None:
         """The rows' hints: those set for this forward, else (TRL's own forwards while scoring) the rollout's, in
@@ -290,12 +296,13 @@ class TraceGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         # The record of this generation batch: set by the rollout, read by TRL's own old/ref log-prob forwards
         # inside super (rows still in generation order), dropped once the batch is scored.
-        self._trace_state.batch = None
+        step = self._trace_state
+        step.batch, step.trl_old, step.trl_old_logps = None, [], None
         try:
             output = super()._generate_and_score_completions(inputs)
-            batch = self._trace_state.batch
+            batch, reports, old = step.batch, step.trl_old, step.trl_old_logps
         finally:
-            self._trace_state.batch = None
+            step.batch, step.trl_old, step.trl_old_logps = None, None, None
         hints = batch.hints if batch is not None else None
         if batch is not None and batch.seconds > 0:
             metrics = self._metrics[mode]
@@ -313,20 +320,25 @@ class TraceGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         batch_size = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
 
-        reports: list[MismatchReport] = []
         if (args.rollout_importance_sampling or args.trace_metrics) and not self._scores_in_loss(output):
-            self._trace_state.rows, self._trace_state.reports = hints, reports
-            try:
-                with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                    old, _, _ = self._get_per_token_logps_and_entropies(
-                        self.model,
-                        input_ids,
-                        attention_mask,
-                        input_ids.size(1) - output["prompt_ids"].size(1),
-                        batch_size=batch_size,
-                    )
-            finally:
-                self._trace_state.rows, self._trace_state.reports = None, None
+            # Unless TRL kept as old log-probs the very tensor its policy forward got here, the scoring forward runs.
+            if old is None or output.get("old_per_token_logps") is not old:
+                reports = []
+                step.rows, step.reports = hints, reports
+                try:
+                    with (
+                        torch.no_grad(),
+                        disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs),
+                    ):
+                        old, _, _ = self._get_per_token_logps_and_entropies(
+                            self.model,
+                            input_ids,
+                            attention_mask,
+                            input_ids.size(1) - output["prompt_ids"].size(1),
+                            batch_size=batch_size,
+                        )
+                finally:
+                    step.rows, step.reports = None, None
             if args.rollout_importance_sampling or "old_per_token_logps" in output:
                 output["old_per_token_logps"] = old
             if args.rollout_importance_sampling:
@@ -410,10 +422,20 @@ class TraceGRPOTrainer(GRPOTrainer):
             raise NotImplementedError(
                 f"TraceGRPOTrainer supports text-only models; got multimodal inputs {sorted(kwargs)}."
             )
-        out = self._trace_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
-        )
-        pending = self._trace_state.loss_inputs
+        step = self._trace_state
+        trl_old = step.trl_old is not None and step.trl_old_logps is None and model is self.model
+        if trl_old:  # TRL's old-log-prob forward, inside `_generate_and_score_completions`: it is the scoring one
+            step.reports = step.trl_old
+        try:
+            out = self._trace_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+            )
+        finally:
+            if trl_old:
+                step.reports = None
+        if trl_old:
+            step.trl_old_logps = out[0]
+        pending = step.loss_inputs
         if pending is not None and batch_size is None:  # the forward of the loss `_compute_loss` is computing
             self._trace_state.loss_inputs = None
             self._trace_score_in_loss(pending, out[0])
