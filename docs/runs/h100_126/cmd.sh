@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, H100 or H200, whichever came (gpu.txt names it). (1) The gpu tests of the packed training forwards
+# Device call h100_126 (an H100 came; the script picks by card: gpu.txt). (1) The gpu tests of the packed training forwards
 # (skip_scoring_forward in bf16 on CUDA, varlen flash attention). (2) The full 48-layer Qwen3-30B-A3B shape, frozen
 # experts + LoRA r=32, 256 long-tailed rows x 1K, micro-batch 32, packed, unprofiled, one process each, step 2 the
 # measurement: FP4 with the scoring forward skipped (the default), FP4 with a separate no-grad scoring forward
