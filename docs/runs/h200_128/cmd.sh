@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# NOT RUN in the session that wrote it: the H200 was refused (the budget left could not hold a start and both runs).
 # Device call h200_128 (one H200, needs_h200: BF16 at 48 layers takes ~94 GiB): FP4 against BF16 at the full 48-layer Qwen3-30B-A3B shape, frozen experts + LoRA r=32, 256 long-tailed rows x
 # 1K, micro-batch 32, packed, the scoring forward skipped (the defaults), unprofiled; step 2 is the measurement.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
