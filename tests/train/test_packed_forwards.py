@@ -569,6 +569,18 @@ def test_varlen_flash_attention_equals_each_rows_own_attention_gpu():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.gpu
+def test_packed_attention_in_fp32_on_cuda_runs_each_rows_sdpa_gpu():
+    """Flash attention takes half precision only: an fp32 model's packed forward on CUDA attends row by row."""
+    from trace_hf.train import packing
+
+    lengths = [30, 1, 77]
+    q, k, v = _packed_qkv(lengths, "cuda", torch.float32, hq=8, hkv=2, dim=64)
+    with packing.packed_attention(torch.nn.Linear(1, 1).cuda(), lengths):
+        out, _ = packing.varlen_attention(None, q, k, v, None, scaling=64**-0.5)
+    torch.testing.assert_close(out, _per_row(q, k, v, lengths, 64**-0.5), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "args, scaling, gqa, want",
     [  # varlen_attn's keywords in torch 2.10, 2.11 and 2.12+

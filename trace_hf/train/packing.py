@@ -6,7 +6,7 @@ transformers keeps packed rows apart under `sdpa` or `eager` with a dense block-
 restarting position ids: every pair of packed tokens goes through the masked kernel, and on the H200 that made the
 training side 1.5x slower than the padded path (docs/benchmarks.md). So a packed forward swaps the model's attention
 for `varlen_attention` for its duration: each row attends to its own tokens only (PyTorch's variable-length flash
-attention on CUDA, one causal `sdpa` call per row elsewhere), and no mask is built. The FP4 K/V fake quantization
+attention on CUDA in half precision, one causal `sdpa` call per row elsewhere), and no mask is built. The FP4 K/V fake quantization
 (`trace_fp4_kv:<fmt>:<base>`) keeps wrapping it: it is per token and head, so packing does not change what it sees.
 
 Gated DeltaNet layers (Qwen3.5) carry a state along the sequence, and transformers' torch rules and causal conv
@@ -73,7 +73,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise NotImplementedError("token_budget does not pack attention with dropout; set token_budget=0.")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     gqa = q.size(1) != k.size(1)
-    flash = _varlen_kwargs(scaling, q.size(-1), gqa) if q.is_cuda and varlen_attn is not None else None
+    half = q.dtype in (torch.float16, torch.bfloat16)  # flash attention's dtypes; fp32 runs each row's sdpa
+    flash = _varlen_kwargs(scaling, q.size(-1), gqa) if q.is_cuda and half and varlen_attn is not None else None
     if flash is not None:
         if gqa and "enable_gqa" not in flash:
             k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))

@@ -502,8 +502,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         """`_get_per_token_logps_and_entropies` padding-free (``token_budget``): the real tokens of a forward's rows
         are concatenated into one sequence [1, N], position ids restarting at 0 at each row, and no attention mask.
 
-        The attention keeps the rows apart itself (`packing.packed_attention`: variable-length flash attention on CUDA,
-        a causal sdpa per row elsewhere; no mask is built, and the FP4 K/V fake quantization still wraps it). The
+        The attention keeps the rows apart itself (`packing.packed_attention`: variable-length flash attention on CUDA
+        in half precision, a causal sdpa per row elsewhere; no mask is built, and the FP4 K/V fake quantization still wraps it). The
         hints, recorded routes and token checks follow each row by (row, position) (`use_hints(packed=True)`); the FP4
         fake quantization of K/V and activations is per token (and head), so it sees the same values as padded. Only
         GEMM summation order can differ. The labels mark each row's completion tokens (whose predecessor is always in
