@@ -6,8 +6,9 @@ transformers keeps packed rows apart under `sdpa` or `eager` with a dense block-
 restarting position ids: every pair of packed tokens goes through the masked kernel, and on the H200 that made the
 training side 1.5x slower than the padded path (docs/benchmarks.md). So a packed forward swaps the model's attention
 for `varlen_attention` for its duration: each row attends to its own tokens only (PyTorch's variable-length flash
-attention on CUDA in half precision, one causal `sdpa` call per row elsewhere), and no mask is built. The FP4 K/V fake quantization
-(`trace_fp4_kv:<fmt>:<base>`) keeps wrapping it: it is per token and head, so packing does not change what it sees.
+attention on CUDA in half precision, one causal `sdpa` call per row elsewhere), and no mask is built. The FP4 K/V
+fake quantization (`trace_fp4_kv:<fmt>:<base>`) keeps wrapping it: it is per token and head, so packing does not
+change what it sees.
 
 Gated DeltaNet layers (Qwen3.5) carry a state along the sequence, and transformers' torch rules and causal conv
 ignore packed boundaries (its `cu_seq_lens_q` reaches only flash-linear-attention's kernels). So within a packed

@@ -3,10 +3,10 @@
 step records, and (on CUDA) the decode step captured in a CUDA graph, replayed once per token.
 
 Buckets: rows round up to a power of two up to 8, to a multiple of 8 up to 64 and to a multiple of 64 above
-(`row_bucket`: at most 7 padding rows from 8 to 64 rows, 63 above); cache lengths to a multiple of the
-engine's ``length_bucket``. So a rollout of the same shape replays the same graph, one of 257-320 rows does not pay
-for 512, and where memory admits 26 rows at long context a wave takes 24 of them, not 16. `bytes_per_row` is what the planner (`planner.plan_waves`) admits by: the memory one row of a bucket takes, and
-its prefill.
+(`row_bucket`: at most 7 padding rows from 8 to 64 rows, 63 above); cache lengths to a multiple of the engine's
+``length_bucket``. So a rollout of the same shape replays the same graph, one of 257-320 rows does not pay for 512,
+and where memory admits 26 rows at long context a wave takes 24 of them, not 16. `bytes_per_row` is what the planner
+(`planner.plan_waves`) admits by: the memory one row of a bucket takes, and its prefill.
 """
 
 from __future__ import annotations
