@@ -53,8 +53,9 @@ def _stops_at_first_token(model, prompts, rows, gc, **engine):
 def test_buckets_below():
     from trace_hf.rollout.engine.runner import buckets_below, row_bucket
 
-    assert buckets_below(1) == [] and buckets_below(5) == [4, 2, 1] and buckets_below(64) == [32, 16, 8, 4, 2, 1]
-    assert buckets_below(320) == [256, 192, 128, 64, 32, 16, 8, 4, 2, 1]
+    assert buckets_below(1) == [] and buckets_below(5) == [4, 2, 1]
+    assert buckets_below(64) == [56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
+    assert buckets_below(320) == [256, 192, 128, 64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
     for n in range(1, 300):
         assert buckets_below(n) == sorted({row_bucket(k) for k in range(1, n + 1)} - {row_bucket(n), n}, reverse=True)
 
@@ -176,7 +177,7 @@ def test_compaction_graphs_match_eager_gpu(family):
         outs[graphs, compaction] = (eng(model, prompts, gc, record=True), eng.stats)
     (a, st), (b, _), (c, st_off) = outs[True, True], outs[False, True], outs[True, False]
     rows = [b for _, b in st.buckets[0]]
-    assert rows[0] == 64 and len(rows) >= 2 and rows == sorted(rows, reverse=True) and st_off.compactions == 0
+    assert rows[0] == 40 and len(rows) >= 2 and rows == sorted(rows, reverse=True) and st_off.compactions == 0
     assert_same_rollout(a, b, record=True)
     same = sum(x == y for x, y in zip(a.completion_ids, c.completion_ids, strict=True))
     assert same >= 0.9 * len(prompts), same

@@ -55,13 +55,15 @@ def _per_row(model, gc, record: bool) -> int:
 def test_row_buckets_up_to_512_and_past():
     from trace_hf.rollout.engine.runner import largest_bucket, row_bucket
 
-    assert [row_bucket(n) for n in (1, 2, 3, 5, 33, 64, 65, 129, 200, 257, 384, 511, 512, 513)] == [
-        1, 2, 4, 8, 64, 64, 128, 192, 256, 320, 384, 512, 512, 576,
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 26, 33, 64, 65, 129, 200, 257, 384, 511, 512, 513)] == [
+        1, 2, 4, 8, 16, 32, 40, 64, 128, 192, 256, 320, 384, 512, 512, 576,
     ]  # fmt: skip
+    assert [largest_bucket(n) for n in (7, 26, 55, 63, 64, 127, 130)] == [4, 24, 48, 56, 64, 64, 128]
     for n in range(1, 1100):
         b = row_bucket(n)
-        assert n <= b < 2 * n and (n <= 64 or b < n + 64)
+        assert n <= b < 2 * n and (n <= 8 or b < n + (8 if n <= 64 else 64))
         assert largest_bucket(b) == b and largest_bucket(n) <= n < 2 * largest_bucket(n)
+        assert row_bucket(largest_bucket(n)) == largest_bucket(n)  # what admission picks is a bucket
     assert largest_bucket(0) == 0
     with pytest.raises(ValueError, match="at least one row"):
         row_bucket(0)

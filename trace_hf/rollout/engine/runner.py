@@ -2,11 +2,11 @@
 """One bucket of the engine: a decoder of a fixed number of rows and cache length, the sampler's state and the
 step records, and (on CUDA) the decode step captured in a CUDA graph, replayed once per token.
 
-Buckets: rows round up to a power of two up to 64 and to a multiple of 64 above (`row_bucket`: at most 1.5x the
-rows at 65-128 and then less, instead of 2x for powers of two past 64); cache lengths to a multiple of the engine's
-``length_bucket``. So a rollout of the same shape replays the same graph, and one of 257-320 rows does not pay for
-512. `bytes_per_row` is what the planner (`planner.plan_waves`) admits by: the memory one row of a bucket takes, and
-its prefill.
+Buckets: rows round up to a power of two up to 8, to a multiple of 8 up to 64 and to a multiple of 64 above
+(`row_bucket`: at most 7 padding rows from 8 to 64 rows, 63 above); cache lengths to a multiple of the engine's
+``length_bucket``. So a rollout of the same shape replays the same graph, one of 257-320 rows does not pay for 512,
+and where memory admits 26 rows at long context a wave takes 24 of them, not 16. `bytes_per_row` is what the planner
+(`planner.plan_waves`) admits by: the memory one row of a bucket takes, and its prefill.
 """
 
 from __future__ import annotations
@@ -23,17 +23,23 @@ from .recording import StepRecords
 from .weights import DecodeWeights
 
 
-#: Row counts up to this round up to a power of two; above, to a multiple of it.
+#: Row counts up to FINE_STEP round up to a power of two, up to ROW_STEP to a multiple of FINE_STEP, above to a
+#: multiple of ROW_STEP.
+FINE_STEP = 8
 ROW_STEP = 64
+
+
+def _step(rows: int) -> int:
+    return FINE_STEP if rows <= ROW_STEP else ROW_STEP
 
 
 def row_bucket(rows: int) -> int:
     """The bucket (decoder rows, one CUDA graph each) that ``rows`` rows decode in."""
     if rows < 1:
         raise ValueError(f"rows={rows}: a bucket holds at least one row.")
-    if rows <= ROW_STEP:
+    if rows <= FINE_STEP:
         return 1 << (rows - 1).bit_length()
-    return -(-rows // ROW_STEP) * ROW_STEP
+    return -(-rows // _step(rows)) * _step(rows)
 
 
 def buckets_below(rows: int) -> list[int]:
@@ -45,9 +51,10 @@ def largest_bucket(cap: int) -> int:
     """The largest bucket of at most ``cap`` rows (0 if not even one row)."""
     if cap < 1:
         return 0
-    if cap < ROW_STEP:
+    if cap < FINE_STEP:
         return 1 << (cap.bit_length() - 1)
-    return cap // ROW_STEP * ROW_STEP
+    step = FINE_STEP if cap < ROW_STEP else ROW_STEP
+    return cap // step * step
 
 
 @dataclasses.dataclass(frozen=True)
