@@ -18,6 +18,13 @@ from torch import nn
 SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen3_5MoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3NextTopKRouter")
 
 
+#: MoE blocks whose forward ends with the routed experts, so nothing after them in the decoder layer keeps a tensor
+#: for backward: there the frozen experts keep what they save out of activation checkpointing, and the recompute
+#: stops before them (`trace_hf.quant.expert_paths.kernel_train`). Qwen3.5's and Qwen2 MoE's blocks gate their shared
+#: expert after the routed ones.
+EXPERTS_LAST_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
+
+
 def text_config(config):
     """The decoder's config (a multimodal config's text part)."""
     return config.get_text_config(decoder=True)

@@ -123,6 +123,9 @@ def parse_args(argv=None):
                    help="TraceGRPOConfig(skip_scoring_forward=False): a no-grad scoring forward over each generation "
                         "batch for the IS ratio and the trace/* metrics, the before of taking them from the training "
                         "forwards")  # fmt: skip
+    p.add_argument("--recompute-experts", action="store_true",
+                   help="frozen FP4 experts recomputed in the checkpointed backward even where they end their MoE block "
+                        "(TraceFP4Experts.last_in_block=False): the before of keeping their saved tensors")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -572,6 +575,11 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
 
     fp4 = name.endswith("fp4")
     model = build(args, fp4, dev)
+    if args.recompute_experts:
+        from trace_hf.quant.experts import fp4_experts
+
+        for m in fp4_experts(model):
+            m.last_in_block = False
     vocab = model.config.vocab_size
     tok = word_tokenizer(vocab)
     rng = random.Random(0)
@@ -658,6 +666,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "wave_rows": args.wave_rows or None,
         "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
+        "recompute_experts": args.recompute_experts,
         "token_budget": args.token_budget,
         "gated_delta_rule": trainer.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,

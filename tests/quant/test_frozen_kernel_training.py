@@ -326,3 +326,46 @@ def test_frozen_backward_reads_the_input_codes_as_the_dequantized_input(dtype):
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b)
     assert got[0].abs().sum() > 0 and got[1].abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_checkpointed_recompute_stops_before_experts_last_in_their_block(family, device, monkeypatch):
+    """Under activation checkpointing, frozen experts that end their MoE block (Qwen3 MoE) keep what they save from
+    the forward, so the recompute stops at the router and their kernels run once per training step; where the block
+    computes more after them (Qwen3.5's shared-expert gate) they are recomputed as before. Either way the loss and
+    every gradient are those of the run without checkpointing: bit for bit on Qwen3 MoE; on Qwen3.5 within 1e-6
+    (transformers' torch Gated DeltaNet rule gives a checkpointed run ~1e-8 of its gradients another way, with or
+    without this)."""
+    from trace_hf import TraceFP4Config
+    from trace_hf import testing as T
+    from trace_hf.kernels import fp4_moe
+    from trace_hf.quant.experts import fp4_experts
+    from trace_hf.quant.quantizer import quantize_model
+
+    calls = []
+    run = fp4_moe.experts_from_quantized
+    monkeypatch.setattr(fp4_moe, "experts_from_quantized", lambda *a, **k: calls.append(1) or run(*a, **k))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ids = torch.randint(4, 100, (2, 24), generator=torch.Generator().manual_seed(3)).to(device)
+    got = {}
+    for ckpt in (False, True):
+        model = T.tiny_model(family, num_hidden_layers=2, dtype=dtype).to(device)
+        quantize_model(model, TraceFP4Config(freeze_experts=True, experts_kernel="triton", hint_layers=0))
+        layers = len(fp4_experts(model))
+        last = family == "qwen3_moe"
+        assert layers == 2 and all(m.last_in_block == last for m in fp4_experts(model))
+        model.train()
+        if ckpt:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        calls.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        forward_calls = len(calls)
+        loss.backward()
+        assert forward_calls == layers and len(calls) == layers * (2 if ckpt and not last else 1), (ckpt, len(calls))
+        got[ckpt] = loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    (l0, g0), (l1, g1) = got[False], got[True]
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys() and len(g0) > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]) if last else rel(g1[n], g0[n]) < 1e-6, n

@@ -21,6 +21,8 @@ where their kernels quantize.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers import activations
@@ -96,7 +98,16 @@ def kernel_train(m, x, top_k_index, top_k_weights) -> torch.Tensor:
     valid = top_k_index < m.num_experts  # expert-parallel sentinels contribute nothing, as in `routed`
     ids = top_k_index.clamp(max=m.num_experts - 1)
     keep_hidden = m.activations == "fp4" and torch.is_grad_enabled() and top_k_weights.requires_grad
-    return FrozenKernelExperts.apply(x, top_k_weights * valid, ids, m, keep_hidden, *(xq or ()))
+    # Last in their block, the experts save past any activation checkpoint's hooks: the recompute then has nothing
+    # after the router to rebuild and stops there, so the input's quantization and the kernels run once per training
+    # forward, for the saved tensors kept from forward to backward (`FrozenKernelExperts`).
+    kept = torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is) if m.last_in_block else contextlib.nullcontext()
+    with kept:
+        return FrozenKernelExperts.apply(x, top_k_weights * valid, ids, m, keep_hidden, *(xq or ()))
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -229,8 +240,10 @@ class FrozenKernelExperts(torch.autograd.Function):
     itself) and, with ``keep_hidden``, the FP4 hidden the down projection read, as the kernels left it (rows in
     their sorted, padded layout, with each row's slot): codes, block and row scales, ``I / 2 + I / 16 + 4`` bytes a
     row, about 0.28 of a bf16 hidden's ``2 I``. Backward finds each slot's row; the forward does no gather, since
-    under non-reentrant checkpointing it runs twice (its first run's saved tensors are dropped) and its recompute
-    saves the same bits (the kernels are deterministic)."""
+    under non-reentrant checkpointing it may run twice (its first run's saved tensors dropped) and its recompute
+    saves the same bits (the kernels are deterministic). Where the module is last in its block (``last_in_block``)
+    they are kept from the forward instead, and it runs once: at Qwen3-30B-A3B's shape ``H / 2 + H / 16 + 4``
+    bytes of input codes and ``k`` hidden rows, about 4.7 KB per token and layer."""
 
     @staticmethod
     def forward(ctx, x, weights, ids, module, keep_hidden, *xq):

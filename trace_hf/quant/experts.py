@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import fp4
-from ..models import decoder_layers, full_attention_layers, is_skipped
+from ..models import EXPERTS_LAST_BLOCKS, decoder_layers, full_attention_layers, is_skipped
 from . import expert_paths, expert_weights, freshness
 from .expert_weights import PROJS, FrozenWeights, MasterWeights, quantize_experts
 from .sites import HintSite, bind_attention
@@ -88,6 +88,9 @@ class TraceFP4Experts(nn.Module):
         self.hinted = False
         self.hint_sites: tuple[str, ...] = ()  # the sites hinted at this layer (`TraceFP4Config.hint_sites`)
         self.kv_layer: int | None = None  # decoder layer whose FP4 K/V are hinted with this layer ("kv" site)
+        # Set by replace_experts: whether this module is the last thing its MoE block computes
+        # (`trace_hf.models.EXPERTS_LAST_BLOCKS`), so that a checkpointed recompute can stop before it.
+        self.last_in_block = False
         self.sites: dict[str, HintSite] = {"routing": HintSite("routing", 0)}  # "routing" and each hinted site
         if frozen:
             # The dtype they dequantize to is the model's (the masters' dtype before quantization).
@@ -281,7 +284,9 @@ def replace_experts(model: nn.Module, config, packed_placeholders: bool = False)
     for name in names:
         if is_skipped(name, config.modules_to_not_convert):
             continue
-        model.set_submodule(name, TraceFP4Experts.from_experts(model.get_submodule(name), config, packed_placeholders))
+        experts = TraceFP4Experts.from_experts(model.get_submodule(name), config, packed_placeholders)
+        experts.last_in_block = type(model.get_submodule(name.rpartition(".")[0])).__name__ in EXPERTS_LAST_BLOCKS
+        model.set_submodule(name, experts)
         replaced.append(name)
     return replaced
 

@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # Device call h100_129 (H100 or H200, gpu.txt names it): (1) the gpu tests of the packed training forwards (the fp32
-# packed attention on CUDA, row by row, among them), the Qwen3.5 engine, the engine's waves and admission, and
-# compaction through the finer buckets (8 to 64 rows in steps of 8); (2) Qwen3.5's 40-layer FP4 decode at 128K with
-# the rows the engine now admits (--admit; 32 rows beside it, as in h100_127).
+# packed attention on CUDA among them), the frozen experts' kernel training path (the checkpointed recompute that stops
+# before experts last in their block), the Qwen3.5 engine, the engine's waves and admission, and compaction through
+# the finer buckets; (2) the 48-layer Qwen3-30B-A3B job, frozen FP4 + LoRA r=32, 256 x 1K, micro-batch 32: the experts'
+# saved tensors kept (the default) against --recompute-experts (the before), then kept again; on an H200 BF16 instead
+# of the third; (3) on an H100, Qwen3.5's 40-layer FP4 decode at 128K with the rows the engine admits (--admit).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1; L=$OUT/all.log
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; cat $OUT/gpu.txt
-timeout 130 python -m pytest -q -m gpu tests/train/test_packed_forwards.py tests/rollout/test_qwen35_engine.py \
-    tests/rollout/test_engine_waves.py tests/rollout/test_engine_compaction.py -p no:cacheprovider > $OUT/pytest.txt 2>&1; echo "pytest rc=$?"
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+timeout 150 python -m pytest -q -m gpu tests/train/test_packed_forwards.py tests/quant/test_frozen_kernel_training.py \
+    tests/rollout/test_qwen35_engine.py tests/rollout/test_engine_waves.py tests/rollout/test_engine_compaction.py \
+    -p no:cacheprovider > $OUT/pytest.txt 2>&1; echo "pytest rc=$?"
 grep -E 'passed|failed|error' $OUT/pytest.txt | tail -5
-timeout 200 python -m benchmarks.rollout.decode_qwen35 --setups fp4_triton --steps 10 --admit --cells 32x131072 \
-    --out $OUT/decode_128k.json >> $L 2>&1; echo "decode rc=$?"; grep '^{' $L | cut -c1-300
+B="python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 --completion 1024 --prompts 32 --steps 2 --micro-batch 32"
+timeout 130 $B --setups engine_fp4 --out $OUT/fp4_48.json >> $L 2>&1; echo "fp4 rc=$?"
+timeout 110 $B --setups engine_fp4 --recompute-experts --out $OUT/fp4_48_recompute.json >> $L 2>&1; echo "fp4 recompute rc=$?"
+if [ "$MIB" -gt 100000 ]; then
+  timeout 190 $B --setups engine_bf16 --out $OUT/bf16_48.json >> $L 2>&1; echo "bf16 rc=$?"
+else
+  timeout 100 python -m benchmarks.rollout.decode_qwen35 --setups fp4_triton --steps 10 --admit --cells 32x131072 \
+      --out $OUT/decode_128k.json >> $L 2>&1; echo "decode rc=$?"; grep '^{' $L | cut -c1-300
+fi
+grep '^STEP' $L | cut -c1-330
 gzip $L
