@@ -33,9 +33,11 @@ CONFIG = {"num_warps": 4}
 
 
 @triton.jit
-def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_ptr, T, DK: tl.constexpr,
-                           DV: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr, KEEP_STATE: tl.constexpr):  # fmt: skip
+def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_ptr, ckpt_ptr, T, NC, DK: tl.constexpr,
+                           DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_STATE: tl.constexpr,
+                           KEEP_STATE: tl.constexpr, CHECKPOINTS: tl.constexpr):  # fmt: skip
     # q, k [B * H, T, DK], v and o [B * H, T, DV], decay and beta [B * H, T], all fp32 contiguous; state [B * H, DK, DV].
+    # With CHECKPOINTS, the state before every C-th token goes to ckpt [B * H, NC, DK, DV] (for `_backward_kernel`).
     bh = tl.program_id(0).to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -45,6 +47,9 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
     else:
         s = tl.zeros((DK, BV), dtype=tl.float32)
     for t in range(T):
+        if CHECKPOINTS:  # noqa: SIM102 (a compile-time branch: the values-only kernel has no test per token)
+            if t % C == 0:
+                tl.store(ckpt_ptr + (bh * NC + t // C) * (DK * DV) + dk[:, None] * DV + dv[None, :], s)
         row = bh * T + t
         q = tl.load(q_ptr + row * DK + dk)
         k = tl.load(k_ptr + row * DK + dk)
@@ -57,15 +62,129 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
         tl.store(at, s)
 
 
+@triton.jit
+def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr, dq_ptr, dk_ptr, dv_ptr, ddecay_ptr,
+                     dbeta_ptr, T, NC, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):  # fmt: skip
+    # The recurrence's exact gradient, back through the tokens: the state before each token is rebuilt from the
+    # checkpoint of its chunk of C tokens (O(T * C / 2) state steps, no per-token state in memory). One program per
+    # (row and head, BV value columns); dq, dk, ddecay, dbeta are this slice's parts ([DV / BV, B * H, T, ...]),
+    # summed by the caller; dv [B * H, T, DV] is whole.
+    bh = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1).to(tl.int64)
+    parts_at = part * tl.num_programs(0).to(tl.int64) * T  # this slice's [B * H, T] block of the parts
+    dk = tl.arange(0, DK)
+    dv = part * BV + tl.arange(0, BV)
+    ds = tl.zeros((DK, BV), dtype=tl.float32)  # dL/d(state after the token being processed)
+    for i in range(NC):
+        c = NC - 1 - i
+        t0 = c * C
+        t1 = tl.minimum(t0 + C, T)
+        for j in range(t1 - t0):
+            t = t1 - 1 - j
+            s = tl.load(ckpt_ptr + (bh * NC + c) * (DK * DV) + dk[:, None] * DV + dv[None, :])
+            for u in range(t0, t):  # the state before token t
+                r = bh * T + u
+                ku = tl.load(k_ptr + r * DK + dk)
+                s = s * tl.load(decay_ptr + r)
+                du = (tl.load(v_ptr + r * DV + dv) - tl.sum(s * ku[:, None], axis=0)) * tl.load(beta_ptr + r)
+                s = s + ku[:, None] * du[None, :]
+            row = bh * T + t
+            q = tl.load(q_ptr + row * DK + dk)
+            k = tl.load(k_ptr + row * DK + dk)
+            v = tl.load(v_ptr + row * DV + dv)
+            g = tl.load(decay_ptr + row)
+            b = tl.load(beta_ptr + row)
+            do = tl.load(do_ptr + row * DV + dv)
+            sp = s * g
+            m = tl.sum(sp * k[:, None], axis=0)
+            delta = (v - m) * b
+            st = sp + k[:, None] * delta[None, :]
+            # o = st^T q
+            dq = tl.sum(st * do[None, :], axis=1)
+            ds = ds + q[:, None] * do[None, :]
+            # st = sp + k delta^T
+            ddelta = tl.sum(ds * k[:, None], axis=0)
+            dkt = tl.sum(ds * delta[None, :], axis=1)
+            # delta = b (v - m)
+            dm = -b * ddelta
+            dkt += tl.sum(sp * dm[None, :], axis=1)
+            # m = sp^T k; sp = g s
+            ds = ds + k[:, None] * dm[None, :]
+            tl.store(ddecay_ptr + parts_at + row, tl.sum(tl.sum(ds * s, axis=1), axis=0))
+            ds = ds * g
+            tl.store(dv_ptr + row * DV + dv, b * ddelta)
+            tl.store(dbeta_ptr + parts_at + row, tl.sum(ddelta * (v - m), axis=0))
+            tl.store(dq_ptr + (parts_at + row) * DK + dk, dq)
+            tl.store(dk_ptr + (parts_at + row) * DK + dk, dkt)
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # transformers' (and fla's) l2norm
+
+
+def _forward(q, k, v, decay, beta, state=None, keep_state=False, ckpt=None, chunk=1):
+    """Launch `_recurrent_rule_kernel` on prepared [B * H, T, ...] fp32 inputs: the output [B * H, T, Dv]; ``state``
+    [B * H, Dk, Dv] is read (if given) and, with ``keep_state``, overwritten by the final state."""
+    BH, T, dk = k.shape
+    dv = v.shape[-1]
+    out = torch.empty_like(v)
+    bv = min(STEP_CONFIG["block_v"], dv)
+    nc = 0 if ckpt is None else ckpt.shape[1]
+    _recurrent_rule_kernel[(BH, dv // bv)](q, k, v, decay, beta, out if state is None else state, out,
+                                           out if ckpt is None else ckpt, T, nc, DK=dk, DV=dv, BV=bv, C=chunk,
+                                           HAS_STATE=state is not None, KEEP_STATE=keep_state,
+                                           CHECKPOINTS=ckpt is not None, num_warps=CONFIG["num_warps"])  # fmt: skip
+    return out
+
+
+#: The backward's settings: the state is kept every ``chunk`` tokens (T / chunk states of [Dk, Dv] fp32 per row and
+#: head, while backward runs) and rebuilt in between (about T * chunk / 2 state steps); ``block_v`` value columns per
+#: program (four [Dk, block_v] fp32 tiles live at once).
+BACKWARD = {"chunk": 32, "block_v": 16, "num_warps": 4}
+
+
+class RecurrentRule(torch.autograd.Function):
+    """The recurrent rule on prepared [B * H, T, ...] fp32 inputs (q normalized and scaled, decay = exp(g)), from a
+    zero state: forward `_recurrent_rule_kernel`, backward `_backward_kernel`, the recurrence's own gradient (no
+    per-token state is saved: backward rebuilds it from checkpoints it writes first). Returns the output and, with
+    ``keep_state``, the final state (for a cache; no gradient flows through it), else None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, decay, beta, keep_state):
+        ctx.save_for_backward(q, k, v, decay, beta)
+        if not keep_state:
+            return _forward(q, k, v, decay, beta), None
+        state = torch.zeros(k.shape[0], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+        out = _forward(q, k, v, decay, beta, state=state, keep_state=True)
+        ctx.mark_non_differentiable(state)
+        return out, state
+
+    @staticmethod
+    def backward(ctx, do, _):
+        q, k, v, decay, beta = ctx.saved_tensors
+        BH, T, dk = k.shape
+        dv = v.shape[-1]
+        chunk = BACKWARD["chunk"]
+        ckpt = torch.empty(BH, -(-T // chunk), dk, dv, dtype=torch.float32, device=v.device)
+        _forward(q, k, v, decay, beta, ckpt=ckpt, chunk=chunk)
+        bv = min(BACKWARD["block_v"], dv)
+        parts = dv // bv
+        dq, dkk = (torch.empty(parts, BH, T, dk, dtype=torch.float32, device=v.device) for _ in range(2))
+        ddecay, dbeta = (torch.empty(parts, BH, T, dtype=torch.float32, device=v.device) for _ in range(2))
+        dvv = torch.empty_like(v)
+        _backward_kernel[(BH, parts)](q, k, v, decay, beta, do.contiguous(), ckpt, dq, dkk, dvv, ddecay, dbeta, T,
+                                      ckpt.shape[1], DK=dk, DV=dv, BV=bv, C=chunk,
+                                      num_warps=BACKWARD["num_warps"])  # fmt: skip
+        return dq.sum(0), dkk.sum(0), dvv, ddecay.sum(0), dbeta.sum(0), None
 
 
 def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
     """transformers' ``torch_recurrent_gated_delta_rule`` (same arguments: ``query``/``key`` [B, T, Hk, Dk],
     ``value`` [B, T, Hv, Dv], ``g`` (log decay) and ``beta`` [B, T, Hv]; same returns: the output [B, T, Hv, Dv] in
-    the input's dtype and the final fp32 state [B, Hv, Dk, Dv] or None) with the loop over tokens in one launch."""
+    the input's dtype and the final fp32 state [B, Hv, Dk, Dv] or None) with the loop over tokens in one launch.
+    From no state it is differentiable (`RecurrentRule`; the final state, if kept, is not); from an initial state
+    it computes values only."""
     check_device(query)
     dtype = query.dtype
     B, T, hk, dk = key.shape
@@ -73,25 +192,30 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, o
     if hv % hk or dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"recurrent_gated_delta_rule: Dk and Dv must be powers of two and Hv a multiple of Hk; got "
                          f"Hk={hk}, Dk={dk}, Hv={hv}, Dv={dv}.")  # fmt: skip
+    if (
+        initial_state is not None
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (query, key, value, g, beta))
+    ):
+        raise NotImplementedError(
+            "recurrent_gated_delta_rule has no gradient from an initial state; call it without one (training forwards "
+            "start each row from zero) or under torch.no_grad()."
+        )
     if hk != hv:
         query = query.repeat_interleave(hv // hk, dim=2)
         key = key.repeat_interleave(hv // hk, dim=2)
-    # [B, H, T, ...] fp32, contiguous (`to` alone keeps an fp32 input's transposed strides)
+    # [B * H, T, ...] fp32, contiguous (`to` alone keeps an fp32 input's transposed strides)
     query, key, value, beta, g = (
         x.transpose(1, 2).to(torch.float32).contiguous() for x in (query, key, value, beta, g)
     )
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
     query = query / (dk**0.5)
-    decay = g.exp()
-    state = None
-    if initial_state is not None or output_final_state:
-        state = torch.zeros(B, hv, dk, dv, dtype=torch.float32, device=value.device)
-        if initial_state is not None:
-            state.copy_(initial_state)
-    out = torch.empty_like(value)
-    bv = min(STEP_CONFIG["block_v"], dv)
-    _recurrent_rule_kernel[(B * hv, dv // bv)](query, key, value, decay, beta, out if state is None else state, out,
-                                               T, DK=dk, DV=dv, BV=bv, HAS_STATE=initial_state is not None,
-                                               KEEP_STATE=output_final_state, num_warps=CONFIG["num_warps"])  # fmt: skip
-    return out.transpose(1, 2).contiguous().to(dtype), state if output_final_state else None
+    flat = [x.flatten(0, 1) for x in (query, key, value, g.exp(), beta)]
+    if initial_state is None:
+        out, state = RecurrentRule.apply(*flat, output_final_state)
+    else:
+        state = initial_state.reshape(B * hv, dk, dv).to(torch.float32, copy=True).contiguous()
+        out = _forward(*flat, state=state, keep_state=output_final_state)
+    state = state.view(B, hv, dk, dv) if output_final_state else None
+    return out.view(B, hv, T, dv).transpose(1, 2).contiguous().to(dtype), state

@@ -66,8 +66,9 @@ def test_the_kernel_refuses_shapes_it_cannot_tile():
 
 def test_recurrent_values_take_the_kernel_on_cuda(monkeypatch):
     """`recurrent_values` computes the recurrent values with the kernel where `_use_kernel` says (CUDA; here the
-    interpreter stands in): a Qwen3.5 forward then calls it once per Gated DeltaNet layer and gives the torch loop's
-    logits up to summation order, and its chunked gradient still flows."""
+    interpreter stands in): a Qwen3.5 forward then calls it once per Gated DeltaNet layer, no chunked rule runs, the
+    logits are the torch loop's up to summation order and every gradient is, to 1e-4 of its norm, the chunked form's
+    that the torch loop's path takes straight through."""
     from trace_hf import testing as T
     from trace_hf.kernels import gated_delta_recurrent
     from trace_hf.train import delta_rule
@@ -75,18 +76,85 @@ def test_recurrent_values_take_the_kernel_on_cuda(monkeypatch):
     model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=2, linear_key_head_dim=16, linear_value_head_dim=16)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
     with delta_rule.recurrent_values(model):
         want = model(ids).logits
-    calls = []
+        want.sum().backward()
+    want_grads = grads()
+    calls, chunks = [], []
     kernel = gated_delta_recurrent.recurrent_gated_delta_rule
     monkeypatch.setattr(
         gated_delta_recurrent, "recurrent_gated_delta_rule", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
     monkeypatch.setattr(delta_rule, "_use_kernel", lambda q: True)
+    for mod in delta_rule.delta_rule_modules(model):  # the chunked rule `recurrent_values` wraps, counted
+        monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", _counted(mod.torch_chunk_gated_delta_rule, chunks))
     with delta_rule.recurrent_values(model):
         got = model(ids).logits
         got.sum().backward()
     n_linear = sum(t == "linear_attention" for t in model.config.layer_types)
-    assert len(calls) == n_linear > 0
+    assert len(calls) == n_linear > 0 and not chunks
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert all(p.grad is not None for n, p in model.named_parameters() if "linear_attn" in n)
+    got_grads = grads()
+    assert got_grads.keys() == want_grads.keys() and any("linear_attn" in n for n in got_grads)
+    for n, g in want_grads.items():
+        # ~3e-7 of the norm; the decay's parameters (A_log, dt_bias, in_proj_a) ~3e-5: the chunked form sums the
+        # log decays in chunks and takes differences of them, the recurrence multiplies each step's decay
+        assert (got_grads[n] - g).norm() <= 1e-4 * g.norm(), n
+
+
+def _counted(fn, calls):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("chunk, block_v, T", [(4, 8, 13), (32, 16, 13), (4, 32, 8), (8, 8, 1)])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_the_kernels_gradient_is_the_torch_rules(dev, chunk, block_v, T, l2norm, monkeypatch):
+    """From a zero state the kernel is differentiable, with the gradient of transformers' torch recurrent rule for
+    every input (q, k, v, the log decay, beta; key heads repeated), whatever the checkpoint spacing (``chunk``: one
+    chunk, several, a partial last one) and the value slices (``block_v``: one program or several per head)."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as M
+
+    from trace_hf.kernels import gated_delta_recurrent as R
+
+    monkeypatch.setitem(R.BACKWARD, "chunk", chunk)
+    monkeypatch.setitem(R.BACKWARD, "block_v", block_v)
+    _, torch_recurrent = torch_rules(M)
+    inputs = _inputs(dev, torch.float32, T=T)
+    grad_out = torch.randn(2, T, 4, 32, generator=torch.Generator().manual_seed(5)).to(dev)
+    got, want = [], []
+    for rule, grads in ((R.recurrent_gated_delta_rule, got), (torch_recurrent, want)):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out, _ = rule(*leaves, use_qk_l2norm_in_kernel=l2norm)
+        (out * grad_out).sum().backward()
+        grads += [out.detach()] + [t.grad for t in leaves]
+    for name, a, b in zip(["out", "q", "k", "v", "g", "beta"], got, want, strict=True):
+        assert a.shape == b.shape and (b.abs().sum() > 0 or (name == "g" and T == 1)), name  # no state to decay
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)
+
+
+def test_the_kernel_refuses_a_gradient_from_an_initial_state():
+    from trace_hf.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
+
+    q, k, v, g, beta = (t.requires_grad_(True) for t in _inputs("cpu", torch.float32))
+    state0 = torch.randn(2, 4, 16, 32)
+    with pytest.raises(NotImplementedError, match="initial state"):
+        recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state0)
+    with torch.no_grad():
+        want, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)  # kept, without a gradient
+    assert torch.equal(out, want) and torch.equal(state, want_state) and not state.requires_grad
+    out.sum().backward()
+    assert q.grad.abs().sum() > 0

@@ -7,10 +7,10 @@ the only block whose own output differs between rollout and training, and hints 
 site; docs/results.md section 7). ``TraceGRPOConfig(gated_delta_rule="recurrent")`` makes every training-side
 forward take the recurrent form's values (transformers' torch rule: the engine's torch step op for op, its Triton
 step on CUDA up to fp32 summation order; on CUDA computed by `trace_hf.kernels.gated_delta_recurrent`, one launch
-over the sequence instead of the torch loop's ~10 per token, the same values up to fp32 summation order), with the
-chunked form's gradient
-(straight-through: the two differ by rounding, and the chunked backward needs no per-token state). No-grad
-forwards (the old log-probs) run the recurrent form alone.
+over the sequence instead of the torch loop's ~10 per token, the same values up to fp32 summation order). On CUDA
+the gradient is that kernel's own, the recurrence's exact gradient by a backward kernel (no chunked forward runs);
+elsewhere the chunked form's, straight through (the two forms differ by rounding). No-grad forwards (the old
+log-probs) run the recurrent form alone.
 
 transformers picks the form inside the module's forward by sequence length, from module-level functions, and has
 no per-module hook for it, so `recurrent_values` rebinds the chunked function of the model's modeling modules for
@@ -92,13 +92,18 @@ def _use_kernel(query: torch.Tensor) -> bool:
     return query.is_cuda
 
 
+def _kernel_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `trace_hf.kernels.gated_delta_recurrent` takes this call: on CUDA, head sizes powers of two (its tiles)."""
+    dk, dv = key.shape[-1], value.shape[-1]
+    return _use_kernel(query) and not (dk & (dk - 1) or dv & (dv - 1))
+
+
 def _recurrent_rule(torch_recurrent: Callable) -> Callable:
-    """The recurrent rule for a call: on CUDA the kernel (one launch over the sequence; transformers' torch rule up to
-    fp32 summation order), where head sizes are powers of two as the kernel's tiles need; else the torch loop."""
+    """The recurrent rule for a call: the kernel where `_kernel_applies` (one launch over the sequence; transformers'
+    torch rule up to fp32 summation order); else the torch loop."""
 
     def recurrent(query, key, value, *args, **kwargs):
-        dk, dv = key.shape[-1], value.shape[-1]
-        if _use_kernel(query) and not (dk & (dk - 1) or dv & (dv - 1)):
+        if _kernel_applies(query, key, value):
             from trace_hf.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
 
             return recurrent_gated_delta_rule(query, key, value, *args, **kwargs)
@@ -108,7 +113,9 @@ def _recurrent_rule(torch_recurrent: Callable) -> Callable:
 
 
 def _recurrent_values(chunk, recurrent):
-    """A chunked gated delta rule whose values are `recurrent`'s and whose gradient is `chunk`'s."""
+    """A chunked gated delta rule whose values are `recurrent`'s. Its gradient: the kernel's own (the recurrence's,
+    `RecurrentRule`) where the kernel applies and the call starts from no state, as training forwards do; elsewhere
+    `chunk`'s, straight through."""
 
     def delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                    use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
@@ -123,6 +130,8 @@ def _recurrent_values(chunk, recurrent):
         inputs = (query, key, value, g, beta)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return recurrent(*inputs, **common)
+        if initial_state is None and _kernel_applies(query, key, value):
+            return recurrent(*inputs, **common)  # differentiable: no chunked forward to keep for backward
         out, state = chunk(*inputs, chunk_size=chunk_size, **common, **kwargs)
         with torch.no_grad():
             r_out, r_state = recurrent(*inputs, **common)
