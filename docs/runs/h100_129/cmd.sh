@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device call h100_129 (H100 or H200, gpu.txt names it): (1) the gpu tests of the packed training forwards (the fp32
-# packed attention on CUDA among them), the frozen experts' kernel training path (the checkpointed recompute that stops
+# packed attention on CUDA among them), the recurrent delta rule's forward and backward kernels, the frozen experts' kernel training path (the checkpointed recompute that stops
 # before experts last in their block), the Qwen3.5 engine, the engine's waves and admission, and compaction through
 # the finer buckets; (2) the 48-layer Qwen3-30B-A3B job, frozen FP4 + LoRA r=32, 256 x 1K, micro-batch 32: the experts'
 # saved tensors kept (the default) against --recompute-experts (the before), then kept again (the reverse order); on
@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1; L=$OUT/all.log
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; cat $OUT/gpu.txt
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-timeout 150 python -m pytest -q -m gpu tests/train/test_packed_forwards.py tests/quant/test_frozen_kernel_training.py \
+timeout 170 python -m pytest -q -m gpu tests/train/test_packed_forwards.py tests/quant/test_frozen_kernel_training.py tests/train/test_recurrent_rule_kernel.py \
     tests/rollout/test_qwen35_engine.py tests/rollout/test_engine_waves.py tests/rollout/test_engine_compaction.py \
     -p no:cacheprovider > $OUT/pytest.txt 2>&1; echo "pytest rc=$?"
 grep -E 'passed|failed|error' $OUT/pytest.txt | tail -5
