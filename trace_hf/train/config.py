@@ -106,8 +106,8 @@ class TraceGRPOConfig(GRPOConfig):
 
         gated_delta_rule (`str`, *optional*, defaults to `"auto"`):
             How training-side forwards compute the gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next).
-            `"recurrent"`: the recurrent form's values (what the rollout's decode steps compute) with the chunked
-            form's gradient; on a warmed Qwen3.5 MoE this removed most of the BF16 rollout/training KL
+            `"recurrent"`: the recurrent form's values (what the rollout's decode steps compute); on CUDA with the
+            recurrence's own gradient from a backward kernel, elsewhere the chunked form's; on a warmed Qwen3.5 MoE this removed most of the BF16 rollout/training KL
             (docs/results.md section 7), and at 8 layers on an H100 it was 1.13x faster than `"chunk"` on the same
             rollout with 2.7x less KL (docs/benchmarks.md). On CUDA the recurrent values take one kernel launch per
             layer call (`trace_hf.kernels.gated_delta_recurrent`); elsewhere transformers' loop of one step per
@@ -222,10 +222,10 @@ class TraceGRPOConfig(GRPOConfig):
     gated_delta_rule: str = field(
         default="auto",
         metadata={
-            "help": "Gated DeltaNet (Qwen3.5) in training forwards: 'recurrent' (the rollout's recurrent values, "
-            "chunked gradient: less rollout/training mismatch; one kernel over the sequence on CUDA, one step per token "
-            "elsewhere), 'chunk' (transformers' chunked form), or 'auto' (recurrent where the model has Gated "
-            "DeltaNet layers).",
+            "help": "Gated DeltaNet (Qwen3.5) in training forwards: 'recurrent' (the rollout's recurrent values: less "
+            "rollout/training mismatch; on CUDA one kernel over the sequence each way, the recurrence's own gradient; "
+            "elsewhere one step per token, the chunked form's gradient), 'chunk' (transformers' chunked form), or "
+            "'auto' (recurrent where the model has Gated DeltaNet layers).",
             "choices": list(GATED_DELTA_RULES),
         },
     )
