@@ -126,6 +126,9 @@ def parse_args(argv=None):
     p.add_argument("--recompute-experts", action="store_true",
                    help="frozen FP4 experts recomputed in the checkpointed backward even where they end their MoE block "
                         "(TraceFP4Experts.last_in_block=False): the before of keeping their saved tensors")  # fmt: skip
+    p.add_argument("--recurrent-chunk-gradient", action="store_true",
+                   help="gated_delta_rule='recurrent' with the chunked form's gradient straight through "
+                        "(delta_rule.KERNEL_GRADIENT=False): the before of the recurrent rule's backward kernel")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -575,6 +578,10 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
 
     fp4 = name.endswith("fp4")
     model = build(args, fp4, dev)
+    if args.recurrent_chunk_gradient:
+        from trace_hf.train import delta_rule
+
+        delta_rule.KERNEL_GRADIENT = False
     if args.recompute_experts:
         from trace_hf.quant.experts import fp4_experts
 
@@ -667,6 +674,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "engine_last_rollout": engine_stats(trainer.rollout),
         "lora_r": args.lora_r,
         "recompute_experts": args.recompute_experts,
+        "recurrent_chunk_gradient": args.recurrent_chunk_gradient,
         "token_budget": args.token_budget,
         "gated_delta_rule": trainer.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,

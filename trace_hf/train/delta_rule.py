@@ -34,6 +34,9 @@ from ..fp4 import straight_through
 GATED_DELTA_RULES = ("auto", "chunk", "recurrent")
 _CHUNK, _RECURRENT = "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"
 _WRAPPERS: set = set()  # the rebound functions, so a nested context does not wrap them twice
+#: Whether training forwards take the recurrent kernel's own gradient where it applies (else the chunked form's,
+#: straight through: the before of the backward kernel, which `grpo_step --recurrent-chunk-gradient` times).
+KERNEL_GRADIENT = True
 
 
 def delta_rule_modules(model: torch.nn.Module) -> list:
@@ -130,7 +133,7 @@ def _recurrent_values(chunk, recurrent):
         inputs = (query, key, value, g, beta)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return recurrent(*inputs, **common)
-        if initial_state is None and _kernel_applies(query, key, value):
+        if KERNEL_GRADIENT and initial_state is None and _kernel_applies(query, key, value):
             return recurrent(*inputs, **common)  # differentiable: no chunked forward to keep for backward
         out, state = chunk(*inputs, chunk_size=chunk_size, **common, **kwargs)
         with torch.no_grad():

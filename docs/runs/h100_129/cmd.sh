@@ -5,7 +5,7 @@
 # engine, the engine's waves and admission, compaction through the finer buckets; (2) the 48-layer Qwen3-30B-A3B job,
 # frozen FP4 + LoRA r=32, 256 x 1K, micro-batch 32: the experts' saved tensors kept (the default) against
 # --recompute-experts (the before); (3) Qwen3.5's 8-layer step, frozen FP4 + LoRA r=32, 64 x 1K, one step each (the same rollout): a
-# warm-up, transformers' chunked rule (--gated-delta-rule chunk), the recurrent rule with its backward kernel (the default).
+# warm-up, the recurrent values with the chunked gradient (--recurrent-chunk-gradient, the before), with the backward kernel (the default).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1; L=$OUT/all.log
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt; cat $OUT/gpu.txt
@@ -18,7 +18,7 @@ timeout 120 $B --setups engine_fp4 --recompute-experts --out $OUT/fp4_48_recompu
 timeout 110 $B --setups engine_fp4 --out $OUT/fp4_48.json >> $L 2>&1; echo "fp4 rc=$?"
 Q="python -m benchmarks.training.grpo_step_qwen35 --layers 8 --freeze-experts --lora-r 32 --prompts 8 --completion 1024 --eos-mean 384 --steps 1 --setups engine_fp4"
 timeout 70 $Q --out $OUT/q35_8_warmup.json >> $L 2>&1; echo "q35 warm-up rc=$?"
-timeout 50 $Q --gated-delta-rule chunk --out $OUT/q35_8_chunk.json >> $L 2>&1; echo "q35 chunk rc=$?"
+timeout 50 $Q --recurrent-chunk-gradient --out $OUT/q35_8_chunkgrad.json >> $L 2>&1; echo "q35 chunk gradient rc=$?"
 timeout 50 $Q --out $OUT/q35_8.json >> $L 2>&1; echo "q35 rc=$?"
 grep '^STEP' $L | cut -c1-330
 gzip $L
