@@ -139,8 +139,10 @@ def _forward(q, k, v, decay, beta, state=None, keep_state=False, ckpt=None, chun
 
 #: The backward's settings: the state is kept every ``chunk`` tokens (T / chunk states of [Dk, Dv] fp32 per row and
 #: head, while backward runs) and rebuilt in between (about T * chunk / 2 state steps); ``block_v`` value columns per
-#: program (four [Dk, block_v] fp32 tiles live at once).
-BACKWARD = {"chunk": 32, "block_v": 16, "num_warps": 4}
+#: program (four [Dk, block_v] fp32 tiles live at once). The fastest of 27 settings on an H100 with chunk >= 16
+#: (`benchmarks.kernels.gated_delta_backward`, docs/runs/h100_129/gdr_bwd.json); chunk 8 was 1.14x faster, with twice
+#: the checkpoints.
+BACKWARD = {"chunk": 16, "block_v": 16, "num_warps": 1}
 
 
 class RecurrentRule(torch.autograd.Function):
