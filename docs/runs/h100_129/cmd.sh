@@ -22,3 +22,6 @@ timeout 50 $Q --recurrent-chunk-gradient --out $OUT/q35_8_chunkgrad.json >> $L 2
 timeout 50 $Q --out $OUT/q35_8.json >> $L 2>&1; echo "q35 rc=$?"
 grep '^STEP' $L | cut -c1-330
 gzip $L
+# The same warm H100, the next call: the recurrent rule's backward kernel by its settings (gdr_bwd.json; the settings
+# as committed then were chunk 32, block_v 16, four warps):
+#   python -m benchmarks.kernels.gated_delta_backward --rows 8 --out $OUT/gdr_bwd.json
