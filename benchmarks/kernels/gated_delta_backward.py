@@ -21,6 +21,8 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=1152)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("times CUDA kernels: run it on a machine with an NVIDIA GPU (the tests check the kernel on the CPU)")
     import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as M
 
     from trace_hf.kernels import gated_delta_recurrent as R
@@ -66,7 +68,8 @@ def main(argv=None):
         cells.append({"chunk": chunk, "block_v": bv, "num_warps": warps, "ms": ms})
         print(cells[-1], flush=True)
     res["kernel"] = cells
-    json.dump(res, open(args.out, "w"), indent=1)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
