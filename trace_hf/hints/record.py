@@ -250,9 +250,9 @@ class HintRecorder(SiteRecorder):
         if then is not None:
             *more, more_ids, more_sites = then
 
-            def cat(a, b):
-                return [torch.cat(ab, dim=1) for ab in zip(a, b, strict=True)]
+            def cat(a, b):  # b may sit in CPU memory (the engine's streamed records): assemble there
+                return [torch.cat([x.to(y.device), y], dim=1) for x, y in zip(a, b, strict=True)]
 
-            cols, ids = cat(cols, more), torch.cat([ids, more_ids.to(ids.dtype)], dim=1)
+            cols, ids = cat(cols, more), torch.cat([ids.to(more_ids.device), more_ids.to(ids.dtype)], dim=1)
             sites = {site: tuple(cat(ts, more_sites[site])) for site, ts in sites.items()}
         return hint_batch_from_columns(*cols, attention_mask, self.fmt, self.hint_layers, ids, site_columns=sites)

@@ -144,6 +144,11 @@ class EngineRollout:
         compaction: when a wave's rows still decoding fit a smaller bucket, move them to the front and step on in
             that bucket (see the module docstring; costs a graph capture per smaller bucket once, and a gather of
             the moved rows' caches per compaction). Off: every wave decodes in its bucket to the end.
+        record_window: with hints kept in CPU memory (``storage="cpu"``, `TraceGRPOConfig.trace_hint_storage`), the
+            decode steps' records leave the device every this many steps (`StepRecords.flush`: one synchronizing
+            copy), so a row holds this many steps of them on the device instead of its whole completion's: at 128K
+            on Qwen3.5-35B-A3B, 16 MiB a row instead of 1.03 GiB, so more rows fit a wave. Completions no longer
+            than this keep their records on the device until the wave ends either way.
         share_prefill: prefill each distinct prompt of a wave once and give its KV cache (and linear-attention
             states), first-token logits and prompt hints to every row with that prompt (GRPO's ``num_generations``
             copies). Changes nothing but the prefill's time and memory, so more rows fit a wave (up to the
@@ -155,15 +160,18 @@ class EngineRollout:
 
     def __init__(self, max_buckets: int = 2, length_bucket: int = 256, check_every: int = 8, use_graphs=None,
                  max_rows: int | None = None, free_memory_fraction: float = 0.9,
-                 memory_limit: int | None = None, compaction: bool = True, share_prefill: bool = True):  # fmt: skip
+                 memory_limit: int | None = None, compaction: bool = True, share_prefill: bool = True,
+                 record_window: int = 2048):  # fmt: skip
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows={max_rows}: use None (as many as fit) or at least 1.")
+        if record_window < 1:
+            raise ValueError(f"record_window={record_window}: use at least 1 decode step.")
         if not 0 < free_memory_fraction <= 1:
             raise ValueError(f"free_memory_fraction={free_memory_fraction}: use a share in (0, 1].")
         self.max_buckets, self.length_bucket, self.check_every = max_buckets, length_bucket, check_every
         self.use_graphs = use_graphs
         self.max_rows, self.free_memory_fraction, self.memory_limit = max_rows, free_memory_fraction, memory_limit
-        self.compaction, self.share_prefill = compaction, share_prefill
+        self.compaction, self.share_prefill, self.record_window = compaction, share_prefill, record_window
         self.stats: EngineStats | None = None
         self._model = None
         self._weights: EngineWeights | ShardedWeights | None = None
@@ -195,10 +203,10 @@ class EngineRollout:
         return plan_waves(prompt_ids, per_row, budget, self.max_rows, self.share_prefill, dev.type == "cuda")
 
     def _runner(self, w: DecodeWeights, batch: int, length: int, s: SamplingSettings, kv_fp4: bool, record: bool,
-                per_row: RowBytes, need: int):  # fmt: skip
+                window: int | None, per_row: RowBytes, need: int):  # fmt: skip
         """The runner of this bucket, built (after evicting the oldest ones while ``need``, the wave's bytes, does not
-        fit) or reused."""
-        key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record, self.compaction)
+        fit) or reused. ``window``: the steps of records it keeps on the device (None: all)."""
+        key = (batch, length, s.key(), s.max_new_tokens, kv_fp4, record, window, self.compaction)
         if key in self._runners:
             self._runners.move_to_end(key)
             return self._runners[key]
@@ -214,7 +222,7 @@ class EngineRollout:
             # with 18 GB reserved and unallocated).
             torch.cuda.empty_cache()
         try:
-            runner = Runner(w, batch, length, s, kv_fp4, record, self._weights.layout.decoder, self.compaction)
+            runner = Runner(w, batch, length, s, kv_fp4, record, self._weights.layout.decoder, self.compaction, window)
             graphs = dev.type == "cuda" if self.use_graphs is None else self.use_graphs
             if graphs and s.max_new_tokens > 3:
                 runner.capture()
@@ -259,14 +267,15 @@ class EngineRollout:
         P = max(len(p) for p in prompt_ids)
         length = cache_length(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
         kv_fp4 = kv_format(lm) is not None
-        per_row = bytes_per_row(w, length, P, s, kv_fp4, record)
+        window = self.record_window if record and storage == "cpu" and self.record_window < s.max_new_tokens else None
+        per_row = bytes_per_row(w, length, P, s, kv_fp4, record, window)
         wave, batch, need = self._waves(prompt_ids, per_row, P, s.max_new_tokens, dev)
         self.stats = EngineStats(len(prompt_ids), -(-len(prompt_ids) // wave), wave, batch)
         ids, lps, hints = [], [], []
         for k, a in enumerate(range(0, len(prompt_ids), wave)):
             # Wave k draws with seed + k: its rows' draws are independent of the other waves' rows of the same slots.
             sk = s if k == 0 else dataclasses.replace(s, seed=s.seed + k)
-            r = self._runner(w, batch, length, sk, kv_fp4, record, per_row, need)
+            r = self._runner(w, batch, length, sk, kv_fp4, record, window, per_row, need)
             c, lp, h = self._wave(lm, r, prompt_ids[a : a + wave], P, sk, record, dev)
             ids += c
             lps += lp
@@ -348,6 +357,8 @@ class EngineRollout:
                     trajectory.append((steps, cur.batch))
             cur.dec.run()
             steps += 1
+            if r.records.streams and steps % r.records.window == 0:
+                r.records.flush(steps)
             self.stats.row_steps += cur.batch
         self.stats.steps.append(steps + 1)
         self.stats.buckets.append(trajectory)

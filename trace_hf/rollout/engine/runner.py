@@ -78,10 +78,11 @@ class RowBytes:
 
 
 def bytes_per_row(w: DecodeWeights, length: int, prompt_len: int, s: SamplingSettings, kv_fp4: bool,
-                  record: bool) -> RowBytes:  # fmt: skip
+                  record: bool, record_window: int | None = None) -> RowBytes:  # fmt: skip
     """What one row takes (`RowBytes`): its static KV cache of ``length`` tokens (FP4: codes and scales),
     linear-attention states, logits and the sampler's fp32 [V] temporaries, the output buffers and, when recording,
-    the step records (`StepRecords.bytes_per_row`); and the prefill's cache of its ``prompt_len`` tokens."""
+    the step records (`StepRecords.bytes_per_row`: of every step, or of ``record_window`` steps when they stream to
+    CPU memory); and the prefill's cache of its ``prompt_len`` tokens."""
     d = w.dims
     kv = kernels().attention.kv_bytes_per_token(d.num_kv_heads, d.head_dim, kv_fp4, w.embed.element_size())
     need = length * kv * w.num_kv_layers + w.state_bytes_per_row()
@@ -90,7 +91,7 @@ def bytes_per_row(w: DecodeWeights, length: int, prompt_len: int, s: SamplingSet
         hinted = [lw for lw in w.layers if lw.hinted] if w.fp4_experts else []
         n_in = sum("experts_input" in lw.hint_sites for lw in hinted)
         n_hidden = sum("experts_hidden" in lw.hint_sites for lw in hinted)
-        need += StepRecords.bytes_per_row(d, n_in, n_hidden, s.max_new_tokens)
+        need += StepRecords.bytes_per_row(d, n_in, n_hidden, min(s.max_new_tokens, record_window or s.max_new_tokens))
     return RowBytes(need, prompt_len * kv * w.num_kv_layers)
 
 
@@ -105,10 +106,13 @@ class Runner:
     holds: compaction permutes the decoder's rows, not the outputs).
 
     With ``compaction``, ``smaller`` holds a runner for every bucket below this one (`buckets_below`) that steps
-    this one's first rows in place (`first_rows`: views, no memory of their own but their graphs' shared pool)."""
+    this one's first rows in place (`first_rows`: views, no memory of their own but their graphs' shared pool).
+    ``record_window``: keep that many steps of records on the device and stream the rest to CPU memory
+    (`StepRecords`)."""
 
     def __init__(self, w: DecodeWeights, batch: int, max_len: int, s: SamplingSettings, kv_fp4: bool, record: bool,
-                 decoder: type[FastDecoder] = FastDecoder, compaction: bool = False):  # fmt: skip
+                 decoder: type[FastDecoder] = FastDecoder, compaction: bool = False,
+                 record_window: int | None = None):  # fmt: skip
         d = w.dims
         self.s, self.batch, self.record = s, batch, record
         self.dec = decoder(w, batch, max_len, kv_fp4=kv_fp4, record_hints=record, record_routing=record,
@@ -124,7 +128,7 @@ class Runner:
         self.out_tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
         self.out_logps = torch.zeros(batch, n, dtype=torch.float32, device=dev)
         self.seen = torch.zeros(batch, d.vocab, dtype=torch.bool, device=dev) if s.repetition_penalty else None
-        self.records = StepRecords(self.dec, n if record else 0)
+        self.records = StepRecords(self.dec, n if record else 0, record_window)
         self.smaller: dict[int, Runner] = {b: self.first_rows(b) for b in buckets_below(batch)} if compaction else {}
 
     def reset(self, seed: int, ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
@@ -136,6 +140,7 @@ class Runner:
         B, dec = ids.shape[0], self.dec
         self.seed.fill_(seed)
         self.step.fill_(-1)
+        self.records.start()
         self.finished.zero_()
         self.finished[B:] = True
         self.retired.copy_(self.finished)
