@@ -21,7 +21,9 @@ BF16's with the same delta rule):
 wave decoding to that context (`runner.bytes_per_row` under `planner.memory_budget` with EngineRollout's default
 ``free_memory_fraction``, measured when the cell starts), with the step records an FP4 rollout keeps for every
 decoded token held beside it (``records_gib``). Against the best batch of the listed cells, it says whether
-admission leaves throughput behind and whether what it admits fits.
+admission leaves throughput behind and whether what it admits fits. ``--hint-storage cpu`` admits as the engine
+does when the trainer keeps hints in CPU memory (``trace_hint_storage="cpu"``): the records stream off the device
+every ``record_window`` steps, so a row holds a window of them (EngineRollout's default window).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--admit", action="store_true",
                    help="also run, per setup and context, the rows the rollout engine admits (its step records held)")  # fmt: skip
+    p.add_argument("--hint-storage", choices=["device", "cpu"], default="device",
+                   help="--admit: where the rollout keeps hints; 'cpu' streams the step records, a window of them held")  # fmt: skip
     p.add_argument("--setups", default="bf16,fp4,fp4_triton",
                    help=f"comma-separated, of {','.join(SETUPS)} (run in that order: fp4 quantizes in place)")  # fmt: skip
     args = p.parse_args(argv)
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
             records = None
             try:
                 if admit:  # after the cells before it are freed, as the engine plans a wave
-                    B, nbytes = admitted_rows(w, T + args.steps + 8, T, fp4, dev)
+                    B, nbytes = admitted_rows(w, T + args.steps + 8, T, fp4, dev, args.hint_storage)
                     if B == 0:
                         raise torch.OutOfMemoryError("the engine admits no row at this context")
                     records = torch.empty(B * nbytes, dtype=torch.uint8, device=dev)
@@ -189,18 +193,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def admitted_rows(w, length: int, context: int, fp4: bool, dev) -> tuple[int, int]:
+def admitted_rows(w, length: int, context: int, fp4: bool, dev, storage: str = "device") -> tuple[int, int]:
     """The rows the rollout engine admits for one wave of ``length``-token cache rows decoding ``context`` tokens
     (the bucket `planner.plan_waves` picks under EngineRollout's default budget; FP4 records hints), and the step
-    records' bytes per row, which the engine holds on the device until the wave ends."""
+    records' bytes per row that the engine holds on the device: all of them until the wave ends, or with
+    ``storage="cpu"`` its default ``record_window`` steps of them."""
     from trace_hf.rollout.engine import EngineRollout
     from trace_hf.rollout.engine.planner import memory_budget
     from trace_hf.rollout.engine.runner import bytes_per_row, largest_bucket
     from trace_hf.rollout.sampling import SamplingSettings
 
-    fraction = inspect.signature(EngineRollout).parameters["free_memory_fraction"].default
+    defaults = inspect.signature(EngineRollout).parameters
+    fraction = defaults["free_memory_fraction"].default
+    window = defaults["record_window"].default if storage == "cpu" else None
     s = SamplingSettings(max_new_tokens=context)
-    per_row = bytes_per_row(w, length, 1, s, kv_fp4=fp4, record=fp4)
+    per_row = bytes_per_row(w, length, 1, s, kv_fp4=fp4, record=fp4, record_window=window)
     without = bytes_per_row(w, length, 1, s, kv_fp4=fp4, record=False)
     budget = memory_budget(dev, None, fraction, 0)
     rows = largest_bucket(budget // per_row.decode) if budget is not None else 1

@@ -103,6 +103,8 @@ class TraceGRPOConfig(GRPOConfig):
             from the training logits, so the router keeps learning.
         trace_hint_storage (`str`, *optional*, defaults to `"device"`):
             Where recorded hints live between rollout and training: `"device"` or `"cpu"` (pinned when CUDA exists).
+            With the rollout engine, `"cpu"` also streams the decode steps' records to CPU memory during the rollout
+            (every `EngineRollout.record_window` steps), so at long context more rows fit a wave (docs/api.md).
 
         gated_delta_rule (`str`, *optional*, defaults to `"auto"`):
             How training-side forwards compute the gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next).
@@ -215,7 +217,8 @@ class TraceGRPOConfig(GRPOConfig):
     trace_hint_storage: str = field(
         default="device",
         metadata={
-            "help": "Where recorded hints live until training: 'device' or 'cpu'.",
+            "help": "Where recorded hints live until training: 'device' or 'cpu' (the engine then streams its decode "
+            "records to CPU memory during the rollout, so at long context more rows fit a wave).",
             "choices": ["device", "cpu"],
         },
     )
