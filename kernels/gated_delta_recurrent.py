@@ -33,12 +33,17 @@ CONFIG = {"num_warps": 4}
 
 
 @triton.jit
-def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_ptr, ckpt_ptr, T, NC, DK: tl.constexpr,
-                           DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_STATE: tl.constexpr,
-                           KEEP_STATE: tl.constexpr, CHECKPOINTS: tl.constexpr):  # fmt: skip
+def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_ptr, ckpt_ptr, len_ptr, H, T, NC,
+                           DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                           HAS_STATE: tl.constexpr, KEEP_STATE: tl.constexpr, CHECKPOINTS: tl.constexpr,
+                           HAS_LENGTHS: tl.constexpr):  # fmt: skip
     # q, k [B * H, T, DK], v and o [B * H, T, DV], decay and beta [B * H, T], all fp32 contiguous; state [B * H, DK, DV].
     # With CHECKPOINTS, the state before every C-th token goes to ckpt [B * H, NC, DK, DV] (for `_backward_kernel`).
+    # With HAS_LENGTHS, row b steps its first len[b] tokens only (right padding after them: o is left as it was).
     bh = tl.program_id(0).to(tl.int64)
+    n = T
+    if HAS_LENGTHS:
+        n = tl.load(len_ptr + bh // H)
     dk = tl.arange(0, DK)
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
     at = s_ptr + bh * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -46,7 +51,7 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
         s = tl.load(at)
     else:
         s = tl.zeros((DK, BV), dtype=tl.float32)
-    for t in range(T):
+    for t in range(n):
         if CHECKPOINTS:  # noqa: SIM102 (a compile-time branch: the values-only kernel has no test per token)
             if t % C == 0:
                 tl.store(ckpt_ptr + (bh * NC + t // C) * (DK * DV) + dk[:, None] * DV + dv[None, :], s)
@@ -64,21 +69,27 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
 
 @triton.jit
 def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr, dq_ptr, dk_ptr, dv_ptr, ddecay_ptr,
-                     dbeta_ptr, T, NC, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):  # fmt: skip
+                     dbeta_ptr, len_ptr, H, T, NC, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                     C: tl.constexpr, HAS_LENGTHS: tl.constexpr):  # fmt: skip
     # The recurrence's exact gradient, back through the tokens: the state before each token is rebuilt from the
     # checkpoint of its chunk of C tokens (O(T * C / 2) state steps, no per-token state in memory). One program per
     # (row and head, BV value columns); dq, dk, ddecay, dbeta are this slice's parts ([DV / BV, B * H, T, ...]),
-    # summed by the caller; dv [B * H, T, DV] is whole.
+    # summed by the caller; dv [B * H, T, DV] is whole. With HAS_LENGTHS, row b's first len[b] tokens only (the
+    # gradients past them are left as they were: zeros from the caller).
     bh = tl.program_id(0).to(tl.int64)
+    n = T
+    if HAS_LENGTHS:
+        n = tl.load(len_ptr + bh // H)
     part = tl.program_id(1).to(tl.int64)
     parts_at = part * tl.num_programs(0).to(tl.int64) * T  # this slice's [B * H, T] block of the parts
     dk = tl.arange(0, DK)
     dv = part * BV + tl.arange(0, BV)
     ds = tl.zeros((DK, BV), dtype=tl.float32)  # dL/d(state after the token being processed)
-    for i in range(NC):
-        c = NC - 1 - i
+    nc = (n + C - 1) // C
+    for i in range(nc):
+        c = nc - 1 - i
         t0 = c * C
-        t1 = tl.minimum(t0 + C, T)
+        t1 = tl.minimum(t0 + C, n)
         for j in range(t1 - t0):
             t = t1 - 1 - j
             s = tl.load(ckpt_ptr + (bh * NC + c) * (DK * DV) + dk[:, None] * DV + dv[None, :])
@@ -122,18 +133,21 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # transformers' (and fla's) l2norm
 
 
-def _forward(q, k, v, decay, beta, state=None, keep_state=False, ckpt=None, chunk=1):
+def _forward(q, k, v, decay, beta, state=None, keep_state=False, ckpt=None, chunk=1, lengths=None):
     """Launch `_recurrent_rule_kernel` on prepared [B * H, T, ...] fp32 inputs: the output [B * H, T, Dv]; ``state``
-    [B * H, Dk, Dv] is read (if given) and, with ``keep_state``, overwritten by the final state."""
+    [B * H, Dk, Dv] is read (if given) and, with ``keep_state``, overwritten by the final state (with ``lengths``,
+    int32 [B], the state after row b's first lengths[b] tokens; the output past them is zero)."""
     BH, T, dk = k.shape
     dv = v.shape[-1]
-    out = torch.empty_like(v)
+    out = torch.empty_like(v) if lengths is None else torch.zeros_like(v)
     bv = min(STEP_CONFIG["block_v"], dv)
     nc = 0 if ckpt is None else ckpt.shape[1]
+    heads = BH if lengths is None else BH // lengths.shape[0]
     _recurrent_rule_kernel[(BH, dv // bv)](q, k, v, decay, beta, out if state is None else state, out,
-                                           out if ckpt is None else ckpt, T, nc, DK=dk, DV=dv, BV=bv, C=chunk,
-                                           HAS_STATE=state is not None, KEEP_STATE=keep_state,
-                                           CHECKPOINTS=ckpt is not None, num_warps=CONFIG["num_warps"])  # fmt: skip
+                                           out if ckpt is None else ckpt, out if lengths is None else lengths, heads,
+                                           T, nc, DK=dk, DV=dv, BV=bv, C=chunk, HAS_STATE=state is not None,
+                                           KEEP_STATE=keep_state, CHECKPOINTS=ckpt is not None,
+                                           HAS_LENGTHS=lengths is not None, num_warps=CONFIG["num_warps"])  # fmt: skip
     return out
 
 
@@ -149,44 +163,52 @@ class RecurrentRule(torch.autograd.Function):
     """The recurrent rule on prepared [B * H, T, ...] fp32 inputs (q normalized and scaled, decay = exp(g)), from a
     zero state: forward `_recurrent_rule_kernel`, backward `_backward_kernel`, the recurrence's own gradient (no
     per-token state is saved: backward rebuilds it from checkpoints it writes first). Returns the output and, with
-    ``keep_state``, the final state (for a cache; no gradient flows through it), else None."""
+    ``keep_state``, the final state (for a cache; no gradient flows through it), else None. ``lengths`` (int32 [B]
+    or None): each row's tokens before its right padding, the only ones stepped (the output past them is zero)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, decay, beta, keep_state):
-        ctx.save_for_backward(q, k, v, decay, beta)
+    def forward(ctx, q, k, v, decay, beta, keep_state, lengths=None):
+        ctx.save_for_backward(q, k, v, decay, beta, lengths)
         if not keep_state:
-            return _forward(q, k, v, decay, beta), None
+            return _forward(q, k, v, decay, beta, lengths=lengths), None
         state = torch.zeros(k.shape[0], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
-        out = _forward(q, k, v, decay, beta, state=state, keep_state=True)
+        out = _forward(q, k, v, decay, beta, state=state, keep_state=True, lengths=lengths)
         ctx.mark_non_differentiable(state)
         return out, state
 
     @staticmethod
     def backward(ctx, do, _):
-        q, k, v, decay, beta = ctx.saved_tensors
+        q, k, v, decay, beta, lengths = ctx.saved_tensors
         BH, T, dk = k.shape
         dv = v.shape[-1]
         chunk = BACKWARD["chunk"]
         ckpt = torch.empty(BH, -(-T // chunk), dk, dv, dtype=torch.float32, device=v.device)
-        _forward(q, k, v, decay, beta, ckpt=ckpt, chunk=chunk)
+        _forward(q, k, v, decay, beta, ckpt=ckpt, chunk=chunk, lengths=lengths)
         bv = min(BACKWARD["block_v"], dv)
         parts = dv // bv
-        dq, dkk = (torch.empty(parts, BH, T, dk, dtype=torch.float32, device=v.device) for _ in range(2))
-        ddecay, dbeta = (torch.empty(parts, BH, T, dtype=torch.float32, device=v.device) for _ in range(2))
-        dvv = torch.empty_like(v)
-        _backward_kernel[(BH, parts)](q, k, v, decay, beta, do.contiguous(), ckpt, dq, dkk, dvv, ddecay, dbeta, T,
-                                      ckpt.shape[1], DK=dk, DV=dv, BV=bv, C=chunk,
+        new = torch.empty if lengths is None else torch.zeros  # past a row's length nothing is written
+        dq, dkk = (new(parts, BH, T, dk, dtype=torch.float32, device=v.device) for _ in range(2))
+        ddecay, dbeta = (new(parts, BH, T, dtype=torch.float32, device=v.device) for _ in range(2))
+        dvv = new(v.shape, dtype=torch.float32, device=v.device)
+        heads = BH if lengths is None else BH // lengths.shape[0]
+        _backward_kernel[(BH, parts)](q, k, v, decay, beta, do.contiguous(), ckpt, dq, dkk, dvv, ddecay, dbeta,
+                                      ckpt if lengths is None else lengths, heads, T, ckpt.shape[1], DK=dk, DV=dv,
+                                      BV=bv, C=chunk, HAS_LENGTHS=lengths is not None,
                                       num_warps=BACKWARD["num_warps"])  # fmt: skip
-        return dq.sum(0), dkk.sum(0), dvv, ddecay.sum(0), dbeta.sum(0), None
+        return dq.sum(0), dkk.sum(0), dvv, ddecay.sum(0), dbeta.sum(0), None, None
 
 
 def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+                               use_qk_l2norm_in_kernel=False, lengths=None, **kwargs):  # fmt: skip
     """transformers' ``torch_recurrent_gated_delta_rule`` (same arguments: ``query``/``key`` [B, T, Hk, Dk],
     ``value`` [B, T, Hv, Dv], ``g`` (log decay) and ``beta`` [B, T, Hv]; same returns: the output [B, T, Hv, Dv] in
     the input's dtype and the final fp32 state [B, Hv, Dk, Dv] or None) with the loop over tokens in one launch.
     From no state it is differentiable (`RecurrentRule`; the final state, if kept, is not); from an initial state
-    it computes values only."""
+    it computes values only.
+
+    ``lengths`` (int [B], optional): row b's tokens are its first lengths[b], right-padded after them (a packed
+    forward's rows, `trace_hf.train.packing`). Only those are stepped: the output past them is zero and takes no
+    gradient, and the final state is the one after the row's last token. The padding then costs nothing."""
     check_device(query)
     dtype = query.dtype
     B, T, hk, dk = key.shape
@@ -214,10 +236,15 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, o
         query, key = _l2norm(query), _l2norm(key)
     query = query / (dk**0.5)
     flat = [x.flatten(0, 1) for x in (query, key, value, g.exp(), beta)]
+    if lengths is not None:
+        if lengths.shape != (B,) or lengths.device != query.device:
+            raise ValueError(f"recurrent_gated_delta_rule: lengths must be [B] = [{B}] on {query.device}; got "
+                             f"{tuple(lengths.shape)} on {lengths.device}.")  # fmt: skip
+        lengths = lengths.to(torch.int32).clamp(0, T).contiguous()
     if initial_state is None:
-        out, state = RecurrentRule.apply(*flat, output_final_state)
+        out, state = RecurrentRule.apply(*flat, output_final_state, lengths)
     else:
         state = initial_state.reshape(B * hv, dk, dv).to(torch.float32, copy=True).contiguous()
-        out = _forward(*flat, state=state, keep_state=output_final_state)
+        out = _forward(*flat, state=state, keep_state=output_final_state, lengths=lengths)
     state = state.view(B, hv, dk, dv) if output_final_state else None
     return out.view(B, hv, T, dv).transpose(1, 2).contiguous().to(dtype), state

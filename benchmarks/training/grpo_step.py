@@ -129,6 +129,9 @@ def parse_args(argv=None):
     p.add_argument("--recurrent-chunk-gradient", action="store_true",
                    help="gated_delta_rule='recurrent' with the chunked form's gradient straight through "
                         "(delta_rule.KERNEL_GRADIENT=False): the before of the recurrent rule's backward kernel")  # fmt: skip
+    p.add_argument("--rule-over-padding", action="store_true",
+                   help="the recurrent rule's kernel steps packed rows' right padding too "
+                        "(delta_rule.SKIP_ROW_PADDING=False): the before of stepping each row's own tokens only")  # fmt: skip
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
@@ -582,6 +585,10 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         from trace_hf.train import delta_rule
 
         delta_rule.KERNEL_GRADIENT = False
+    if args.rule_over_padding:
+        from trace_hf.train import delta_rule
+
+        delta_rule.SKIP_ROW_PADDING = False
     if args.recompute_experts:
         from trace_hf.quant.experts import fp4_experts
 
@@ -675,6 +682,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "lora_r": args.lora_r,
         "recompute_experts": args.recompute_experts,
         "recurrent_chunk_gradient": args.recurrent_chunk_gradient,
+        "rule_over_padding": args.rule_over_padding,
         "token_budget": args.token_budget,
         "gated_delta_rule": trainer.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,

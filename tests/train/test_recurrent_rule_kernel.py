@@ -158,3 +158,82 @@ def test_the_kernel_refuses_a_gradient_from_an_initial_state():
     assert torch.equal(out, want) and torch.equal(state, want_state) and not state.requires_grad
     out.sum().backward()
     assert q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_row_lengths_step_each_rows_own_tokens(dev, monkeypatch):
+    """With ``lengths`` (right-padded rows), each row's output, final state and every input's gradient at its own
+    tokens are those of the row run alone, bit for bit; past its length the output and the gradients are zero
+    (checkpoints every 4 tokens: rows ending inside a chunk, on its edge, after one token)."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from trace_hf.kernels import gated_delta_recurrent as R
+
+    monkeypatch.setitem(R.BACKWARD, "chunk", 4)
+    T, lengths = 13, [13, 8, 5, 1]
+    inputs = _inputs(dev, torch.float32, B=4, T=T)
+    grad_out = torch.randn(4, T, 4, 32, generator=torch.Generator().manual_seed(5)).to(dev)
+
+    def run(xs, dout, n=None):
+        leaves = [t.clone().requires_grad_(True) for t in xs]
+        lens = None if n is None else torch.tensor(n, device=dev)
+        out, state = R.recurrent_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True, output_final_state=True,
+                                                  lengths=lens)  # fmt: skip
+        (out * dout).sum().backward()
+        return [out.detach(), state] + [t.grad for t in leaves]
+
+    got = run(inputs, grad_out, lengths)
+    for b, n in enumerate(lengths):
+        alone = run([t[b : b + 1, :n] for t in inputs], grad_out[b : b + 1, :n])
+        for name, x, y in zip(["out", "state", "q", "k", "v", "g", "beta"], got, alone, strict=True):
+            if name == "state":
+                assert torch.equal(x[b : b + 1], y), name
+                continue
+            assert torch.equal(x[b : b + 1, :n], y), (name, b)
+            assert not x[b, n:].any(), (name, b)
+    with torch.no_grad():  # from an initial state: the state after the row's own tokens
+        state0 = torch.randn(4, 4, 16, 32, generator=torch.Generator().manual_seed(1)).to(dev)
+        _, s = R.recurrent_gated_delta_rule(*inputs, initial_state=state0, output_final_state=True,
+                                            lengths=torch.tensor(lengths, device=dev))  # fmt: skip
+        _, s1 = R.recurrent_gated_delta_rule(*[t[2:3, :5] for t in inputs], initial_state=state0[2:3],
+                                             output_final_state=True)  # fmt: skip
+        assert torch.equal(s[2:3], s1)
+    with pytest.raises(ValueError, match="lengths must be"):
+        R.recurrent_gated_delta_rule(*inputs, lengths=torch.tensor([1, 2], device=dev))
+
+
+def test_packed_gated_deltanet_skips_the_padding_and_changes_nothing(monkeypatch):
+    """A packed Qwen3.5 training forward with the kernel (the interpreter standing in for CUDA): each Gated DeltaNet
+    layer's rule gets its rows' lengths, and logits and every gradient are bit for bit those of the rule stepping the
+    padding too (`delta_rule.SKIP_ROW_PADDING` off)."""
+    from trace_hf import testing as T
+    from trace_hf.kernels import gated_delta_recurrent
+    from trace_hf.train import delta_rule, packing
+
+    model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    model.train()
+    lengths = [3, 9, 6]
+    ids = torch.randint(4, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    seen = []
+    kernel = gated_delta_recurrent.recurrent_gated_delta_rule
+    monkeypatch.setattr(gated_delta_recurrent, "recurrent_gated_delta_rule",
+                        lambda *a, lengths=None, **k: seen.append(lengths) or kernel(*a, lengths=lengths, **k))  # fmt: skip
+    monkeypatch.setattr(delta_rule, "_use_kernel", lambda q: True)
+
+    def step(skip):
+        monkeypatch.setattr(delta_rule, "SKIP_ROW_PADDING", skip)
+        with delta_rule.recurrent_values(model), packing.packed_attention(model, lengths):
+            logits = model(input_ids=ids, position_ids=positions).logits
+            logits.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return logits.detach(), grads
+
+    (a, ga), (b, gb) = step(True), step(False)
+    n_linear = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert len(seen) == 2 * n_linear and seen[n_linear:] == [None] * n_linear
+    assert all(s is not None and s.tolist() == lengths for s in seen[:n_linear])
+    assert torch.equal(a, b) and ga.keys() == gb.keys() and any("linear_attn" in n for n in ga)
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ..fp4 import straight_through
+from .packing import padded_row_lengths
 
 
 #: "auto": "recurrent" on models with Gated DeltaNet layers (cheaper and closer to the rollout, docs/benchmarks.md),
@@ -37,6 +38,10 @@ _WRAPPERS: set = set()  # the rebound functions, so a nested context does not wr
 #: Whether training forwards take the recurrent kernel's own gradient where it applies (else the chunked form's,
 #: straight through: the before of the backward kernel, which `grpo_step --recurrent-chunk-gradient` times).
 KERNEL_GRADIENT = True
+#: Whether the kernel steps only each packed row's own tokens in the forwards that give Gated DeltaNet layers their
+#: rows right-padded (`packing.padded_row_lengths`): the same values and gradients for every real token, without the
+#: padding's share of the sequential loop (`grpo_step --rule-over-padding` times the before).
+SKIP_ROW_PADDING = True
 
 
 def delta_rule_modules(model: torch.nn.Module) -> list:
@@ -109,7 +114,8 @@ def _recurrent_rule(torch_recurrent: Callable) -> Callable:
         if _kernel_applies(query, key, value):
             from trace_hf.kernels.gated_delta_recurrent import recurrent_gated_delta_rule
 
-            return recurrent_gated_delta_rule(query, key, value, *args, **kwargs)
+            lengths = padded_row_lengths(*query.shape[:2]) if SKIP_ROW_PADDING else None
+            return recurrent_gated_delta_rule(query, key, value, *args, lengths=lengths, **kwargs)
         return torch_recurrent(query, key, value, *args, **kwargs)
 
     return recurrent

@@ -55,6 +55,18 @@ class PackedRows:
 #: The packed forwards open now, innermost last. A plain module list rather than a context variable: the checkpointed
 #: recompute runs in backward, on autograd's device threads on CUDA, which see no context variable the forward set.
 _OPEN: list[PackedRows] = []
+#: The row lengths (int32 [rows], on the device) of the Gated DeltaNet forwards that `_rows_padded` runs now,
+#: innermost last; the same kind of list, for the same reason.
+_PADDED: list[tuple[torch.Tensor, int]] = []  # (lengths, the longest)
+
+
+def padded_row_lengths(rows: int, longest: int) -> torch.Tensor | None:
+    """Inside a Gated DeltaNet forward over packed rows right-padded to the longest (`_rows_padded`): the rows'
+    lengths, when a call over [rows, longest, ...] is that forward's own (its delta rule); else None. The rule then
+    steps each row's own tokens only (`trace_hf.kernels.gated_delta_recurrent`)."""
+    if _PADDED and _PADDED[-1][0].shape[0] == rows and _PADDED[-1][1] == longest:
+        return _PADDED[-1][0]
+    return None
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -139,6 +151,7 @@ def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...], device: torc
     longest = max(lengths)
     # Where each packed token sits in the [rows * longest] layout.
     slots = torch.cat([torch.arange(n) + r * longest for r, n in enumerate(lengths)]).to(device)
+    row_lengths = torch.tensor(lengths, dtype=torch.int32, device=device)
 
     def padded(hidden_states, *args, attention_mask=None, **kwargs):
         if hidden_states.shape[:2] != (1, sum(lengths)):
@@ -150,7 +163,11 @@ def _rows_padded(module: torch.nn.Module, lengths: tuple[int, ...], device: torc
         rows = h.new_zeros(len(lengths) * longest, h.shape[-1]).index_copy(0, slots, h)
         # No cache: each row's state must start at zero, not where another row left it.
         kwargs = {k: v for k, v in kwargs.items() if k not in _CACHE_ARGS}
-        out = forward(rows.view(len(lengths), longest, -1), *args, **kwargs)
+        _PADDED.append((row_lengths, longest))
+        try:
+            out = forward(rows.view(len(lengths), longest, -1), *args, **kwargs)
+        finally:
+            _PADDED.pop()
         return out.reshape(len(lengths) * longest, -1)[slots].unsqueeze(0)
 
     return padded
