@@ -92,8 +92,8 @@ def test_a_window_admits_more_rows_and_short_completions_keep_theirs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text"])
 def test_streamed_records_through_the_captured_step(family):
-    """bf16 on CUDA with graphs and compaction, 40 rows x 37 steps, windows of 8: the captured step writes column
-    ``step % window`` and the CPU records equal the device ones bit for bit (one engine, same rows and seed)."""
+    """bf16 on CUDA with graphs, 40 rows x 37 steps, some stopped early by an EOS, windows of 8: the captured step
+    writes column ``step % window`` and the CPU records equal the device ones bit for bit (one engine, same rows)."""
     model = _model(family, "cuda")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, model.config.vocab_size, (int(n),), generator=g).tolist()
@@ -104,6 +104,6 @@ def test_streamed_records_through_the_captured_step(family):
     eng = EngineRollout(record_window=8)
     a = eng(model, prompts, gc, record=True, storage="device")
     b = eng(model, prompts, gc, record=True, storage="cpu")
-    assert _streamed(eng) and eng.stats.compactions > 0
+    assert _streamed(eng) and len({len(c) for c in a.completion_ids}) > 1
     a.hints = a.hints.to("cpu")
     assert_same_rollout(a, b, record=True)
