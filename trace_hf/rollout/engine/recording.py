@@ -115,9 +115,8 @@ class StepRecords:
             rows = torch.arange(B, device=lengths.device) if slots is None else slots
             n = 8 if self.streams else B  # streaming: a few rows' K/V hints on the device at a time
             parts = [_kv_hints(dec, kv_layers, lengths[i : i + n], steps, rows[i : i + n]) for i in range(0, B, n)]
-            sites["kv"] = (
-                parts[0] if len(parts) == 1 else tuple(torch.cat([p[k].to(at) for p in parts]) for k in range(3))
-            )
+            sites["kv"] = tuple(torch.cat([p[k].to(at) for p in parts]) if len(parts) > 1 else parts[0][k].to(at)
+                                for k in range(3))  # fmt: skip
         # decode step s fed completion token s
         decoded = (*(cols(t) for t in (bits, scale, g, route)), out_tokens[:B, :steps].to(at), sites)
         return recorder.collect(full_mask.to(at), prompt_rows, decoded)
