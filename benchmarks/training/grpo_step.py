@@ -269,29 +269,56 @@ def calibrate_eos(model, prompt_ids: list[list[int]], eos: int, mean_len: int, m
 class PhaseTimer:
     """Per-phase wall time of each optimizer step (CUDA-synchronized at the phase boundaries): LoRA merge and weight
     refresh, prefill, decode (the rest of the rollout), log-prob forwards (no grad), training forwards, backward,
-    optimizer. The rollout's own total is `trace/rollout/seconds`."""
+    optimizer. The rollout's own total is `trace/rollout/seconds`. On CUDA also each timed phase's peak memory
+    (``peaks``, GiB), so that the run's peak (`peak_gib`) says which phase set it."""
 
     def __init__(self, cuda: bool):
         from transformers import TrainerCallback
 
         self.cuda, self.now, self.steps = cuda, {}, []
+        self.peak_now: dict[str, float] = {}
+        self.peaks: list[dict[str, float]] = []
+        self._peak = 0.0  # bytes: the peak before the last reset of the allocator's counter
         self.host: HostProfile | None = None  # --profile-host: profiles one call of each phase
         timer = self
 
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                timer.now = {}
+                timer.now, timer.peak_now = {}, {}
 
             def on_pre_optimizer_step(self, args, state, control, **kw):
                 timer._opt = timer._clock()
+                timer._phase_begin()
 
             def on_optimizer_step(self, args, state, control, **kw):
                 timer._add("optimizer", timer._clock() - timer._opt)
+                timer._phase_end("optimizer")
 
             def on_step_end(self, args, state, control, **kw):
                 timer.steps.append({k: round(v, 3) for k, v in timer.now.items()})
+                timer.peaks.append({k: round(v, 2) for k, v in timer.peak_now.items()})
 
         self.callback = _CB()
+
+    def peak_gib(self) -> float | None:
+        """The run's peak allocated memory so far, across the per-phase resets of the allocator's counter."""
+        import torch
+
+        return max(self._peak, torch.cuda.max_memory_allocated()) / 2**30 if self.cuda else None
+
+    def _phase_begin(self) -> None:
+        import torch
+
+        if self.cuda:
+            self._peak = max(self._peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    def _phase_end(self, phase: str) -> None:
+        import torch
+
+        if self.cuda:
+            gib = torch.cuda.max_memory_allocated() / 2**30
+            self.peak_now[phase] = max(self.peak_now.get(phase, 0.0), gib)
 
     def _clock(self) -> float:
         import torch
@@ -310,14 +337,29 @@ class PhaseTimer:
         def timed(*a, **k):
             key = phase() if callable(phase) else phase
             t0 = self._clock()
+            self._phase_begin()
             try:
                 if self.host is not None and self.host.wants(key):
                     return self.host.run(key, orig, a, k)
                 return orig(*a, **k)
             finally:
                 self._add(key, self._clock() - t0)
+                self._phase_end(key)
 
         setattr(obj, name, timed)
+
+    def watch_peak(self, obj, name: str, phase: str) -> None:
+        """Keep the peak memory of `obj.name` under `phase`, untimed (the rollout, whose parts are timed inside)."""
+        orig = getattr(obj, name)
+
+        def watched(*a, **k):
+            self._phase_begin()
+            try:
+                return orig(*a, **k)
+            finally:
+                self._phase_end(phase)
+
+        setattr(obj, name, watched)
 
     def watch_engine(self, engine) -> None:
         """Refresh (packed experts, fused QKV, LoRA merge), prefill and live-row compactions of an `EngineRollout`."""
@@ -373,11 +415,9 @@ class StepLog:
 
         class _CB(TrainerCallback):
             def on_step_end(self, args, state, control, **kw):
-                import torch
-
-                peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
                 line = {"setup": name, "step": state.global_step, "step_s": round(steps.steps[-1], 3),
-                        "peak_gib": peak, "phases": phases.steps[-1], "engine": engine_stats(log.rollout)}  # fmt: skip
+                        "peak_gib": phases.peak_gib(), "phase_peak_gib": phases.peaks[-1], "phases": phases.steps[-1],
+                        "engine": engine_stats(log.rollout)}  # fmt: skip
                 if state.is_world_process_zero:
                     print("STEP " + json.dumps(line), flush=True)
 
@@ -653,13 +693,14 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
                 lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
     phases.wrap(trainer.accelerator, "backward", "backward")
+    phases.watch_peak(trainer, "_generate_single_turn", "rollout")
     if profiler:
         profiler.watch(trainer, "_generate_single_turn")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     world = trainer.accelerator.num_processes
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    peak = phases.peak_gib() or 0.0
     peaks = trainer.accelerator.gather(torch.tensor([peak], device=trainer.accelerator.device)).tolist()
     hist = [h for h in trainer.state.log_history if "trace/rollout/tokens_per_second" in h]
     later = hist[1:] or hist
@@ -693,6 +734,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "phases_last_step": phases.steps[-1] if phases.steps else None,
         "phases_all_steps": phases.steps,
+        "phase_peak_gib_all_steps": phases.peaks,
         "rollout_s_last": later[-1]["trace/rollout/seconds"],
         "peak_gib": max(peaks) if dev.type == "cuda" else None,
         "peak_gib_per_gpu": peaks,
