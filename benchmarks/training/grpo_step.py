@@ -29,8 +29,8 @@ share_prefill=False)`: all ``num_generations`` copies of a prompt are prefilled)
 ``--wave-rows`` caps the engine's rows per wave (`EngineRollout(max_rows=...)`); without it the engine admits as
 many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
 model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``), and every finished step prints a
-``STEP {...}`` line (seconds, phases, peak memory so far, the engine's last rollout), for runs that their time
-limit cuts short.
+``STEP {...}`` line (seconds, phases, peak memory so far and each phase's own, ``phase_peak_gib``, the engine's last
+rollout), for runs that their time limit cuts short.
 
     python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
         --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
