@@ -33,17 +33,36 @@ CONFIG = {"num_warps": 4}
 
 
 @triton.jit
+def _row_offsets(len_ptr, bh, H, C: tl.constexpr):
+    # Row b = bh // H of right-padded rows of len_ptr's lengths: its length n, and where head h of it starts in the
+    # per-row layouts of `RecurrentRule.backward`: its checkpoints (rows' ceil(n / C) each, H heads a row) and its
+    # tokens (rows' n each, H heads a row).
+    b = bh // H
+    h = bh % H
+    n = tl.load(len_ptr + b)
+    chunks = bh * 0  # int64 sums over the rows before b
+    tokens = bh * 0
+    for i in range(b):
+        m = tl.load(len_ptr + i).to(tl.int64)
+        chunks += (m + C - 1) // C
+        tokens += m
+    return n, H * chunks + h * ((n.to(tl.int64) + C - 1) // C), H * tokens + h * n.to(tl.int64)
+
+
+@triton.jit
 def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_ptr, ckpt_ptr, len_ptr, H, T, NC,
                            DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_STATE: tl.constexpr, KEEP_STATE: tl.constexpr, CHECKPOINTS: tl.constexpr,
                            HAS_LENGTHS: tl.constexpr):  # fmt: skip
     # q, k [B * H, T, DK], v and o [B * H, T, DV], decay and beta [B * H, T], all fp32 contiguous; state [B * H, DK, DV].
-    # With CHECKPOINTS, the state before every C-th token goes to ckpt [B * H, NC, DK, DV] (for `_backward_kernel`).
-    # With HAS_LENGTHS, row b steps its first len[b] tokens only (right padding after them: o is left as it was).
+    # With CHECKPOINTS, the state before every C-th token goes to ckpt [B * H * NC, DK, DV] (for `_backward_kernel`).
+    # With HAS_LENGTHS, row b steps its first len[b] tokens only (right padding after them: o is left as it was), and
+    # the checkpoints are laid out per row (`_row_offsets`: [sum over rows of H * ceil(len / C), DK, DV]).
     bh = tl.program_id(0).to(tl.int64)
     n = T
+    ck0 = bh * NC
     if HAS_LENGTHS:
-        n = tl.load(len_ptr + bh // H)
+        n, ck0, _ = _row_offsets(len_ptr, bh, H, C)
     dk = tl.arange(0, DK)
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
     at = s_ptr + bh * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -54,7 +73,7 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
     for t in range(n):
         if CHECKPOINTS:  # noqa: SIM102 (a compile-time branch: the values-only kernel has no test per token)
             if t % C == 0:
-                tl.store(ckpt_ptr + (bh * NC + t // C) * (DK * DV) + dk[:, None] * DV + dv[None, :], s)
+                tl.store(ckpt_ptr + (ck0 + t // C) * (DK * DV) + dk[:, None] * DV + dv[None, :], s)
         row = bh * T + t
         q = tl.load(q_ptr + row * DK + dk)
         k = tl.load(k_ptr + row * DK + dk)
@@ -69,19 +88,22 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
 
 @triton.jit
 def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr, dq_ptr, dk_ptr, dv_ptr, ddecay_ptr,
-                     dbeta_ptr, len_ptr, H, T, NC, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                     dbeta_ptr, len_ptr, H, T, NC, NT, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                      C: tl.constexpr, HAS_LENGTHS: tl.constexpr):  # fmt: skip
     # The recurrence's exact gradient, back through the tokens: the state before each token is rebuilt from the
     # checkpoint of its chunk of C tokens (O(T * C / 2) state steps, no per-token state in memory). One program per
-    # (row and head, BV value columns); dq, dk, ddecay, dbeta are this slice's parts ([DV / BV, B * H, T, ...]),
-    # summed by the caller; dv [B * H, T, DV] is whole. With HAS_LENGTHS, row b's first len[b] tokens only (the
-    # gradients past them are left as they were: zeros from the caller).
+    # (row and head, BV value columns); dq, dk, ddecay, dbeta are this slice's parts ([DV / BV, NT, ...] over NT =
+    # B * H * T token slots), summed by the caller; dv [B * H, T, DV] is whole. With HAS_LENGTHS, row b's first
+    # len[b] tokens only (dv past them is left as it was: zeros from the caller), and the checkpoints and the parts
+    # are laid out per row (`_row_offsets`; NT = H * sum(len)), so the padding takes no memory.
     bh = tl.program_id(0).to(tl.int64)
     n = T
+    ck0 = bh * NC
+    tk0 = bh * T
     if HAS_LENGTHS:
-        n = tl.load(len_ptr + bh // H)
+        n, ck0, tk0 = _row_offsets(len_ptr, bh, H, C)
     part = tl.program_id(1).to(tl.int64)
-    parts_at = part * tl.num_programs(0).to(tl.int64) * T  # this slice's [B * H, T] block of the parts
+    parts_at = part * NT + tk0  # this slice's part, this row and head's first token slot
     dk = tl.arange(0, DK)
     dv = part * BV + tl.arange(0, BV)
     ds = tl.zeros((DK, BV), dtype=tl.float32)  # dL/d(state after the token being processed)
@@ -92,7 +114,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr,
         t1 = tl.minimum(t0 + C, n)
         for j in range(t1 - t0):
             t = t1 - 1 - j
-            s = tl.load(ckpt_ptr + (bh * NC + c) * (DK * DV) + dk[:, None] * DV + dv[None, :])
+            s = tl.load(ckpt_ptr + (ck0 + c) * (DK * DV) + dk[:, None] * DV + dv[None, :])
             for u in range(t0, t):  # the state before token t
                 r = bh * T + u
                 ku = tl.load(k_ptr + r * DK + dk)
@@ -100,6 +122,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr,
                 du = (tl.load(v_ptr + r * DV + dv) - tl.sum(s * ku[:, None], axis=0)) * tl.load(beta_ptr + r)
                 s = s + ku[:, None] * du[None, :]
             row = bh * T + t
+            slot = parts_at + t
             q = tl.load(q_ptr + row * DK + dk)
             k = tl.load(k_ptr + row * DK + dk)
             v = tl.load(v_ptr + row * DV + dv)
@@ -121,12 +144,12 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr,
             dkt += tl.sum(sp * dm[None, :], axis=1)
             # m = sp^T k; sp = g s
             ds = ds + k[:, None] * dm[None, :]
-            tl.store(ddecay_ptr + parts_at + row, tl.sum(tl.sum(ds * s, axis=1), axis=0))
+            tl.store(ddecay_ptr + slot, tl.sum(tl.sum(ds * s, axis=1), axis=0))
             ds = ds * g
             tl.store(dv_ptr + row * DV + dv, b * ddelta)
-            tl.store(dbeta_ptr + parts_at + row, tl.sum(ddelta * (v - m), axis=0))
-            tl.store(dq_ptr + (parts_at + row) * DK + dk, dq)
-            tl.store(dk_ptr + (parts_at + row) * DK + dk, dkt)
+            tl.store(dbeta_ptr + slot, tl.sum(ddelta * (v - m), axis=0))
+            tl.store(dq_ptr + slot * DK + dk, dq)
+            tl.store(dk_ptr + slot * DK + dk, dkt)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -141,7 +164,7 @@ def _forward(q, k, v, decay, beta, state=None, keep_state=False, ckpt=None, chun
     dv = v.shape[-1]
     out = torch.empty_like(v) if lengths is None else torch.zeros_like(v)
     bv = min(STEP_CONFIG["block_v"], dv)
-    nc = 0 if ckpt is None else ckpt.shape[1]
+    nc = 0 if ckpt is None else -(-T // chunk)
     heads = BH if lengths is None else BH // lengths.shape[0]
     _recurrent_rule_kernel[(BH, dv // bv)](q, k, v, decay, beta, out if state is None else state, out,
                                            out if ckpt is None else ckpt, out if lengths is None else lengths, heads,
@@ -182,20 +205,42 @@ class RecurrentRule(torch.autograd.Function):
         BH, T, dk = k.shape
         dv = v.shape[-1]
         chunk = BACKWARD["chunk"]
-        ckpt = torch.empty(BH, -(-T // chunk), dk, dv, dtype=torch.float32, device=v.device)
-        _forward(q, k, v, decay, beta, ckpt=ckpt, chunk=chunk, lengths=lengths)
         bv = min(BACKWARD["block_v"], dv)
         parts = dv // bv
-        new = torch.empty if lengths is None else torch.zeros  # past a row's length nothing is written
-        dq, dkk = (new(parts, BH, T, dk, dtype=torch.float32, device=v.device) for _ in range(2))
-        ddecay, dbeta = (new(parts, BH, T, dtype=torch.float32, device=v.device) for _ in range(2))
-        dvv = new(v.shape, dtype=torch.float32, device=v.device)
-        heads = BH if lengths is None else BH // lengths.shape[0]
+        fp32 = {"dtype": torch.float32, "device": v.device}
+        if lengths is None:
+            heads, states, slots = BH, BH * -(-T // chunk), BH * T
+        else:  # laid out per row: checkpoints and parts for each row's own tokens (one sync for the sizes)
+            heads = BH // lengths.shape[0]
+            host = lengths.tolist()
+            states, slots = heads * sum(-(-n // chunk) for n in host), heads * sum(host)
+        ckpt = torch.empty(states, dk, dv, **fp32)
+        _forward(q, k, v, decay, beta, ckpt=ckpt, chunk=chunk, lengths=lengths)
+        dq, dkk = (torch.empty(parts, slots, dk, **fp32) for _ in range(2))
+        ddecay, dbeta = (torch.empty(parts, slots, **fp32) for _ in range(2))
+        dvv = (torch.empty if lengths is None else torch.zeros)(v.shape, **fp32)  # past a row's length: zeros
         _backward_kernel[(BH, parts)](q, k, v, decay, beta, do.contiguous(), ckpt, dq, dkk, dvv, ddecay, dbeta,
-                                      ckpt if lengths is None else lengths, heads, T, ckpt.shape[1], DK=dk, DV=dv,
-                                      BV=bv, C=chunk, HAS_LENGTHS=lengths is not None,
+                                      ckpt if lengths is None else lengths, heads, T, -(-T // chunk), slots, DK=dk,
+                                      DV=dv, BV=bv, C=chunk, HAS_LENGTHS=lengths is not None,
                                       num_warps=BACKWARD["num_warps"])  # fmt: skip
-        return dq.sum(0), dkk.sum(0), dvv, ddecay.sum(0), dbeta.sum(0), None, None
+        grads = [x.sum(0) for x in (dq, dkk, ddecay, dbeta)]
+        if lengths is None:
+            grads = [x.view(BH, T, *x.shape[1:]) for x in grads]
+        else:  # each row's tokens back to their padded places
+            at = _padded_slots(lengths, heads, T, slots)
+            grads = [torch.zeros(BH * T, *x.shape[1:], **fp32).index_copy_(0, at, x).view(BH, T, *x.shape[1:])
+                     for x in grads]  # fmt: skip
+        dq, dkk, ddecay, dbeta = grads
+        return dq, dkk, dvv, ddecay, dbeta, None, None
+
+
+def _padded_slots(lengths: torch.Tensor, heads: int, T: int, slots: int) -> torch.Tensor:
+    """Where each token slot of the per-row layout (rows in order, ``heads`` heads a row, each head's first
+    lengths[row] tokens) sits in the padded [B * heads * T] layout; computed on the device (no host sync)."""
+    per = lengths.long().repeat_interleave(heads)  # tokens of each (row, head)
+    first = torch.cumsum(per, 0) - per
+    bh = torch.repeat_interleave(torch.arange(per.shape[0], device=per.device), per, output_size=slots)
+    return bh * T + torch.arange(slots, device=per.device) - first[bh]
 
 
 def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,

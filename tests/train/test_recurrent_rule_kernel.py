@@ -182,7 +182,22 @@ def test_row_lengths_step_each_rows_own_tokens(dev, monkeypatch):
         (out * dout).sum().backward()
         return [out.detach(), state] + [t.grad for t in leaves]
 
+    sizes = {}  # the backward's checkpoints and token slots: laid out for each row's own tokens, not the padding
+    forward, padded_slots = R._forward, R._padded_slots
+
+    def counting_forward(*args, ckpt=None, **kwargs):
+        if ckpt is not None:
+            sizes["checkpoints"] = ckpt.shape[0]
+        return forward(*args, ckpt=ckpt, **kwargs)
+
+    def counting_slots(lengths, heads, T, slots):
+        sizes["slots"] = slots
+        return padded_slots(lengths, heads, T, slots)
+
+    monkeypatch.setattr(R, "_forward", counting_forward)
+    monkeypatch.setattr(R, "_padded_slots", counting_slots)
     got = run(inputs, grad_out, lengths)
+    assert sizes == {"checkpoints": 4 * sum(-(-n // 4) for n in lengths), "slots": 4 * sum(lengths)}, sizes
     for b, n in enumerate(lengths):
         alone = run([t[b : b + 1, :n] for t in inputs], grad_out[b : b + 1, :n])
         for name, x, y in zip(["out", "state", "q", "k", "v", "g", "beta"], got, alone, strict=True):
