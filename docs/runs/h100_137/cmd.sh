@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls h100_137 (one H100, two calls on one warm machine; the tree of commit 9500155: the recurrent rule's
 # backward laid out per row, and grpo_step's per-phase peaks). The only machine that started in this session, with
-# about 3.5 minutes of device time left, so: (1) the gpu tests of the change and of the streamed step records;
+# about 4.5 minutes of device time left, so: (1) the gpu tests of the change and of the streamed step records;
 # (2) one 40-layer Qwen3.5 step, its peak memory by phase. Step 1 rolls out the same rows as h100_136's step 1
 # (same seed: 103,110 kept tokens, the same bucket trajectory), so its peak is comparable; its times are not (this
 # process compiled every kernel inside the step; h100_136 ran 8-layer processes first).
