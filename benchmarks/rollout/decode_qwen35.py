@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 import time
 
@@ -101,7 +102,12 @@ def main(argv=None) -> int:
                    help="--admit: where the rollout keeps hints; 'cpu' streams the step records, a window of them held")  # fmt: skip
     p.add_argument("--setups", default="bf16,fp4,fp4_triton",
                    help=f"comma-separated, of {','.join(SETUPS)} (run in that order: fp4 quantizes in place)")  # fmt: skip
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts): the in-place "
+                        "quantization's freed BF16 experts leave no fragments the caches cannot use")  # fmt: skip
     args = p.parse_args(argv)
+    if args.expandable_segments:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     setups = [x for x in SETUPS if x in args.setups.split(",")]
     unknown = set(args.setups.split(",")) - set(SETUPS)
     if unknown:
@@ -135,6 +141,10 @@ def main(argv=None) -> int:
         for B, T, admit in runs:
             t0 = time.perf_counter()
             records = None
+            fragments = None
+            if cuda:  # each cell's own peak, not the run's; the allocator's unusable fragments as it starts
+                torch.cuda.reset_peak_memory_stats()
+                fragments = torch.cuda.memory_stats().get("inactive_split_bytes.all.current", 0) / 2**30
             try:
                 if admit:  # after the cells before it are freed, as the engine plans a wave
                     B, nbytes = admitted_rows(w, T + args.steps + 8, T, fp4, dev, args.hint_storage)
@@ -157,7 +167,9 @@ def main(argv=None) -> int:
                 step_s = harness.time_per_call(dec.run, args.steps, warmup=1 if cuda else 0)
                 assert torch.isfinite(dec.logits).all(), "non-finite logits"
                 cell = {"setup": setup, "batch": B, "context": T, "step_ms": step_s * 1e3, "tokens_per_s": B / step_s,
-                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
+                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                        "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+                        "fragments_gib": fragments}  # fmt: skip
                 if admit:
                     cell |= {"admitted": True, "records_gib": records.numel() / 2**30}
                 if args.profile and cuda:
@@ -165,7 +177,8 @@ def main(argv=None) -> int:
                     cell["kernels"] = harness.kernel_times(dec.run, top=25)
                 del dec
             except Exception as e:  # keep the other cells
-                cell = {"setup": setup, "batch": B, "context": T, "error": f"{type(e).__name__}: {e}"[:300]}
+                cell = {"setup": setup, "batch": B, "context": T, "error": f"{type(e).__name__}: {e}"[:300],
+                        "fragments_gib": fragments}  # fmt: skip
                 if admit:
                     cell["admitted"] = True
             records = None

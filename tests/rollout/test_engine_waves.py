@@ -223,3 +223,21 @@ def test_bad_admission_knobs_are_refused_naming_the_field(field, value, tmp_path
 
     with pytest.raises(ValueError, match=field):
         TraceGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **{field: value})
+
+
+@pytest.mark.gpu
+def test_admission_leaves_out_the_allocators_fragments():
+    """A 1 GiB segment cached unused counts as free (the engine hands it back before building a bucket); once a 64 MiB
+    tensor is carved from it, the other 960 MiB is a fragment no cache of a GiB can use, and no longer counts."""
+    from trace_hf.rollout.engine.planner import free_bytes
+
+    dev = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before = free_bytes(dev)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    del big
+    assert abs(free_bytes(dev) - before) < 4 << 20
+    small = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    assert torch.cuda.memory_stats(dev)["inactive_split_bytes.all.current"] >= (1 << 30) - (64 << 20)
+    assert abs(free_bytes(dev) - (before - (1 << 30))) < 4 << 20
+    del small
