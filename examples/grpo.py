@@ -56,6 +56,11 @@ import time
 from dataclasses import dataclass, field
 
 
+# Before torch allocates on CUDA: the allocator then maps memory in pages, so what training frees leaves no fragments
+# that the rollout engine's large cache buffers cannot use (at 128K, 56 admitted rows instead of 32 on an H100;
+# docs/benchmarks.md). A value the user sets wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 REGIMES = {
     "bf16": "BF16 rollout, BF16 training",
     "naive": "FP4 rollout, BF16 training (naive)",
