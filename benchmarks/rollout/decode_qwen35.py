@@ -106,8 +106,9 @@ def main(argv=None) -> int:
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts): the in-place "
                         "quantization's freed BF16 experts leave no fragments the caches cannot use")  # fmt: skip
     args = p.parse_args(argv)
-    if args.expandable_segments:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if args.expandable_segments:  # added to the user's allocator settings, if any
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (conf, "expandable_segments:True")))
     setups = [x for x in SETUPS if x in args.setups.split(",")]
     unknown = set(args.setups.split(",")) - set(SETUPS)
     if unknown:
