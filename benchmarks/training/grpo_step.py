@@ -270,7 +270,8 @@ class PhaseTimer:
     """Per-phase wall time of each optimizer step (CUDA-synchronized at the phase boundaries): LoRA merge and weight
     refresh, prefill, decode (the rest of the rollout), log-prob forwards (no grad), training forwards, backward,
     optimizer. The rollout's own total is `trace/rollout/seconds`. On CUDA also each timed phase's peak memory
-    (``peaks``, GiB), so that the run's peak (`peak_gib`) says which phase set it."""
+    (``peaks``, GiB), so that the run's peak (`peak_gib`) says which phase set it, and each step's allocator retries
+    (``retries``: allocations that found no cached block and freed the cache to retry, a device-wide stall each)."""
 
     def __init__(self, cuda: bool):
         from transformers import TrainerCallback
@@ -278,6 +279,8 @@ class PhaseTimer:
         self.cuda, self.now, self.steps = cuda, {}, []
         self.peak_now: dict[str, float] = {}
         self.peaks: list[dict[str, float]] = []
+        self.retries: list[int] = []
+        self._retries = 0  # the allocator's retry count when the step began
         self._peak = 0.0  # bytes: the peak before the last reset of the allocator's counter
         self.host: HostProfile | None = None  # --profile-host: profiles one call of each phase
         timer = self
@@ -285,6 +288,7 @@ class PhaseTimer:
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
                 timer.now, timer.peak_now = {}, {}
+                timer._retries = timer._alloc_retries()
 
             def on_pre_optimizer_step(self, args, state, control, **kw):
                 timer._opt = timer._clock()
@@ -297,6 +301,7 @@ class PhaseTimer:
             def on_step_end(self, args, state, control, **kw):
                 timer.steps.append({k: round(v, 3) for k, v in timer.now.items()})
                 timer.peaks.append({k: round(v, 2) for k, v in timer.peak_now.items()})
+                timer.retries.append(timer._alloc_retries() - timer._retries)
 
         self.callback = _CB()
 
@@ -305,6 +310,11 @@ class PhaseTimer:
         import torch
 
         return max(self._peak, torch.cuda.max_memory_allocated()) / 2**30 if self.cuda else None
+
+    def _alloc_retries(self) -> int:
+        import torch
+
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else 0
 
     def _phase_begin(self) -> None:
         import torch
@@ -417,6 +427,7 @@ class StepLog:
             def on_step_end(self, args, state, control, **kw):
                 line = {"setup": name, "step": state.global_step, "step_s": round(steps.steps[-1], 3),
                         "peak_gib": phases.peak_gib(), "phase_peak_gib": phases.peaks[-1], "phases": phases.steps[-1],
+                        "alloc_retries": phases.retries[-1],
                         "engine": engine_stats(log.rollout)}  # fmt: skip
                 if state.is_world_process_zero:
                     print("STEP " + json.dumps(line), flush=True)
@@ -735,6 +746,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "phases_last_step": phases.steps[-1] if phases.steps else None,
         "phases_all_steps": phases.steps,
         "phase_peak_gib_all_steps": phases.peaks,
+        "alloc_retries_all_steps": phases.retries,
         "rollout_s_last": later[-1]["trace/rollout/seconds"],
         "peak_gib": max(peaks) if dev.type == "cuda" else None,
         "peak_gib_per_gpu": peaks,
