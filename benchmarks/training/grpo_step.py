@@ -594,16 +594,23 @@ class HostProfile:
         return out
 
     def summarize(self, events, wall_s: float) -> dict:
+        from torch.autograd import DeviceType
+
         count = {e.key: e.count for e in events}
         cpu = sorted(((e.key, e.self_cpu_time_total, e.count) for e in events), key=lambda r: -r[1])
+        # With CPU activity on, an op's self device time is that of the kernels it launched, which are events too:
+        # the device total and the top kernels count the kernels alone, each once.
+        kernels = [e for e in events if e.device_type != DeviceType.CPU]
+        device_ms = sum(e.self_device_time_total for e in kernels) / 1e3
         return {
             "wall_ms": round(wall_s * 1e3, 1),  # under the profiler, whose tracing adds host time
-            "device_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 1) if self.cuda else None,
+            "device_ms": round(device_ms, 1) if self.cuda else None,
+            "gpu_busy": round(device_ms / (wall_s * 1e3), 3) if self.cuda else None,
             "syncs": {k: count[k] for k in SYNC_OPS if k in count},
             "launches": sum(count.get(k, 0) for k in LAUNCH_OPS),
             "aten_ops": sum(n for k, n in count.items() if k.startswith("aten::")),  # nested calls included
             "top_cpu_ops": [(k[:60], round(t / 1e3, 1), n) for k, t, n in cpu[:12]],  # (op, self ms, calls)
-            "top_kernels": top_times(events, True, 8) if self.cuda else [],
+            "top_kernels": top_times(kernels, True, 8) if self.cuda else [],
         }
 
 

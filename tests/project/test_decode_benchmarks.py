@@ -226,21 +226,30 @@ def test_calibrate_eos_reaches_the_mean_or_says_it_cannot(capsys):
 
 
 def test_host_profile_counts_syncs_launches_and_ops():
-    """`HostProfile`'s summary of one call: device time from the kernels, the host's syncs, launches and aten ops,
-    and its costliest ops."""
+    """`HostProfile`'s summary of one call: device time from the kernels, each counted once (an op's self device
+    time is its kernels' again), the host's syncs, launches and aten ops, and its costliest ops."""
     from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
 
     from benchmarks.training import grpo_step as g
 
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
     ev = [
-        E(key="gemm_kernel", count=10, self_cpu_time_total=0, self_device_time_total=3000),
-        E(key="aten::_local_scalar_dense", count=7, self_cpu_time_total=500, self_device_time_total=0),
-        E(key="aten::mm", count=10, self_cpu_time_total=300, self_device_time_total=0),
-        E(key="cudaLaunchKernel", count=40, self_cpu_time_total=200, self_device_time_total=0),
+        E(key="gemm_kernel", count=10, self_cpu_time_total=0, self_device_time_total=3000, device_type=cuda),
+        E(
+            key="aten::_local_scalar_dense",
+            count=7,
+            self_cpu_time_total=500,
+            self_device_time_total=0,
+            device_type=cpu,
+        ),
+        E(key="aten::mm", count=10, self_cpu_time_total=300, self_device_time_total=3000, device_type=cpu),
+        E(key="cudaLaunchKernel", count=40, self_cpu_time_total=200, self_device_time_total=0, device_type=cpu),
     ]
     host = g.HostProfile(cuda=True)
     out = host.summarize(ev, wall_s=0.012)
-    assert out["wall_ms"] == 12.0 and out["device_ms"] == 3.0
+    assert out["wall_ms"] == 12.0 and out["device_ms"] == 3.0 and out["gpu_busy"] == 0.25
     assert out["syncs"] == {"aten::_local_scalar_dense": 7}
     assert out["launches"] == 40 and out["aten_ops"] == 17
     assert out["top_cpu_ops"][0] == ("aten::_local_scalar_dense", 0.5, 7)
