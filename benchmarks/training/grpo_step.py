@@ -106,6 +106,9 @@ def parse_args(argv=None):
                         "many as fit in free memory, the engine's own admission)")  # fmt: skip
     p.add_argument("--no-compaction", action="store_true",
                    help="engine rollouts without live-row compaction (EngineRollout(compaction=False))")  # fmt: skip
+    p.add_argument("--coarse-buckets", action="store_true",
+                   help="engine row buckets of 64 past 64 rows (runner.BUCKETS_PER_OCTAVE=1): the before of a quarter "
+                        "octave's step (16 up to 128 rows, 32 up to 256), which lets a tail of ~150 rows decode in 160")  # fmt: skip
     p.add_argument("--no-share-prefill", action="store_true",
                    help="engine rollouts prefill every row, not each distinct prompt once "
                         "(EngineRollout(share_prefill=False))")  # fmt: skip
@@ -647,6 +650,10 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         from trace_hf.train import delta_rule
 
         delta_rule.SKIP_ROW_PADDING = False
+    if args.coarse_buckets:
+        from trace_hf.rollout.engine import runner
+
+        runner.BUCKETS_PER_OCTAVE = 1
     if args.recompute_experts:
         from trace_hf.quant.experts import fp4_experts
 
@@ -742,6 +749,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "recompute_experts": args.recompute_experts,
         "recurrent_chunk_gradient": args.recurrent_chunk_gradient,
         "rule_over_padding": args.rule_over_padding,
+        "coarse_buckets": args.coarse_buckets,
         "token_budget": args.token_budget,
         "gated_delta_rule": trainer.gated_delta_rule,
         "fused_rms_norms": trainer.fused_rms_norms,

@@ -55,7 +55,7 @@ def test_buckets_below():
 
     assert buckets_below(1) == [] and buckets_below(5) == [4, 2, 1]
     assert buckets_below(64) == [56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
-    assert buckets_below(320) == [256, 192, 128, 64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
+    assert buckets_below(320) == [256, 224, 192, 160, 128, 112, 96, 80, 64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
     for n in range(1, 300):
         assert buckets_below(n) == sorted({row_bucket(k) for k in range(1, n + 1)} - {row_bucket(n), n}, reverse=True)
 

@@ -2,10 +2,11 @@
 """One bucket of the engine: a decoder of a fixed number of rows and cache length, the sampler's state and the
 step records, and (on CUDA) the decode step captured in a CUDA graph, replayed once per token.
 
-Buckets: rows round up to a power of two up to 8, to a multiple of 8 up to 64 and to a multiple of 64 above
-(`row_bucket`: at most 7 padding rows from 8 to 64 rows, 63 above); cache lengths to a multiple of the engine's
+Buckets: rows round up to a power of two up to 8, to a multiple of 8 up to 64, of 16 up to 128, of 32 up to 256
+and of 64 above (`row_bucket`: at most 7, 15, 31 and 63 padding rows); cache lengths to a multiple of the engine's
 ``length_bucket``. So a rollout of the same shape replays the same graph, one of 257-320 rows does not pay for 512,
-and where memory admits 26 rows at long context a wave takes 24 of them, not 16. `bytes_per_row` is what the planner
+where memory admits 26 rows at long context a wave takes 24 of them, not 16, and the ~150 rows of a 256-row GRPO
+rollout that run to the length cap decode their tail in 160 rows, not 192. `bytes_per_row` is what the planner
 (`planner.plan_waves`) admits by: the memory one row of a bucket takes, and its prefill.
 """
 
@@ -23,14 +24,17 @@ from .recording import StepRecords
 from .weights import DecodeWeights
 
 
-#: Row counts up to FINE_STEP round up to a power of two, up to ROW_STEP to a multiple of FINE_STEP, above to a
-#: multiple of ROW_STEP.
+#: Row counts up to FINE_STEP round up to a power of two, up to 8 * FINE_STEP to a multiple of FINE_STEP, above to
+#: BUCKETS_PER_OCTAVE even steps of their octave (65-128 rows: multiples of 16; 129-256: of 32), at most ROW_STEP.
 FINE_STEP = 8
 ROW_STEP = 64
+BUCKETS_PER_OCTAVE = 4  # 1: a multiple of 64 past 64 rows, the buckets before (benchmarks' --coarse-buckets)
 
 
 def _step(rows: int) -> int:
-    return FINE_STEP if rows <= ROW_STEP else ROW_STEP
+    if rows <= 8 * FINE_STEP:
+        return FINE_STEP
+    return min(ROW_STEP, (1 << (rows - 1).bit_length()) // (2 * BUCKETS_PER_OCTAVE))
 
 
 def row_bucket(rows: int) -> int:
@@ -53,7 +57,7 @@ def largest_bucket(cap: int) -> int:
         return 0
     if cap < FINE_STEP:
         return 1 << (cap.bit_length() - 1)
-    step = FINE_STEP if cap < ROW_STEP else ROW_STEP
+    step = _step(cap)
     return cap // step * step
 
 
