@@ -274,7 +274,9 @@ class PhaseTimer:
     refresh, prefill, decode (the rest of the rollout), log-prob forwards (no grad), training forwards, backward,
     optimizer. The rollout's own total is `trace/rollout/seconds`. On CUDA also each timed phase's peak memory
     (``peaks``, GiB), so that the run's peak (`peak_gib`) says which phase set it, and each step's allocator retries
-    (``retries``: allocations that found no cached block and freed the cache to retry, a device-wide stall each)."""
+    (``retries``: allocations that found no cached block and freed the cache to retry, a device-wide stall each).
+    ``calls``: each step's calls of each wrapped phase in order, their seconds and (training-side forwards) the real
+    tokens they fed, since one profiled call need not be a typical one."""
 
     def __init__(self, cuda: bool):
         from transformers import TrainerCallback
@@ -282,6 +284,8 @@ class PhaseTimer:
         self.cuda, self.now, self.steps = cuda, {}, []
         self.peak_now: dict[str, float] = {}
         self.peaks: list[dict[str, float]] = []
+        self.calls_now: dict[str, list[list]] = {}
+        self.calls: list[dict[str, list[list]]] = []
         self.retries: list[int] = []
         self._retries = 0  # the allocator's retry count when the step began
         self._peak = 0.0  # bytes: the peak before the last reset of the allocator's counter
@@ -290,7 +294,7 @@ class PhaseTimer:
 
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                timer.now, timer.peak_now = {}, {}
+                timer.now, timer.peak_now, timer.calls_now = {}, {}, {}
                 timer._retries = timer._alloc_retries()
 
             def on_pre_optimizer_step(self, args, state, control, **kw):
@@ -304,6 +308,7 @@ class PhaseTimer:
             def on_step_end(self, args, state, control, **kw):
                 timer.steps.append({k: round(v, 3) for k, v in timer.now.items()})
                 timer.peaks.append({k: round(v, 2) for k, v in timer.peak_now.items()})
+                timer.calls.append(timer.calls_now)
                 timer.retries.append(timer._alloc_retries() - timer._retries)
 
         self.callback = _CB()
@@ -343,8 +348,9 @@ class PhaseTimer:
     def _add(self, phase: str, dt: float) -> None:
         self.now[phase] = self.now.get(phase, 0.0) + dt
 
-    def wrap(self, obj, name: str, phase) -> None:
-        """Time `obj.name` under `phase` (a name, or a function of no arguments that returns one)."""
+    def wrap(self, obj, name: str, phase, mask_arg: int | None = None) -> None:
+        """Time `obj.name` under `phase` (a name, or a function of no arguments that returns one). ``mask_arg``: the
+        position of its ``attention_mask`` argument, whose sum each call's record then carries."""
         orig = getattr(obj, name)
 
         def timed(*a, **k):
@@ -356,8 +362,12 @@ class PhaseTimer:
                     return self.host.run(key, orig, a, k)
                 return orig(*a, **k)
             finally:
-                self._add(key, self._clock() - t0)
+                dt = self._clock() - t0
+                self._add(key, dt)
                 self._phase_end(key)
+                mask = k.get("attention_mask", a[mask_arg] if mask_arg is not None and len(a) > mask_arg else None)
+                tokens = [int(mask.sum())] if mask is not None else []  # after the clock: its sync is not timed
+                self.calls_now.setdefault(key, []).append([round(dt, 4), *tokens])
 
         setattr(obj, name, timed)
 
@@ -716,7 +726,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         phases.watch_engine(engine)
         trainer.rollout = log.rollout = engine
     phases.wrap(trainer, "_get_per_token_logps_and_entropies",
-                lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad")  # fmt: skip
+                lambda: "train_forward" if torch.is_grad_enabled() else "logprob_forward_no_grad",
+                mask_arg=2)  # (model, input_ids, attention_mask, ...)  # fmt: skip
     phases.wrap(trainer.accelerator, "backward", "backward")
     phases.watch_peak(trainer, "_generate_single_turn", "rollout")
     if profiler:
@@ -761,6 +772,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "phases_last_step": phases.steps[-1] if phases.steps else None,
         "phases_all_steps": phases.steps,
         "phase_peak_gib_all_steps": phases.peaks,
+        "phase_calls_last_step": phases.calls[-1] if phases.calls else None,
         "alloc_retries_all_steps": phases.retries,
         "rollout_s_last": later[-1]["trace/rollout/seconds"],
         "peak_gib": max(peaks) if dev.type == "cuda" else None,

@@ -256,6 +256,28 @@ def test_host_profile_counts_syncs_launches_and_ops():
     assert out["top_kernels"] == [("gemm_kernel", 3.0, 1.0)]
 
 
+def test_phase_timer_keeps_each_call_and_its_tokens():
+    """`PhaseTimer` sums a phase's calls into the step's phase time and keeps every call in order: its seconds and,
+    with ``mask_arg``, the real tokens of the attention mask it was given (positionally or by keyword)."""
+    from types import SimpleNamespace as E
+
+    from benchmarks.training import grpo_step as g
+
+    timer = g.PhaseTimer(cuda=False)
+    obj = E(fwd=lambda model, ids, attention_mask, n: time.sleep(0.01 * n), bwd=lambda: time.sleep(0.002))
+    timer.wrap(obj, "fwd", "train_forward", mask_arg=2)
+    timer.wrap(obj, "bwd", "backward")
+    timer.callback.on_step_begin(None, None, None)
+    obj.fwd(None, None, torch.tensor([[1, 1, 0], [1, 0, 0]]), 1)
+    obj.bwd()
+    obj.fwd(None, None, attention_mask=torch.ones(4, 5), n=3)
+    timer.callback.on_step_end(None, None, None)
+    calls = timer.calls[-1]
+    assert [c[1] for c in calls["train_forward"]] == [3, 20] and [len(c) for c in calls["backward"]] == [1]
+    assert calls["train_forward"][1][0] > calls["train_forward"][0][0] >= 0.01
+    assert timer.steps[-1]["train_forward"] == pytest.approx(sum(c[0] for c in calls["train_forward"]), abs=2e-3)
+
+
 def test_grpo_step_profile_flags_exclude_each_other():
     from benchmarks.training import grpo_step as g
 
