@@ -28,7 +28,8 @@ in its bucket to the end), ``--no-share-prefill`` its prefill of each distinct p
 share_prefill=False)`: all ``num_generations`` copies of a prompt are prefilled).
 ``--wave-rows`` caps the engine's rows per wave (`EngineRollout(max_rows=...)`); without it the engine admits as
 many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
-model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``), and every finished step prints a
+model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``; each call of each phase, its
+seconds and the training-side forwards' real tokens, in ``phase_calls_last_step``), and every finished step prints a
 ``STEP {...}`` line (seconds, phases, peak memory so far and each phase's own, ``phase_peak_gib``, the engine's last
 rollout), for runs that their time limit cuts short.
 
