@@ -30,8 +30,9 @@ share_prefill=False)`: all ``num_generations`` copies of a prompt are prefilled)
 many rows as fit in free memory and runs the rest in equal waves (the BF16 KV cache of 256 x 1K rows of the full
 model does not fit beside its weights; FP4's does). Every setup also reports a per-phase profile of the last step (``phases_last_step``; each call of each phase, its
 seconds and the training-side forwards' real tokens, in ``phase_calls_last_step``), and every finished step prints a
-``STEP {...}`` line (seconds, phases, peak memory so far and each phase's own, ``phase_peak_gib``, the engine's last
-rollout), for runs that their time limit cuts short.
+``STEP {...}`` line (seconds, phases, peak memory so far and each phase's own, ``phase_peak_gib``, the Triton kernels
+each phase compiled, ``triton_compiles``, the engine's last rollout), for runs that their time limit cuts short. Read
+timings from steps whose ``triton_compiles`` is empty.
 
     python -m benchmarks.training.grpo_step --layers 48 --freeze-experts --lora-r 32 --eos-mean 384 \
         --setups engine_fp4,engine_bf16,generate_bf16 --wave-rows 128 --out outputs/grpo_30b_1k.json   # 256 x 1K
@@ -277,7 +278,9 @@ class PhaseTimer:
     (``peaks``, GiB), so that the run's peak (`peak_gib`) says which phase set it, and each step's allocator retries
     (``retries``: allocations that found no cached block and freed the cache to retry, a device-wide stall each).
     ``calls``: each step's calls of each wrapped phase in order, their seconds and (training-side forwards) the real
-    tokens they fed, since one profiled call need not be a typical one."""
+    tokens they fed, since one profiled call need not be a typical one. ``compiles``: each step's Triton kernels
+    compiled (or loaded from disk) by phase, "other" outside the timed ones: a step that compiles is no steady-state
+    measurement (a new token count can still compile a kernel in step 3, docs/lab-notes.md 33)."""
 
     def __init__(self, cuda: bool):
         from transformers import TrainerCallback
@@ -288,6 +291,9 @@ class PhaseTimer:
         self.calls_now: dict[str, list[list]] = {}
         self.calls: list[dict[str, list[list]]] = []
         self.retries: list[int] = []
+        self.compiles_now: dict[str, int] = {}
+        self.compiles: list[dict[str, int]] = []
+        self._active: list[str] = []  # the phases running now, innermost last
         self._retries = 0  # the allocator's retry count when the step began
         self._peak = 0.0  # bytes: the peak before the last reset of the allocator's counter
         self.host: HostProfile | None = None  # --profile-host: profiles one call of each phase
@@ -295,7 +301,7 @@ class PhaseTimer:
 
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                timer.now, timer.peak_now, timer.calls_now = {}, {}, {}
+                timer.now, timer.peak_now, timer.calls_now, timer.compiles_now = {}, {}, {}, {}
                 timer._retries = timer._alloc_retries()
 
             def on_pre_optimizer_step(self, args, state, control, **kw):
@@ -310,9 +316,32 @@ class PhaseTimer:
                 timer.steps.append({k: round(v, 3) for k, v in timer.now.items()})
                 timer.peaks.append({k: round(v, 2) for k, v in timer.peak_now.items()})
                 timer.calls.append(timer.calls_now)
+                timer.compiles.append(timer.compiles_now)
+                timer.compiles_now = {}  # what compiles between steps belongs to neither
                 timer.retries.append(timer._alloc_retries() - timer._retries)
 
         self.callback = _CB()
+        if cuda:
+            self._count_compiles()
+
+    def _count_compiles(self) -> None:
+        """Count each Triton in-memory cache miss under the running phase (Triton 3.4+; the hook before, such as
+        `benchmarks.stall_log`'s, still runs)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        before = knobs.runtime.jit_cache_hook
+
+        def on_miss(*args, **kwargs):
+            self.on_compile()
+            return before(*args, **kwargs) if before is not None else False
+
+        knobs.runtime.jit_cache_hook = on_miss
+
+    def on_compile(self) -> None:
+        key = self._active[-1] if self._active else "other"
+        self.compiles_now[key] = self.compiles_now.get(key, 0) + 1
 
     def peak_gib(self) -> float | None:
         """The run's peak allocated memory so far, across the per-phase resets of the allocator's counter."""
@@ -358,11 +387,13 @@ class PhaseTimer:
             key = phase() if callable(phase) else phase
             t0 = self._clock()
             self._phase_begin()
+            self._active.append(key)
             try:
                 if self.host is not None and self.host.wants(key):
                     return self.host.run(key, orig, a, k)
                 return orig(*a, **k)
             finally:
+                self._active.pop()
                 dt = self._clock() - t0
                 self._add(key, dt)
                 self._phase_end(key)
@@ -378,9 +409,11 @@ class PhaseTimer:
 
         def watched(*a, **k):
             self._phase_begin()
+            self._active.append(phase)
             try:
                 return orig(*a, **k)
             finally:
+                self._active.pop()
                 self._phase_end(phase)
 
         setattr(obj, name, watched)
@@ -441,7 +474,7 @@ class StepLog:
             def on_step_end(self, args, state, control, **kw):
                 line = {"setup": name, "step": state.global_step, "step_s": round(steps.steps[-1], 3),
                         "peak_gib": phases.peak_gib(), "phase_peak_gib": phases.peaks[-1], "phases": phases.steps[-1],
-                        "alloc_retries": phases.retries[-1],
+                        "alloc_retries": phases.retries[-1], "triton_compiles": phases.compiles[-1],
                         "engine": engine_stats(log.rollout)}  # fmt: skip
                 if state.is_world_process_zero:
                     print("STEP " + json.dumps(line), flush=True)
@@ -775,6 +808,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         "phase_peak_gib_all_steps": phases.peaks,
         "phase_calls_last_step": phases.calls[-1] if phases.calls else None,
         "alloc_retries_all_steps": phases.retries,
+        "triton_compiles_all_steps": phases.compiles,
         "rollout_s_last": later[-1]["trace/rollout/seconds"],
         "peak_gib": max(peaks) if dev.type == "cuda" else None,
         "peak_gib_per_gpu": peaks,

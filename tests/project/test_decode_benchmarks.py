@@ -278,6 +278,38 @@ def test_phase_timer_keeps_each_call_and_its_tokens():
     assert timer.steps[-1]["train_forward"] == pytest.approx(sum(c[0] for c in calls["train_forward"]), abs=2e-3)
 
 
+def test_phase_timer_counts_triton_compiles_by_phase():
+    """Each Triton cache miss (the hook Triton calls before compiling) counts under the innermost running phase, or
+    "other"; a hook installed before still runs, and each step keeps its own counts."""
+    from types import SimpleNamespace as E
+
+    from benchmarks.training import grpo_step as g
+
+    knobs = pytest.importorskip("triton.knobs", reason="triton.knobs (Triton 3.4+)").runtime
+    seen, before = [], knobs.jit_cache_hook
+    knobs.jit_cache_hook = lambda *a, **k: seen.append(k["fn"]) or False
+    try:
+        timer = g.PhaseTimer(cuda=False)
+        timer._count_compiles()
+        miss = lambda name: knobs.jit_cache_hook(fn=name)  # noqa: E731
+        obj = E(roll=lambda: (miss("a"), obj.compact()), compact=lambda: miss("b"), fwd=lambda: miss("c"))
+        timer.watch_peak(obj, "roll", "rollout")
+        timer.wrap(obj, "compact", "rollout_compaction")
+        timer.wrap(obj, "fwd", "train_forward")
+        for _ in range(2):
+            timer.callback.on_step_begin(None, None, None)
+            obj.roll()
+            obj.fwd()
+            obj.fwd()
+            miss("d")
+            timer.callback.on_step_end(None, None, None)
+        assert knobs.jit_cache_hook(fn="e") is False  # compile goes on
+    finally:
+        knobs.jit_cache_hook = before
+    assert timer.compiles == [{"rollout": 1, "rollout_compaction": 1, "train_forward": 2, "other": 1}] * 2
+    assert seen == ["a", "b", "c", "c", "d"] * 2 + ["e"]
+
+
 def test_grpo_step_profile_flags_exclude_each_other():
     from benchmarks.training import grpo_step as g
 
