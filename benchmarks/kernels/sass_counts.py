@@ -37,9 +37,10 @@ def _signature(out_ptr: str, gate_up: bool) -> dict:
     return sig
 
 
-def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, options: dict) -> tuple[str, str]:
-    """(the cuobjdump binary, a cubin file) of ``fn`` compiled for sm_90; pointers (and integer dimensions H, NI and
-    K) marked 16-divisible, as Triton specializes them at launch."""
+def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, options: dict,
+           divisible=("H", "NI", "K")) -> tuple[str, str]:  # fmt: skip
+    """(the cuobjdump binary, a cubin file) of ``fn`` compiled for sm_90; pointers (and the integer arguments
+    ``divisible``) marked 16-divisible, as Triton specializes them at launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,7 +51,7 @@ def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     sig = {a: sig[a] for a in fn.arg_names}  # in the kernel's argument order
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
-             if sig[a] != "constexpr" and (a.endswith("ptr") or a in ("H", "NI", "K"))}  # fmt: skip
+             if sig[a] != "constexpr" and (a.endswith("ptr") or a in divisible)}  # fmt: skip
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as Source
     else:
@@ -64,9 +65,10 @@ def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     return os.path.join(bindir, "cuobjdump"), path
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options) -> list:
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, divisible=("H", "NI", "K"),
+                 **options) -> list:  # fmt: skip
     """[(address, instruction)] of ``fn`` compiled for sm_90 (as `_cubin`)."""
-    tool, path = _cubin(fn, signature, constexprs, num_warps, num_stages, options)
+    tool, path = _cubin(fn, signature, constexprs, num_warps, num_stages, options, divisible)
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
 
