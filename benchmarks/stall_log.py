@@ -41,7 +41,10 @@ def _on_gc(phase: str, info: dict) -> None:
               flush=True)  # fmt: skip
 
 
-def main() -> None:
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
     from triton import knobs
 
     knobs.runtime.jit_cache_hook = _on_miss
@@ -60,7 +63,8 @@ def main() -> None:
         transformers.Trainer.train = frozen_train
     sys.argv = sys.argv[1:]
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -310,6 +310,18 @@ def test_phase_timer_counts_triton_compiles_by_phase():
     assert seen == ["a", "b", "c", "c", "d"] * 2 + ["e"]
 
 
+def test_stall_log_runs_the_module_it_wraps_with_its_arguments():
+    """`benchmarks.stall_log` hands the rest of the command line to the benchmark it runs; without one it says how."""
+    import subprocess
+    import sys
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "benchmarks.stall_log", *a], capture_output=True, text=True)  # noqa: E731
+    wrapped = run("benchmarks.training.grpo_step", "--help")
+    assert wrapped.returncode == 0 and "usage: grpo_step.py" in wrapped.stdout and "--profile-host" in wrapped.stdout
+    bare = run()
+    assert bare.returncode == 2 and "python -m benchmarks.stall_log benchmarks.training.grpo_step" in bare.stderr
+
+
 def test_grpo_step_profile_flags_exclude_each_other():
     from benchmarks.training import grpo_step as g
 
