@@ -14,20 +14,12 @@ with the installed Triton and its bundled ptxas (`sass_counts.compile_sass`).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
 import sys
 
 
 #: Memory and matrix instructions: where an alignment the compiler cannot prove shows (narrower loads).
 MEMORY = ("LDG", "STG", "LDS", "STS", "LDGSTS", "HGMMA", "HMMA")
-
-
-def _ops(lines: list) -> collections.Counter:
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for _, t in lines)
-    ops.pop("NOP", None)
-    return ops
 
 
 def kernels() -> list:
@@ -80,12 +72,16 @@ def kernels() -> list:
 
 
 def compare() -> list[dict]:
-    from benchmarks.kernels.sass_counts import compile_sass
+    from benchmarks.kernels.sass_counts import _opcodes, compile_sass
 
     rows = []
     for name, fn, sig, consts, fixed, counts, warps, stages, opts in kernels():
-        marked = _ops(compile_sass(fn, sig, consts, warps, stages, divisible=(*fixed, *counts), **opts))
-        plain = _ops(compile_sass(fn, sig, consts, warps, stages, divisible=tuple(fixed), **opts))
+        marked = _opcodes(
+            [t for _, t in compile_sass(fn, sig, consts, warps, stages, divisible=(*fixed, *counts), **opts)], True
+        )
+        plain = _opcodes(
+            [t for _, t in compile_sass(fn, sig, consts, warps, stages, divisible=tuple(fixed), **opts)], True
+        )
         memory = [{k: v for k, v in sorted(o.items()) if k.split(".")[0] in MEMORY} for o in (marked, plain)]
         rows.append({"kernel": name, "counts": counts, "instructions_16_divisible": sum(marked.values()),
                      "instructions_unspecialized": sum(plain.values()), "memory_16_divisible": memory[0],

@@ -81,8 +81,11 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
 
 
-def _opcodes(body: list) -> dict:
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+ ", "", t).split()[0].split(".")[0] for t in body)
+def _opcodes(body: list, widths: bool = False) -> dict:
+    """Instructions by opcode (predicates dropped); with ``widths`` their modifiers kept (``LDG.E.128``)."""
+    ops = collections.Counter(
+        op if widths else op.split(".")[0] for op in (re.sub(r"^@!?U?P\w+ ", "", t).split()[0] for t in body)
+    )
     ops.pop("NOP", None)
     return dict(ops.most_common())
 
