@@ -51,7 +51,7 @@ from trace_hf.kernels.fp4_quant import (  # noqa: E402
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # token counts: see kernels/README.md
 def _hinted_kernel(
     x_ptr,
     has_ptr,  # [M] uint8: the row has a hint

@@ -76,7 +76,7 @@ def silu_mul_store(acc_g, acc_u, ag_ptr, wg_ptr, h_ptr, e, row, valid, offs_p, o
     tl.store(h_ptr + offs_p.to(tl.int64)[:, None] * NI + offs_n[None, :], h, mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "P"])  # token counts: see kernels/README.md
 def _silu_mul_kernel(
     part_ptr,  # fp32 [SPLIT_K, P, 2I] partial gate / up sums of `_gate_up_kernel` (padding rows unwritten)
     ag_ptr,

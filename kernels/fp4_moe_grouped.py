@@ -34,7 +34,7 @@ from trace_hf.kernels.moe_align import moe_align  # noqa: E402
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # token counts: see kernels/README.md
 def _grouped_combine_kernel(
     out_ptr,  # bf16 [P, H]: the grouped down GEMM of the decoded hidden (``E2M1 * s`` operands), by sorted position
     hg_ptr,  # [P] fp32 row scales of the hidden
@@ -71,7 +71,7 @@ def _grouped_combine_kernel(
         tl.store(y_ptr + t.to(tl.int64)[:, None] * H + offs_n[None, :], acc, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_pid_m"])  # token counts: see kernels/README.md
 def _grouped_gemm_kernel(
     a_ptr,  # bf16 exact operand rows [*, KD]: x [M, H] (GATE_UP: row = slot // top_k) or the hidden [P, I] by position
     w_ptr,  # bf16 exact weights [E, N or 2N (GATE_UP: gate rows, then up rows), KD]

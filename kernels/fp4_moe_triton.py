@@ -45,7 +45,7 @@ def _load_rows(ptr, q_s_ptr, rows, row_mask, k0, K, FP4: tl.constexpr, ROWS: tl.
         return tl.load(ptr + rows.to(tl.int64)[:, None] * K + kk, mask=row_mask[:, None], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # token counts: see kernels/README.md
 def _gate_up_kernel(
     a_ptr,  # x: packed [M, H/2] (A_FP4) or dense [M, H]
     as_ptr,  # x block scales [M, H/16] (A_FP4)
@@ -116,7 +116,7 @@ def _gate_up_kernel(
         tl.store(part + NI, acc_u, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # token counts: see kernels/README.md
 def _down_kernel(
     a_ptr,  # h: packed [P, I/2] (A_FP4) or dense [P, I], by sorted position
     as_ptr,  # [P, I/16]

@@ -239,7 +239,7 @@ def store_values(ptrs, code, s, g, mask, OUT_KIND: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # token counts: see kernels/README.md
 def _row_amax_kernel(x_ptr, amax_ptr, M, K, IN_KIND: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """amax |x| of each row, NaN if the row holds a non-finite value (the reference's group policy)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -259,7 +259,7 @@ def _row_amax_kernel(x_ptr, amax_ptr, M, K, IN_KIND: tl.constexpr, ROWS: tl.cons
     tl.store(amax_ptr + rows, amax, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_g", "pad_id"])  # token counts: see kernels/README.md
 def _fp4_kernel(
     x_ptr,
     g_ptr,  # NVFP4 global scale per group of rows: written in MODE_ROW, read otherwise
@@ -356,7 +356,7 @@ def _fp4_kernel(
         store_values(out_ptr + base + blks[None, :, None] * BS + e, code, s, g, mask, OUT_KIND)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_g"])  # token counts: see kernels/README.md
 def _dequant_kernel(
     q_ptr,
     sb_ptr,

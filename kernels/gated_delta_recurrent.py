@@ -49,7 +49,7 @@ def _row_offsets(len_ptr, bh, H, C: tl.constexpr):
     return n, H * chunks + h * ((n.to(tl.int64) + C - 1) // C), H * tokens + h * n.to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NC"])  # token counts: see kernels/README.md
 def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_ptr, ckpt_ptr, len_ptr, H, T, NC,
                            DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_STATE: tl.constexpr, KEEP_STATE: tl.constexpr, CHECKPOINTS: tl.constexpr,
@@ -86,7 +86,7 @@ def _recurrent_rule_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, s_ptr, o_pt
         tl.store(at, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NC", "NT"])  # token counts: see kernels/README.md
 def _backward_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, beta_ptr, do_ptr, ckpt_ptr, dq_ptr, dk_ptr, dv_ptr, ddecay_ptr,
                      dbeta_ptr, len_ptr, H, T, NC, NT, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                      C: tl.constexpr, HAS_LENGTHS: tl.constexpr):  # fmt: skip

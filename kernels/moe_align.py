@@ -17,7 +17,7 @@ from trace_hf.kernels.fp4_moe_configs import ALIGN, CONFIG  # noqa: E402
 from trace_hf.kernels.pdl import launch_options, wait_for_producer  # noqa: E402
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_blocks"])  # token counts: see kernels/README.md
 def _align_kernel(
     ids_ptr,  # [N] int32 expert id of each slot
     sorted_ptr,  # out [P] int32
@@ -66,7 +66,7 @@ def _align_kernel(
             tl.store(sorted_ptr + r0 + j, tl.full([BLOCK_M], 0, tl.int32) + N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # token counts: see kernels/README.md
 def _chunk_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
     """Row c of ``counts`` [C, E_PAD]: how many slots of chunk c (slots c * CHUNK ..) each expert has (bin E and
     above: the chunk's padding past N)."""
@@ -76,7 +76,7 @@ def _chunk_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD: t
     tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "num_blocks"])  # token counts: see kernels/README.md
 def _chunk_scan_kernel(
     counts_ptr,  # [C, E_PAD] int32 (`_chunk_count_kernel`); out: the first row of each (chunk, expert) in place
     expert_ptr,  # out [num_blocks] int32
@@ -112,7 +112,7 @@ def _chunk_scan_kernel(
         tl.store(expert_ptr + b, tl.where(e < E, e, -1), mask=b < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # token counts: see kernels/README.md
 def _chunk_place_kernel(
     ids_ptr,  # [N] expert of each slot
     first_ptr,  # [C, E_PAD] int32: `_chunk_scan_kernel`'s rows

@@ -34,7 +34,7 @@ from trace_hf.kernels.common import ROUNDED_DTYPES, check_device, round_bf16  # 
 CONFIG = {"block": 4096, "num_warps": 4}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # token counts: see kernels/README.md
 def _forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, R, N, inv_n, eps, ZERO_CENTERED: tl.constexpr, X_BF16: tl.constexpr,
                     Y_BF16: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -53,7 +53,7 @@ def _forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, R, N, inv_n, eps, ZERO_CENTER
     tl.store(rstd_ptr + rows, rstd, mask=rows < R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # token counts: see kernels/README.md
 def _backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, N, inv_n, ZERO_CENTERED: tl.constexpr,
                      X_BF16: tl.constexpr, Y_BF16: tl.constexpr, HAS_DW: tl.constexpr, ROWS: tl.constexpr,
                      BN: tl.constexpr):  # fmt: skip

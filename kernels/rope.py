@@ -31,7 +31,7 @@ from trace_hf.kernels.common import ROUNDED_DTYPES, check_device, round_bf16  # 
 CONFIG = {"num_warps": 4}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # token counts: see kernels/README.md
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sxb, sxh, sxt, syb, syh, syt, scb, sct, D: tl.constexpr,
                  R: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BACKWARD: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     # x and y [B, H, T, D] by strides (channels contiguous), cos and sin [B, T, R] (channels contiguous).
