@@ -25,9 +25,8 @@ _gc_start = [0.0]
 def _on_miss(*args, **kwargs) -> bool:
     fn = kwargs.get("fn")
     name = getattr(fn, "name", None) or getattr(fn, "__name__", "?")
-    print(
-        f"JIT {time.perf_counter() - T0:.2f} {name} {str(kwargs.get('repr', ''))[:160]}", file=sys.stderr, flush=True
-    )
+    # the whole variant: its arguments' types and specializations are what tell one compile of a kernel from another
+    print(f"JIT {time.perf_counter() - T0:.2f} {name} {kwargs.get('repr', '')}", file=sys.stderr, flush=True)
     return False  # go on compiling (True would skip the launch)
 
 
