@@ -100,9 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2, help="the smaller of the two depths compared (the other: +2)")
     p.add_argument("--tokens", type=int, default=48, help="tokens of the one row")
     p.add_argument("--setups", default="bf16,fp4")
-    p.add_argument("--shape", choices=["tiny", "mid", "mid_qwen35"], default="tiny",
+    p.add_argument("--shape", choices=["tiny", "mid", "mid_qwen35", "tiny_qwen35"], default="tiny",
                    help="tiny: the smoke model; mid: the real shape's ratios at an interpretable size (for bytes); "
-                        "mid_qwen35: Qwen3.5-35B-A3B's, per layer of its 3 Gated DeltaNet + 1 attention period")  # fmt: skip
+                        "mid_qwen35: Qwen3.5-35B-A3B's, per layer of its 3 Gated DeltaNet + 1 attention period; "
+                        "tiny_qwen35: the same layer types at the smoke size (which paths run, not their bytes)")  # fmt: skip
     p.add_argument("--amp", action="store_true",
                    help="as the GPU trains (grpo_step, bf16=True): bf16 weights, PEFT's default fp32 adapters and the "
                         "forwards under bf16 autocast, the adapters fed their input uncast (disable_input_dtype_casting; "
@@ -230,9 +231,10 @@ def mid_model(layers: int, fp4: bool):
     return model
 
 
-def mid_qwen35_model(layers: int, fp4: bool):
+def qwen35_model(layers: int, fp4: bool, tiny: bool = False):
     """Qwen3.5-35B-A3B's ratios at hidden 256 (head sizes / 8, top-8 of 16 experts of width 64 and a shared one, Gated
-    DeltaNet 3 layers of every 4), frozen experts, LoRA r=32 on every target the hybrid engine folds, checkpointing."""
+    DeltaNet 3 layers of every 4), frozen experts, LoRA r=32 on every target the hybrid engine folds, checkpointing;
+    ``tiny``: `grpo_step_qwen35`'s smoke size instead (4 value heads, not 32: the interpreter runs a program each)."""
     from types import SimpleNamespace
 
     import torch
@@ -241,8 +243,8 @@ def mid_qwen35_model(layers: int, fp4: bool):
     from benchmarks.training.grpo_step_qwen35 import build_model
     from trace_hf.rollout.engine.layouts import layout_of
 
-    args = SimpleNamespace(smoke=False, layers=layers, freeze_experts=True)
-    model = build_model(args, fp4, torch.device("cpu"), shape=MID_QWEN35)
+    args = SimpleNamespace(smoke=tiny, layers=layers, freeze_experts=True)
+    model = build_model(args, fp4, torch.device("cpu"), shape=None if tiny else MID_QWEN35)
     targets = list(layout_of(model.config).lora_targets)
     model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=targets))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -266,8 +268,8 @@ def count(setup: str, layers: int, tokens: int, census: Census, mode, shape: str
     fp4 = setup == "fp4"
     if shape == "mid":
         model = mid_model(layers, fp4)
-    elif shape == "mid_qwen35":
-        model = mid_qwen35_model(layers, fp4)
+    elif shape in ("mid_qwen35", "tiny_qwen35"):
+        model = qwen35_model(layers, fp4, tiny=shape == "tiny_qwen35")
     else:
         model = lora_model(layers, fp4, torch.device("cpu"), smoke=True)
     if amp:  # a bf16 model whose PEFT adapters stayed fp32 (PEFT's default, which TRL keeps)
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
     results = {}
     for setup in args.setups.split(","):
         fused = not args.no_fused
-        span = 4 if args.shape == "mid_qwen35" else 2  # a whole period of Qwen3.5's layer types
+        span = 4 if args.shape.endswith("qwen35") else 2  # a whole period of Qwen3.5's layer types
         kw = {"fused": fused, "amp": args.amp, "uncast": not args.keep_adapter_casts}
         shallow = count(setup, args.layers, args.tokens, census, mode, args.shape, **kw)
         deep = count(setup, args.layers + span, args.tokens, census, mode, args.shape, **kw)

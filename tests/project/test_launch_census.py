@@ -51,13 +51,13 @@ def test_launches_per_layer_are_counted_the_same_at_any_depth(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the census runs on the CPU, under the interpreter")
 def test_qwen35_census_takes_the_trainers_cuda_paths(tmp_path):
-    """``--shape mid_qwen35``: per layer of a whole period (3 Gated DeltaNet layers and 1 attention layer), with the
+    """``--shape tiny_qwen35`` (Qwen3.5's layer types at the smoke size): per layer of a whole period (3 Gated DeltaNet layers and 1 attention layer), with the
     trainer's defaults on CUDA: the recurrent values from the kernel (no torch loop over tokens) in every forward, its
     backward kernel where a gradient is taken (no chunked form at all), and the fused norms."""
     out = tmp_path / "q35.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.training.launch_census", "--shape", "mid_qwen35", "--layers", "4",
+        [sys.executable, "-m", "benchmarks.training.launch_census", "--shape", "tiny_qwen35", "--layers", "4",
          "--tokens", "16", "--setups", "fp4", "--out", str(out)],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
