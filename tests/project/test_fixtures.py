@@ -277,3 +277,41 @@ def test_kernels_folder_is_ignored_by_transformers_from_the_repo_root():
     assert origin in ("None", "''") or PROJECT_ROOT not in origin, origin
     if available != "hf-kernels-installed":
         assert available == "False"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The suite's collection on a GPU machine
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_a_gpu_machine_skips_cpu_cases_unless_interpreted(monkeypatch):
+    """On a GPU machine without TRITON_INTERPRET=1 a test's cpu case (kernels interpreted) is skipped with the fix
+    named, its cuda case and the other tests run; under TRITON_INTERPRET=1 nothing is skipped."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("root_conftest", os.path.join(PROJECT_ROOT, "tests", "conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+
+    class Item:
+        def __init__(self, **params):
+            self.callspec = type("CallSpec", (), {"params": params})() if params else None
+            self.keywords, self.markers = {}, []
+
+        def add_marker(self, mark):
+            self.markers.append(mark)
+
+    def collect(interpret: str | None):
+        items = [Item(dev="cpu"), Item(device=torch.device("cpu")), Item(dev="cuda"), Item(dtype="cpu"), Item()]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        if interpret is None:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        conftest.pytest_collection_modifyitems(None, items)
+        return [[m.kwargs["reason"] for m in item.markers] for item in items]
+
+    skipped = collect(None)
+    assert [bool(m) for m in skipped] == [True, True, False, False, False]
+    assert "TRITON_INTERPRET=1" in skipped[0][0]
+    assert collect("1") == [[], [], [], [], []]
