@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
     # A GPU machine compiles the kernels, so a test's cpu case (the interpreter's) cannot run them: skip it, saying how.
-    skip = pytest.mark.skip(reason="a cpu case: kernels run on CPU only under TRITON_INTERPRET=1 (the CPU test command)")
+    skip = pytest.mark.skip(reason="a cpu case: kernels run on CPU only under TRITON_INTERPRET=1 (the CPU tests)")
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(str(params.get(name)) == "cpu" for name in ("dev", "device")):
