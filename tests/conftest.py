@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers share the cores: each takes its part of torch's threads instead of all of them (two workers of
+# two threads each on 2 cores ran tests/quant, hints and export in 96 s; of one thread each, in 67 s).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 
 @pytest.fixture(autouse=True)
 def _seeded():
