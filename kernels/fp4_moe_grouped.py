@@ -132,7 +132,7 @@ def _grouped_gemm_kernel(
         tl.store(out, acc, mask=valid[:, None])
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R"])  # token counts: see kernels/README.md
 def _decode_rows_kernel(q_ptr, s_ptr, out_ptr, R, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``E2M1(code) * s`` of packed NVFP4 rows [R, K] as bf16, the grouped GEMMs' operands: exact (at most 6
     significant bits), so the conversion never rounds, on the GPU or in the interpreter. The decoding is
