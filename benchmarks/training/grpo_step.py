@@ -114,6 +114,9 @@ def parse_args(argv=None):
     p.add_argument("--no-share-prefill", action="store_true",
                    help="engine rollouts prefill every row, not each distinct prompt once "
                         "(EngineRollout(share_prefill=False))")  # fmt: skip
+    p.add_argument("--rollout-only", action="store_true",
+                   help="time each setup's rollout alone, --steps times over fresh prompts, through the trainer's own "
+                        "rollout seam (no training side): `generate` at full depth, where a whole step costs minutes")  # fmt: skip
     p.add_argument("--learning-rate", type=float, default=None, help="default: 1e-6, or 1e-5 with LoRA")
     p.add_argument("--group-by-length", action="store_true",
                    help="micro-batches of rows of similar length (train_sampling_strategy='group_by_length')")  # fmt: skip
@@ -768,6 +771,8 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         profiler.watch(trainer, "_generate_single_turn")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    if args.rollout_only:
+        return rollouts_alone(trainer, tok, prompts, args, name, eos_scale, phases)
     trainer.train()
     world = trainer.accelerator.num_processes
     peak = phases.peak_gib() or 0.0
@@ -831,6 +836,48 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     return res
 
 
+def rollouts_alone(trainer, tok, prompts, args, name: str, eos_scale, phases) -> dict:
+    """``--rollout-only``: the rollouts of ``--steps`` generation batches (each prompt ``num_generations`` times, as
+    TRL repeats them), nothing trained; the first is the warm-up, as a first step is."""
+    import torch
+
+    seconds, tokens, lengths = [], [], []
+    for step in range(args.steps):
+        batch = prompts[step * args.prompts : (step + 1) * args.prompts]
+        ids = [tok(p)["input_ids"] for p in batch for _ in range(args.num_generations)]
+        trainer._generate_single_turn(ids, None, None, args.num_generations)
+        out, trainer._trace_state.batch = trainer._trace_state.batch, None  # one rollout per batch, as in a step
+        seconds.append(out.seconds)
+        tokens.append(out.num_tokens)
+        lengths.append(max(len(c) for c in out.completion_ids))
+        print("ROLLOUT " + json.dumps({"setup": name, "batch": step + 1, "rollout_s": round(out.seconds, 3),
+                                        "tokens": out.num_tokens, "longest": lengths[-1], "peak_gib": phases.peak_gib(),
+                                        "engine": engine_stats(trainer.rollout)}), flush=True)  # fmt: skip
+    later = slice(1, None) if args.steps > 1 else slice(None)
+    res = {
+        "setup": name,
+        "rollout_only": True,
+        "rollout_s": statistics.mean(seconds[later]),
+        "rollout_tokens_per_s": sum(tokens[later]) / sum(seconds[later]),
+        "step_s": None,
+        "train_side_s": None,
+        "rollout_s_all": seconds,
+        "rollout_tokens_all": tokens,
+        "completion_max_length": max(lengths),
+        "eos_scale": eos_scale,
+        "rows": args.prompts * args.num_generations,
+        "lora_r": args.lora_r,
+        "freeze_experts": args.freeze_experts,
+        "engine_last_rollout": engine_stats(trainer.rollout),
+        "peak_gib": phases.peak_gib(),
+    }
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
 def main(argv=None, build_model=build_model) -> int:
     """The benchmark; ``build_model(args, fp4, dev)`` makes each setup's model (another family: grpo_step_qwen35)."""
     args = parse_args(argv)
@@ -880,7 +927,8 @@ def main(argv=None, build_model=build_model) -> int:
             row.update({k: st[k] for k in keys})
         if base:
             row["rollout_speedup"] = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
-            row["step_speedup"] = base["step_s"] / r["step_s"]
+            if base["step_s"] and r["step_s"]:
+                row["step_speedup"] = base["step_s"] / r["step_s"]
         table.append(row)
     out = {"args": vars(args), "device": torch.cuda.get_device_name() if cuda else "cpu", "results": results,
            "table": table}  # fmt: skip

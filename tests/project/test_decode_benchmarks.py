@@ -207,6 +207,32 @@ def test_grpo_step_builds_each_setup_with_the_given_model_builder(tmp_path):
     assert [r["error"] for r in results] == ["RuntimeError: builder called"] * 2
 
 
+def test_grpo_step_rollout_only_times_rollouts_and_trains_nothing(tmp_path, monkeypatch):
+    """`grpo_step --rollout-only` rolls out ``--steps`` generation batches through the trainer's rollout seam, one
+    batch of ``prompts x num_generations`` rows each, and never enters training."""
+    from benchmarks.training import grpo_step
+    from trace_hf import TraceGRPOTrainer
+
+    def no_training(self, *a, **k):
+        raise AssertionError("--rollout-only trained")
+
+    monkeypatch.setattr(TraceGRPOTrainer, "train", no_training)
+    threads = torch.get_num_threads()
+    try:
+        rc = grpo_step.main(["--smoke", "--rollout-only", "--setups", "generate_bf16,engine_bf16",
+                             "--out", str(tmp_path / "r.json")])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0, out["results"]
+    for r in out["results"]:
+        assert r["rollout_only"] and r["step_s"] is None and len(r["rollout_s_all"]) == 2
+        assert all(0 < t <= r["rows"] * out["args"]["completion"] for t in r["rollout_tokens_all"])
+    engine = out["results"][1]["engine_last_rollout"]
+    assert engine["rows"] == out["results"][1]["rows"] == 8
+    assert "rollout_speedup" in out["table"][1] and "step_speedup" not in out["table"][1]
+
+
 def test_calibrate_eos_reaches_the_mean_or_says_it_cannot(capsys):
     """`grpo_step.calibrate_eos` sets lm_head's EOS row to ``a * u`` with the scale it returns; a mean it can reach
     stays quiet, one it cannot (rows whose hidden state points away from u never stop) prints what it got instead."""
