@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 
 PTRS = ["a_ptr", "as_ptr", "ag_ptr", "w_ptr", "ws_ptr", "wg_ptr"]
@@ -37,10 +38,11 @@ def _signature(out_ptr: str, gate_up: bool) -> dict:
     return sig
 
 
-def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, options: dict,
-           divisible=("H", "NI", "K")) -> tuple[str, str]:  # fmt: skip
-    """(the cuobjdump binary, a cubin file) of ``fn`` compiled for sm_90; pointers (and the integer arguments
-    ``divisible``) marked 16-divisible, as Triton specializes them at launch."""
+def _cuobjdump(flag: str, fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, options: dict,
+               divisible=("H", "NI", "K")) -> str:  # fmt: skip
+    """``cuobjdump flag`` of ``fn`` compiled for sm_90; pointers (and the integer arguments ``divisible``) marked
+    16-divisible, as Triton specializes them at launch. The cubin goes to a directory of its own: tests compile in
+    several processes at once."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,25 +61,24 @@ def _cubin(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: in
     k = triton.compile(Source(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "num_stages": num_stages, **options})  # fmt: skip
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = "/tmp/trace_hf_sass.cubin"
-    with open(path, "wb") as f:
-        f.write(k.asm["cubin"])
-    return os.path.join(bindir, "cuobjdump"), path
+    with tempfile.TemporaryDirectory(prefix="trace_hf_sass_") as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        return subprocess.run([os.path.join(bindir, "cuobjdump"), flag, path], capture_output=True, text=True).stdout
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, divisible=("H", "NI", "K"),
                  **options) -> list:  # fmt: skip
-    """[(address, instruction)] of ``fn`` compiled for sm_90 (as `_cubin`)."""
-    tool, path = _cubin(fn, signature, constexprs, num_warps, num_stages, options, divisible)
-    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    """[(address, instruction)] of ``fn`` compiled for sm_90 (as `_cuobjdump`)."""
+    sass = _cuobjdump("-sass", fn, signature, constexprs, num_warps, num_stages, options, divisible)
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
 
 
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 1, **options) -> dict:
     """``fn``'s sm_90 resources by ``cuobjdump -res-usage``: REG (registers per thread, which set the programs per
     SM), STACK and LOCAL (bytes per thread: spills), SHARED (static shared memory)."""
-    tool, path = _cubin(fn, signature, constexprs, num_warps, num_stages, options)
-    usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    usage = _cuobjdump("-res-usage", fn, signature, constexprs, num_warps, num_stages, options)
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
 
 
