@@ -277,7 +277,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _gemv_kernel[(triton.cdiv(N, GEMV["block_n"]),)](
         x.contiguous(), w.contiguous(), out, N, K, BLOCK_N=GEMV["block_n"], BLOCK_K=GEMV["block_k"],
         EARLY=min(GEMV["early_tiles"], triton.cdiv(K, GEMV["block_k"])), X_BCAST=GEMV["x_bcast"],
-        num_warps=GEMV["num_warps"], num_stages=GEMV["num_stages"], **launch_options(x.device),
+        num_warps=GEMV["num_warps"], num_stages=GEMV["num_stages"], enable_fp_fusion=True, **launch_options(x.device),
     )  # fmt: skip
     return out
 
@@ -298,7 +298,9 @@ def silu_mul(x: torch.Tensor, width: int) -> torch.Tensor:
         raise ValueError(f"silu_mul takes x [M, >= 2 x {width}] with unit column stride, got {list(x.shape)}.")
     out = torch.empty(M, width, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(width))
-    _silu_mul_kernel[(M, triton.cdiv(width, block))](x, out, x.stride(0), width, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(M, triton.cdiv(width, block))](
+        x, out, x.stride(0), width, BLOCK=block, num_warps=4, enable_fp_fusion=True
+    )
     return out
 
 
@@ -311,7 +313,7 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tup
     _router_topk_kernel[(M,)](
         logits.contiguous(), ids, w, E, K=top_k, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(max(top_k, 2)), NORM=normalize, num_warps=1 if E <= 256 else 4,
-        **launch_options(logits.device),
+        enable_fp_fusion=True, **launch_options(logits.device),
     )  # fmt: skip
     return ids, w
 
@@ -376,5 +378,5 @@ def load_fp4_kv(dst: tuple, keys: FP4Tensor, values: FP4Tensor, lengths: torch.T
     _load_kv_kernel[(B * H, triton.cdiv(P, block_t))](
         *src[0:3], *src[3:6], *dst, lengths, lengths if src_rows is None else src_rows.contiguous(), H, P, T, WC=wc,
         WS=ws, WC_PAD=triton.next_power_of_2(wc), WS_PAD=triton.next_power_of_2(ws), BLOCK_T=block_t,
-        GATHER=src_rows is not None, num_warps=4,
+        GATHER=src_rows is not None, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip

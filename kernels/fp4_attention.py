@@ -592,7 +592,7 @@ def decode_attention(
             q.contiguous(), *_cache_args(cache), lengths, o, lse, sm_scale, T, chunk,
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(8, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], PREFETCH=cfg["prefetch"], STAGES=cfg["stages"], num_warps=1, maxnreg=cfg["maxnreg"],
-            **pdl,
+            enable_fp_fusion=True, **pdl,
         )  # fmt: skip
     else:
         cfg = CONFIG["fp4" if cache.fp4 else "dense"]
@@ -602,7 +602,7 @@ def decode_attention(
             HQ=HQ, HKV=HKV, S=S, D=D, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
             BLOCK_T=cfg["block_t"], KV_FP4=cache.fp4, DOT_BF16=DOT_BF16,
             PTX=CONFIG["ptx"] and cache.fp4 and not INTERPRETED and hardware_fp8(q.device),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=True, **pdl,
         )  # fmt: skip
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if out is None else out
     s_pad = max(2, triton.next_power_of_2(S))
@@ -610,8 +610,9 @@ def decode_attention(
     rows = max(1, min(8, 32 // s_pad, B * HQ // 256))
     rows = 1 << (rows.bit_length() - 1)  # a power of two (tl.arange): batches past 64 rows come in multiples of 64
     _combine_kernel[(triton.cdiv(B * HQ, rows),)](
-        o, lse, out, B * HQ, S=S, S_PAD=s_pad, D=D, ROWS=rows, num_warps=4, **launch_options(q.device)
-    )
+        o, lse, out, B * HQ, S=S, S_PAD=s_pad, D=D, ROWS=rows, num_warps=4, enable_fp_fusion=True,
+        **launch_options(q.device),
+    )  # fmt: skip
     return out
 
 

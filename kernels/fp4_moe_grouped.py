@@ -193,7 +193,7 @@ def experts_bf16(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backe
     y = torch.empty((M, H) if reduce else (M, K, H), dtype=torch.float32, device=out.device)
     _grouped_combine_kernel[(triton.cdiv(M, 16), triton.cdiv(H, 128))](
         out, hq.global_scale.reshape(-1), wdg, tw, topk_ids.reshape(-1), slot_rows(sorted_ids, n), y, M, H,
-        K=K, REDUCE=reduce, BLOCK_T=16, BLOCK_N=128, num_warps=4,
+        K=K, REDUCE=reduce, BLOCK_T=16, BLOCK_N=128, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     return y, hidden
 
@@ -247,7 +247,7 @@ def _exact_bf16(packed: torch.Tensor, block_scale: torch.Tensor, rows: int) -> t
     out = torch.empty(packed.shape[:-1] + (K,), dtype=torch.bfloat16, device=packed.device)
     block_k = pick(K, 256)
     _decode_rows_kernel[(triton.cdiv(R, rows), K // block_k)](
-        packed, block_scale, out, R, K, ROWS=rows, BLOCK_K=block_k, num_warps=4
+        packed, block_scale, out, R, K, ROWS=rows, BLOCK_K=block_k, num_warps=4, enable_fp_fusion=True
     )
     return out
 

@@ -537,7 +537,7 @@ def experts(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, r
         x, xs, xg, wgu, wgus, wgug, part, sorted_ids, expert_ids, n, K, H, NI,
         SPLIT_K=split, BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw,
         X_SHARED=cfg.get("x_shared", False), STAGES=stages, num_warps=nw,
-        **fused, **regs, **launch_options(x.device),
+        enable_fp_fusion=True, **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
     if fused:
         hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
@@ -552,6 +552,6 @@ def experts(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, r
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         SPLIT_K=split_down, BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw,
         X_SHARED=cfg.get("x_shared", False), STAGES=stages, EARLY_WEIGHTS=int(cfg.get("early_weights", 0)),
-        num_warps=nw, **regs_down, **launch_options(x.device),
+        num_warps=nw, enable_fp_fusion=True, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden

@@ -203,6 +203,7 @@ def experts(cfg, block_m, xq, topk_ids, topk_weights, w_gate_up, w_down, hidden_
         "BLOCK_M": bm,
         "num_warps": cfg["num_warps"],
         "num_stages": cfg["num_stages"],
+        "enable_fp_fusion": True,
         # BF16 weights: no PDL (decode at batch 1 ran 9% slower with it, docs/lab-notes.md).
         **(launch_options(dev) if w_fp4 else {"PDL": False}),
     }

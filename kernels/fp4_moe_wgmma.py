@@ -332,7 +332,8 @@ def experts(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, r
     gate_up_kernel[grid](
         x, xs, xg, wgu, wgus, wgug, h, sorted_ids, expert_ids, n, K, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_gate_up"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
-        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, **fused, **regs, **launch_options(x.device),
+        GATE_FIRST=bool(cfg.get("gate_first", False)), num_warps=nw, enable_fp_fusion=True,
+        **fused, **regs, **launch_options(x.device),
     )  # fmt: skip
     if fused:
         hq, hidden = FP4Tensor(fused["hq_ptr"], fused["hs_ptr"], fused["hg_ptr"], "nvfp4"), None
@@ -343,6 +344,6 @@ def experts(cfg, xq, topk_ids, topk_weights, w_gate_up, w_down, align_backend, r
     down_kernel[(P // bt, H // cfg["block_n_down"])](
         hq.packed, hq.block_scale, hq.global_scale.reshape(-1), wd, wds, wdg, tw, y, sorted_ids, expert_ids, n, H, NI,
         BLOCK_T=bt, BLOCK_N=cfg["block_n_down"], BLOCK_K=bk, NUM_WARPS=nw, SLICE_BUFFERS=slices,
-        num_warps=nw, **regs_down, **launch_options(x.device),
+        num_warps=nw, enable_fp_fusion=True, **regs_down, **launch_options(x.device),
     )  # fmt: skip
     return y, hidden

@@ -152,7 +152,7 @@ def causal_conv_step(
     block = triton.next_power_of_2(max(dk, dv))
     _conv_step_kernel[(B, 2 * hk + hv)](proj, proj.stride(0), conv_state, conv_weight, qkv, hk, hv, dk**-0.5, DK=dk,
                                         DV=dv, K=K, KP=triton.next_power_of_2(K), BLOCK=block,
-                                        num_warps=4)  # fmt: skip
+                                        num_warps=4, enable_fp_fusion=True)  # fmt: skip
     return qkv
 
 
@@ -187,7 +187,8 @@ def gated_delta_step(state: torch.Tensor, qkv: torch.Tensor, proj: torch.Tensor,
         raise ValueError(f"gated_delta.CONFIG['block_v'] = {CONFIG['block_v']}: set a power of two.")
     _delta_rule_kernel[(B * hv, dv // bv)](state, qkv, proj, proj.stride(0), a_log, dt_bias, norm_weight, out, hk, hv,
                                            eps, C, C + hv * dv, C + hv * dv + hv, DK=dk, DV=dv, BV=bv,
-                                           num_warps=CONFIG["num_warps"])  # fmt: skip
+                                           num_warps=CONFIG["num_warps"], enable_fp_fusion=True)  # fmt: skip
     if bv < dv:  # the norm needs the whole head: its own launch, in place on the rule's rounded output
-        _gated_norm_kernel[(B * hv,)](out, proj, proj.stride(0), norm_weight, hv, eps, C, DV=dv, num_warps=1)
+        _gated_norm_kernel[(B * hv,)](out, proj, proj.stride(0), norm_weight, hv, eps, C, DV=dv, num_warps=1,
+                                      enable_fp_fusion=True)  # fmt: skip
     return out

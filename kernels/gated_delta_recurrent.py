@@ -170,7 +170,8 @@ def _forward(q, k, v, decay, beta, state=None, keep_state=False, ckpt=None, chun
                                            out if ckpt is None else ckpt, out if lengths is None else lengths, heads,
                                            T, nc, DK=dk, DV=dv, BV=bv, C=chunk, HAS_STATE=state is not None,
                                            KEEP_STATE=keep_state, CHECKPOINTS=ckpt is not None,
-                                           HAS_LENGTHS=lengths is not None, num_warps=CONFIG["num_warps"])  # fmt: skip
+                                           HAS_LENGTHS=lengths is not None, num_warps=CONFIG["num_warps"],
+                                           enable_fp_fusion=True)  # fmt: skip
     return out
 
 
@@ -222,7 +223,7 @@ class RecurrentRule(torch.autograd.Function):
         _backward_kernel[(BH, parts)](q, k, v, decay, beta, do.contiguous(), ckpt, dq, dkk, dvv, ddecay, dbeta,
                                       ckpt if lengths is None else lengths, heads, T, -(-T // chunk), slots, DK=dk,
                                       DV=dv, BV=bv, C=chunk, HAS_LENGTHS=lengths is not None,
-                                      num_warps=BACKWARD["num_warps"])  # fmt: skip
+                                      num_warps=BACKWARD["num_warps"], enable_fp_fusion=True)  # fmt: skip
         grads = [x.sum(0) for x in (dq, dkk, ddecay, dbeta)]
         if lengths is None:
             grads = [x.view(BH, T, *x.shape[1:]) for x in grads]

@@ -180,7 +180,8 @@ def moe_align(
         _align_kernel[(num_experts + 1,)](
             flat.to(torch.int32), sorted_ids, expert_ids, n, num_experts, P // block_m,
             BLOCK_M=block_m, N_PAD=triton.next_power_of_2(max(n, 16)),
-            E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4, **launch_options(dev),
+            E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4, enable_fp_fusion=True,
+            **launch_options(dev),
         )  # fmt: skip
         return sorted_ids, expert_ids
     flat = flat.to(torch.int64)
@@ -208,14 +209,14 @@ def _align_chunks(flat: torch.Tensor, E: int, block_m: int, P: int) -> tuple[tor
     sorted_ids = torch.full((P,), n, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(P // block_m, dtype=torch.int32, device=dev)
     counts = torch.empty(C, e_pad, dtype=torch.int32, device=dev)
-    _chunk_count_kernel[(C,)](flat, counts, n, E, CHUNK=chunk, E_PAD=e_pad, num_warps=4)
+    _chunk_count_kernel[(C,)](flat, counts, n, E, CHUNK=chunk, E_PAD=e_pad, num_warps=4, enable_fp_fusion=True)
     _chunk_scan_kernel[(1,)](
         counts, expert_ids, C, E, P // block_m, BLOCK_M=block_m, E_PAD=e_pad, ROWS=ALIGN["scan_rows"],
-        BLOCKS=ALIGN["scan_rows"], num_warps=8,
+        BLOCKS=ALIGN["scan_rows"], num_warps=8, enable_fp_fusion=True,
     )  # fmt: skip
     _chunk_place_kernel[(C,)](
         flat, counts, sorted_ids, n, E, CHUNK=chunk, SUB=ALIGN["sub"], E_PAD=e_pad,
-        E_P2=triton.next_power_of_2(E), num_warps=4,
+        E_P2=triton.next_power_of_2(E), num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     return sorted_ids, expert_ids
 

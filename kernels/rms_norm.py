@@ -111,7 +111,7 @@ class _RMSNorm(torch.autograd.Function):
             _forward_kernel[(triton.cdiv(x2.shape[0], rows),)](
                 x2, weight, y, rstd, x2.shape[0], n, 1.0 / n, float(eps), ZERO_CENTERED=zero_centered,
                 X_BF16=x.dtype == torch.bfloat16, Y_BF16=out_dtype == torch.bfloat16, ROWS=rows, BN=bn,
-                num_warps=warps,
+                num_warps=warps, enable_fp_fusion=True,
             )  # fmt: skip
         ctx.save_for_backward(x2, weight, rstd)
         ctx.zero_centered = zero_centered
@@ -131,7 +131,7 @@ class _RMSNorm(torch.autograd.Function):
             _backward_kernel[(grid,)](
                 dy.reshape(r, n).contiguous(), x2, weight, rstd, dx, dw, r, n, 1.0 / n, ZERO_CENTERED=ctx.zero_centered,
                 X_BF16=x2.dtype == torch.bfloat16, Y_BF16=dy.dtype == torch.bfloat16, HAS_DW=has_dw, ROWS=rows,
-                BN=bn, num_warps=warps,
+                BN=bn, num_warps=warps, enable_fp_fusion=True,
             )  # fmt: skip
         dweight = dw.sum(0).to(weight.dtype) if has_dw else None
         return dx.view(ctx.shape), dweight, None, None
