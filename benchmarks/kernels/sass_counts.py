@@ -41,8 +41,9 @@ def _signature(out_ptr: str, gate_up: bool) -> dict:
 def _cuobjdump(flag: str, fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, options: dict,
                divisible=("H", "NI", "K")) -> str:  # fmt: skip
     """``cuobjdump flag`` of ``fn`` compiled for sm_90; pointers (and the integer arguments ``divisible``) marked
-    16-divisible, as Triton specializes them at launch. The cubin goes to a directory of its own: tests compile in
-    several processes at once."""
+    16-divisible, as Triton specializes them at launch; FMA contraction on unless ``options`` says otherwise, as the
+    launches pin it (kernels/README.md). The cubin goes to a directory of its own: tests compile in several processes
+    at once."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,7 +60,8 @@ def _cuobjdump(flag: str, fn, signature: dict, constexprs: dict, num_warps: int,
     else:
         Source = ASTSource
     k = triton.compile(Source(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages, **options})  # fmt: skip
+                       options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True,
+                                **options})  # fmt: skip
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory(prefix="trace_hf_sass_") as d:
         path = os.path.join(d, "kernel.cubin")
