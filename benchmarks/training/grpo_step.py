@@ -772,7 +772,12 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if args.rollout_only:
-        return rollouts_alone(trainer, tok, prompts, args, name, eos_scale, phases)
+        res = rollouts_alone(trainer, tok, prompts, args, name, eos_scale, phases)
+        del trainer, model  # as below: the next setup's model gets the memory
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return res
     trainer.train()
     world = trainer.accelerator.num_processes
     peak = phases.peak_gib() or 0.0
@@ -839,8 +844,6 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
 def rollouts_alone(trainer, tok, prompts, args, name: str, eos_scale, phases) -> dict:
     """``--rollout-only``: the rollouts of ``--steps`` generation batches (each prompt ``num_generations`` times, as
     TRL repeats them), nothing trained; the first is the warm-up, as a first step is."""
-    import torch
-
     seconds, tokens, lengths = [], [], []
     for step in range(args.steps):
         batch = prompts[step * args.prompts : (step + 1) * args.prompts]
@@ -854,7 +857,7 @@ def rollouts_alone(trainer, tok, prompts, args, name: str, eos_scale, phases) ->
                                         "tokens": out.num_tokens, "longest": lengths[-1], "peak_gib": phases.peak_gib(),
                                         "engine": engine_stats(trainer.rollout)}), flush=True)  # fmt: skip
     later = slice(1, None) if args.steps > 1 else slice(None)
-    res = {
+    return {
         "setup": name,
         "rollout_only": True,
         "rollout_s": statistics.mean(seconds[later]),
@@ -871,11 +874,6 @@ def rollouts_alone(trainer, tok, prompts, args, name: str, eos_scale, phases) ->
         "engine_last_rollout": engine_stats(trainer.rollout),
         "peak_gib": phases.peak_gib(),
     }
-    del trainer
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return res
 
 
 def main(argv=None, build_model=build_model) -> int:
