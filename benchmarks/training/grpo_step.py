@@ -143,6 +143,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.profile and args.profile_host:
         p.error("--profile and --profile-host each run torch.profiler in the last step; pass one of them per run")
+    if args.rollout_only and (args.profile or args.profile_host):
+        p.error("--rollout-only runs no optimizer step for --profile / --profile-host to profile; drop one of them")
     return args
 
 

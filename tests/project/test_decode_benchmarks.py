@@ -231,6 +231,8 @@ def test_grpo_step_rollout_only_times_rollouts_and_trains_nothing(tmp_path, monk
     engine = out["results"][1]["engine_last_rollout"]
     assert engine["rows"] == out["results"][1]["rows"] == 8
     assert "rollout_speedup" in out["table"][1] and "step_speedup" not in out["table"][1]
+    with pytest.raises(SystemExit):  # nothing to profile: refused, not ignored
+        grpo_step.parse_args(["--out", "x.json", "--rollout-only", "--profile"])
 
 
 def test_calibrate_eos_reaches_the_mean_or_says_it_cannot(capsys):
