@@ -848,7 +848,7 @@ def rollouts_alone(trainer, tok, prompts, args, name: str, eos_scale, phases) ->
     TRL repeats them), nothing trained; the first is the warm-up, as a first step is."""
     seconds, tokens, lengths = [], [], []
     for step in range(args.steps):
-        batch = prompts[step * args.prompts : (step + 1) * args.prompts]
+        batch = [prompts[(step * args.prompts + i) % len(prompts)] for i in range(args.prompts)]
         ids = [tok(p)["input_ids"] for p in batch for _ in range(args.num_generations)]
         trainer._generate_single_turn(ids, None, None, args.num_generations)
         out, trainer._trace_state.batch = trainer._trace_state.batch, None  # one rollout per batch, as in a step
