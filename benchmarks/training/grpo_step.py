@@ -775,67 +775,63 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         torch.cuda.reset_peak_memory_stats()
     if args.rollout_only:
         res = rollouts_alone(trainer, tok, prompts, args, name, eos_scale, phases)
-        del trainer, model  # as below: the next setup's model gets the memory
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        return res
-    trainer.train()
-    world = trainer.accelerator.num_processes
-    peak = phases.peak_gib() or 0.0
-    peaks = trainer.accelerator.gather(torch.tensor([peak], device=trainer.accelerator.device)).tolist()
-    hist = [h for h in trainer.state.log_history if "trace/rollout/tokens_per_second" in h]
-    later = hist[1:] or hist
-    steps = timer.steps[1:] or timer.steps
-    res = {
-        "setup": name,
-        "rollout_s": statistics.mean(h["trace/rollout/seconds"] for h in later),
-        "rollout_tokens_per_s": statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
-        "step_s": statistics.mean(steps),
-        "train_side_s": statistics.mean(steps) - statistics.mean(h["trace/rollout/seconds"] for h in later),
-        "step_s_all": timer.steps,
-        "completion_mean_length": statistics.mean(h.get("completions/mean_length", 0) for h in later),
-        "completion_max_length": max(h.get("completions/max_length", 0) for h in later),
-        "completion_clipped_ratio": statistics.mean(h.get("completions/clipped_ratio", 0) for h in later),
-        "eos_scale": eos_scale,
-        "rows": rows,
-        "micro_batch": mb,
-        "wave_rows": args.wave_rows or None,
-        "engine_last_rollout": engine_stats(trainer.rollout),
-        "lora_r": args.lora_r,
-        "recompute_experts": args.recompute_experts,
-        "recurrent_chunk_gradient": args.recurrent_chunk_gradient,
-        "rule_over_padding": args.rule_over_padding,
-        "coarse_buckets": args.coarse_buckets,
-        "token_budget": args.token_budget,
-        "gated_delta_rule": trainer.gated_delta_rule,
-        "fused_rms_norms": trainer.fused_rms_norms,
-        "fused_rope": cfg.fused_rope,
-        "uncast_adapters": len(trainer.uncast_adapters),
-        "freeze_experts": args.freeze_experts,
-        "prefill_bf16_gemms": args.prefill_bf16_gemms,
-        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-        "phases_last_step": phases.steps[-1] if phases.steps else None,
-        "phases_all_steps": phases.steps,
-        "phase_peak_gib_all_steps": phases.peaks,
-        "phase_calls_last_step": phases.calls[-1] if phases.calls else None,
-        "alloc_retries_all_steps": phases.retries,
-        "triton_compiles_all_steps": phases.compiles,
-        "rollout_s_last": later[-1]["trace/rollout/seconds"],
-        "peak_gib": max(peaks) if dev.type == "cuda" else None,
-        "peak_gib_per_gpu": peaks,
-        "processes": world,
-        "distributed": trainer.accelerator.distributed_type.value,
-        "rollout_tokens_per_s_total": world * statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
-        "trace_metrics": {k: v for k, v in later[-1].items() if k.startswith("trace/")},
-    }
-    if profiler:
-        key = {"rollout": "last_rollout", "train": "last_train_side"}.get(args.profile, "last_step")
-        res[f"kernels_{key}"] = profiler.kernels  # [(kernel, ms, share of the device time)]
-        res[f"kernel_classes_{key}"] = profiler.classes  # {class: device ms}
-        res[f"device_ms_{key}"] = profiler.total_ms
-    if phases.host:
-        res["host_profile_last_step"] = phases.host.phases  # one call of each phase
+    else:
+        trainer.train()
+        world = trainer.accelerator.num_processes
+        peak = phases.peak_gib() or 0.0
+        peaks = trainer.accelerator.gather(torch.tensor([peak], device=trainer.accelerator.device)).tolist()
+        hist = [h for h in trainer.state.log_history if "trace/rollout/tokens_per_second" in h]
+        later = hist[1:] or hist
+        steps = timer.steps[1:] or timer.steps
+        res = {
+            "setup": name,
+            "rollout_s": statistics.mean(h["trace/rollout/seconds"] for h in later),
+            "rollout_tokens_per_s": statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
+            "step_s": statistics.mean(steps),
+            "train_side_s": statistics.mean(steps) - statistics.mean(h["trace/rollout/seconds"] for h in later),
+            "step_s_all": timer.steps,
+            "completion_mean_length": statistics.mean(h.get("completions/mean_length", 0) for h in later),
+            "completion_max_length": max(h.get("completions/max_length", 0) for h in later),
+            "completion_clipped_ratio": statistics.mean(h.get("completions/clipped_ratio", 0) for h in later),
+            "eos_scale": eos_scale,
+            "rows": rows,
+            "micro_batch": mb,
+            "wave_rows": args.wave_rows or None,
+            "engine_last_rollout": engine_stats(trainer.rollout),
+            "lora_r": args.lora_r,
+            "recompute_experts": args.recompute_experts,
+            "recurrent_chunk_gradient": args.recurrent_chunk_gradient,
+            "rule_over_padding": args.rule_over_padding,
+            "coarse_buckets": args.coarse_buckets,
+            "token_budget": args.token_budget,
+            "gated_delta_rule": trainer.gated_delta_rule,
+            "fused_rms_norms": trainer.fused_rms_norms,
+            "fused_rope": cfg.fused_rope,
+            "uncast_adapters": len(trainer.uncast_adapters),
+            "freeze_experts": args.freeze_experts,
+            "prefill_bf16_gemms": args.prefill_bf16_gemms,
+            "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "phases_last_step": phases.steps[-1] if phases.steps else None,
+            "phases_all_steps": phases.steps,
+            "phase_peak_gib_all_steps": phases.peaks,
+            "phase_calls_last_step": phases.calls[-1] if phases.calls else None,
+            "alloc_retries_all_steps": phases.retries,
+            "triton_compiles_all_steps": phases.compiles,
+            "rollout_s_last": later[-1]["trace/rollout/seconds"],
+            "peak_gib": max(peaks) if dev.type == "cuda" else None,
+            "peak_gib_per_gpu": peaks,
+            "processes": world,
+            "distributed": trainer.accelerator.distributed_type.value,
+            "rollout_tokens_per_s_total": world * statistics.mean(h["trace/rollout/tokens_per_second"] for h in later),
+            "trace_metrics": {k: v for k, v in later[-1].items() if k.startswith("trace/")},
+        }
+        if profiler:
+            key = {"rollout": "last_rollout", "train": "last_train_side"}.get(args.profile, "last_step")
+            res[f"kernels_{key}"] = profiler.kernels  # [(kernel, ms, share of the device time)]
+            res[f"kernel_classes_{key}"] = profiler.classes  # {class: device ms}
+            res[f"device_ms_{key}"] = profiler.total_ms
+        if phases.host:
+            res["host_profile_last_step"] = phases.host.phases  # one call of each phase
     del trainer, model
     gc.collect()
     if dev.type == "cuda":
