@@ -50,7 +50,7 @@ def lora_model(layers: int, fp4: bool, dev, smoke: bool = False):
     model = build_model(SimpleNamespace(smoke=smoke, layers=layers, freeze_experts=True), fp4, dev)
     lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = get_peft_model(model, lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -737,7 +737,7 @@ def run_setup(name: str, args, dev, tmp: str, build=build_model) -> dict:
         output_dir=os.path.join(tmp, name), max_steps=args.steps, learning_rate=lr, per_device_train_batch_size=mb,
         gradient_accumulation_steps=rows // mb, num_generations=args.num_generations,
         max_completion_length=args.completion, temperature=1.0, logging_steps=1, report_to="none",
-        bf16=dev.type == "cuda", use_cpu=dev.type != "cuda", gradient_checkpointing=dev.type == "cuda",
+        bf16=dev.type == "cuda", use_cpu=dev.type != "cuda", activation_checkpointing=dev.type == "cuda",
         save_strategy="no", seed=0, disable_tqdm=True,
         rollout_precision="fp4" if fp4 else "bf16", trace_hints=fp4, routing_replay=fp4,
         rollout_engine="generate" if name.startswith("generate") else "engine",

@@ -227,7 +227,7 @@ def mid_model(layers: int, fp4: bool):
     model = build_frozen(cfg, fp4, torch.device("cpu"), torch.float32)
     lora = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = get_peft_model(model, lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -247,7 +247,7 @@ def qwen35_model(layers: int, fp4: bool, tiny: bool = False):
     model = build_model(args, fp4, torch.device("cpu"), shape=None if tiny else MID_QWEN35)
     targets = list(layout_of(model.config).lora_targets)
     model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=targets))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -736,7 +736,7 @@ def grpo(args) -> None:
         report_to="none",
         seed=args.seed,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         use_cpu=dev.type == "cpu",
         disable_tqdm=True,
     )

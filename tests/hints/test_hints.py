@@ -259,7 +259,7 @@ def test_gradient_checkpointing_sees_the_hints(warmed, tokenizer):
         hints = rec.collect(mask)
         model.train()
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         with use_hints(model, hints, mask) as report:
             loss = model(input_ids=seq, attention_mask=mask, labels=seq).loss
             loss.backward()  # the recompute under checkpointing happens here, inside the block

@@ -242,7 +242,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(checkpoints):
         model = load(checkpoints["qwen3_moe"])
         model.train()
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model(ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.equal(grads[0], grads[1])

@@ -46,7 +46,7 @@ def _lora(model, **lora):
 def test_uncast_inputs_keep_every_value_under_autocast(family, device):
     """On CUDA too: autocast's casts and cuBLAS see the same bf16 operands either way."""
     model = _lora(T.tiny_model(family, num_hidden_layers=4).to(torch.bfloat16)).to(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     adapters = uncastable_adapters(model)
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}  # PEFT's default

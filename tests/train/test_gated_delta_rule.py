@@ -142,7 +142,7 @@ def test_recurrent_values_keep_every_gradient_of_the_chunked_form(kernel, monkey
 
     model = T.tiny_model("qwen3_5_moe_text", num_hidden_layers=4, linear_key_head_dim=16, linear_value_head_dim=16)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # two rows of 70 tokens: two of the chunked form's 64-token chunks, the second partial
     ids = torch.randint(0, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(delta_rule, "_use_kernel", lambda q: kernel)

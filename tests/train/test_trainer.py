@@ -198,7 +198,7 @@ def test_train_hints_on_and_off(tmp_path, model_dir, dataset):
             dataset,
             trace_hints=hints,
             routing_replay=hints,
-            gradient_checkpointing=hints,
+            activation_checkpointing=hints,
             max_steps=3,
         )
         for key in METRICS:
@@ -262,7 +262,7 @@ def test_peft_lora_on_attention_trains(tmp_path, model_dir, dataset):
         dataset,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
         max_steps=1,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
     )
     lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     assert lora
