@@ -146,17 +146,6 @@ class FastDecoder:
         return kernels().ops.add_rmsnorm_fp4(res, add, w, self.dims.eps, hints=hints,
                                              round_normalized=self.round_normalized)  # fmt: skip
 
-    def _routed_experts(self, xn, xq, lw, layer: int) -> torch.Tensor:
-        """The router's top-k of the normed hidden ``xn`` and the routed experts on its quantized ``xq``, the routing
-        and the hints recorded where asked; every decoder's MoE block."""
-        dec, moe = kernels().ops, kernels().moe
-        ids, tw = dec.router_topk(dec.linear(xn, lw.w_router), self.dims.top_k, self.dims.norm_topk_prob)
-        if self.record_routing:
-            self.routing[layer].copy_(ids)
-        if self.record_hints and layer in self.hidden_hinted:
-            return self._experts_recording_hidden(xq, ids, tw, layer)
-        return moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
-
     def _experts_recording_hidden(self, xq, ids, tw, layer: int) -> torch.Tensor:
         """The routed experts of a layer hinted at "experts_hidden", keeping the hints of the hidden activation they
         quantized, put in slot order (graph-safe)."""
@@ -173,7 +162,7 @@ class FastDecoder:
         """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
         d, B = self.dims, self.batch
         k = kernels()
-        dec, A = k.ops, k.attention
+        dec, A, moe = k.ops, k.attention, k.moe
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
         pending = None
@@ -189,7 +178,13 @@ class FastDecoder:
                 xn, xq = self._add_rmsnorm_fp4(res, o.unsqueeze(1), lw.ln_post, i)
             else:
                 xn = xq = self._add_rmsnorm(res, o.unsqueeze(1), lw.ln_post)
-            pending = self._routed_experts(xn, xq, lw, i)
+            ids, tw = dec.router_topk(dec.linear(xn, lw.w_router), d.top_k, d.norm_topk_prob)
+            if self.record_routing:
+                self.routing[i].copy_(ids)
+            if self.record_hints and i in self.hidden_hinted:
+                pending = self._experts_recording_hidden(xq, ids, tw, i)
+            else:
+                pending = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
         xn = self._add_rmsnorm(res, pending, self.w.norm)
         self._next_token(xn)
 

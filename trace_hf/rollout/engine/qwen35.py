@@ -243,7 +243,7 @@ class HybridDecoder(FastDecoder):
     def step(self) -> None:
         """One decode step on the static buffers (no host synchronization, so it can be graph-captured)."""
         d = self.dims
-        dec = kernels().ops
+        dec, moe = kernels().ops, kernels().moe
         res = F.embedding(self.tokens, self.w.embed)
         lengths = self.positions + 1
         pending, shared = None, None  # the last layer's routed slots, and its shared expert (output, gate logit)
@@ -259,7 +259,13 @@ class HybridDecoder(FastDecoder):
                 xn = xq = dec.add_rmsnorm(
                     res, o.unsqueeze(1), lw.ln_post, d.eps, round_normalized=self.round_normalized
                 )
-            pending = self._routed_experts(xn, xq, lw, i)
+            ids, tw = dec.router_topk(dec.linear(xn, lw.w_router), d.top_k, d.norm_topk_prob)
+            if self.record_routing:
+                self.routing[i].copy_(ids)
+            if self.record_hints and i in self.hidden_hinted:
+                pending = self._experts_recording_hidden(xq, ids, tw, i)
+            else:
+                pending = moe.experts_from_quantized(xq, ids, tw, lw.gate_up, lw.down, hidden_fp4=self.fp4_experts)
             shared = self._shared_expert(xn, lw)
         xn = dec.add_rmsnorm(res, pending, self.w.norm, d.eps, round_normalized=self.round_normalized, gated=shared)
         self._next_token(xn)
