@@ -342,6 +342,35 @@ def compact_progress_callback():
     return CompactProgress()
 
 
+def check_model(model_path: str, revision: str | None, prompt: str, quantized: bool) -> None:
+    """Refuse a checkpoint before the first regime spends its time on it: a folder without tokenizer files (transformers
+    then gives a tokenizer that encodes every prompt to nothing) or, for the FP4 regimes, a model without fused routed
+    experts (`TraceFP4Config` would refuse it only when the first FP4 regime loads it, after the BF16 one has run).
+    The experts are looked for on the meta device: no weights are read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from trace_hf.quant.experts import SUPPORTED_LAYOUTS, is_fused_experts
+
+    if not AutoTokenizer.from_pretrained(model_path, revision=revision)(prompt)["input_ids"]:
+        raise SystemExit(
+            f"--model_name_or_path {model_path}: its tokenizer encodes the prompt {prompt!r} to no tokens, as the "
+            "tokenizer transformers loads from a folder without tokenizer files does. Save the model's tokenizer "
+            "beside its weights (tokenizer.save_pretrained(path))."
+        )
+    if not quantized:
+        return
+    config = AutoConfig.from_pretrained(model_path, revision=revision)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    if not any(is_fused_experts(m) for m in model.modules()):
+        raise SystemExit(
+            f"--model_name_or_path {model_path}: {type(model).__name__} (model_type {config.model_type!r}) has no fused "
+            f"routed experts for the FP4 regimes to quantize. trace-hf supports {SUPPORTED_LAYOUTS}. Pass such a "
+            "checkpoint, or run only the BF16 regime (--regimes bf16)."
+        )
+
+
 def build_trainer(script, args, model_args, regime: str, model_path: str, dataset, attn):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -515,7 +544,10 @@ def main(argv=None) -> dict:
     t0 = time.time()
     dataset = load_dataset(script.dataset_name, config.seed)
     model_path = model_args.model_name_or_path
-    if model_path is None:
+    if model_path is not None:
+        quantized = any(r != "bf16" for r in script.regimes)
+        check_model(model_path, model_args.model_revision, dataset[0]["prompt"], quantized)
+    else:
         key = f"{script.dataset_name}-seed{config.seed}-steps{script.sft_steps}"
         with state.main_process_first():  # the main process trains and saves; the others then load its weights
             warm = os.path.join(config.output_dir, "sft-warm", key)

@@ -101,6 +101,13 @@ def test_prompt_ids_outside_the_vocabulary_name_the_row_and_id(fp4_model, engine
         rollout(fp4_model.eval(), [[4, 85, 54], [4, 85, bad, 56]], SETTINGS)
 
 
+@pytest.mark.parametrize("engine", ["generate", "engine"])
+def test_prompts_that_encode_to_nothing_name_the_rows_and_the_tokenizer(fp4_model, engine):
+    rollout = make_rollout(fp4_model, engine)
+    with pytest.raises(ValueError, match=r"Prompts \[1\] of 2 encode to no tokens.*tokenizer.save_pretrained"):
+        rollout(fp4_model.eval(), [[4, 85, 54], []], SETTINGS)
+
+
 def test_use_hints_without_hints_says_they_were_not_recorded(fp4_model):
     rollout = make_rollout(fp4_model, "generate")
     out = rollout(fp4_model.eval(), [[4, 85, 54]], SETTINGS, record=False)

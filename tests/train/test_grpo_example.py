@@ -125,6 +125,32 @@ def test_a_model_from_the_command_line_trains(grpo, tmp_path):
         assert json.load(f)["args"]["model"]["model_name_or_path"] == path
 
 
+def test_a_checkpoint_the_fp4_regimes_cannot_run_is_refused_before_any_regime(grpo, tmp_path):
+    """A dense checkpoint, or a folder without tokenizer files, stops the run with the fix named before the BF16
+    regime spends its time; the BF16 regime alone still runs a dense model."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = T.build_char_tokenizer()
+    dense = str(tmp_path / "dense")
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=len(tok))).save_pretrained(dense)  # fmt: skip
+    tok.save_pretrained(dense)
+    base = ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--per_device_train_batch_size", "4",
+            "--num_generations", "4", "--max_completion_length", "2"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"Qwen2ForCausalLM .*no fused routed experts.*--regimes bf16"):
+        grpo.main(["--model_name_or_path", dense, "--run_name", "dense"] + base)
+    assert not os.path.exists(tmp_path / "out" / "dense" / "bf16")  # refused before the first regime
+    out = grpo.main(["--model_name_or_path", dense, "--regimes", "bf16", "--run_name", "dense_bf16"] + base)
+    assert out["regimes"][0]["steps"] == 1
+
+    bare = T.save_tiny_model(tmp_path / "bare")
+    for name in os.listdir(bare):
+        if name.startswith(("tokenizer", "special_tokens")):
+            os.remove(os.path.join(bare, name))
+    with pytest.raises(SystemExit, match=r"encodes the prompt .* to no tokens.*tokenizer.save_pretrained"):
+        grpo.main(["--model_name_or_path", bare, "--run_name", "bare"] + base)
+
+
 def test_an_existing_run_is_refused_without_overwrite(grpo, tmp_path):
     run = grpo.prepare_run_dir(str(tmp_path), "r", False, PartialState())
     open(os.path.join(run, "table.md"), "w").close()

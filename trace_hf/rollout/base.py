@@ -46,13 +46,26 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
+def check_prompts(prompt_ids: list[list[int]]) -> None:
+    """Every rollout backend's check that there are prompts and that each has a token: a tokenizer that encodes
+    nothing would otherwise surface as a shape error deep in a forward."""
+    if not prompt_ids:
+        raise ValueError("A rollout needs at least one prompt.")
+    empty = [r for r, p in enumerate(prompt_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(
+            f"Prompts {empty[:8]} of {len(prompt_ids)} encode to no tokens; a rollout needs at least one per prompt. "
+            "An empty prompt, or a tokenizer that encodes nothing (transformers loads such a one from a model "
+            "folder without tokenizer files: save the tokenizer there, tokenizer.save_pretrained(path))."
+        )
+
+
 def left_pad(
     prompt_ids: list[list[int]], pad_id: int, device, vocab_size: int | None = None, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask [B, P], as TRL and generate lay prompts out (P: the longest prompt, or `width`).
     With `vocab_size`, the prompt ids are checked against it (`check_token_ids`) while they are still on the host."""
-    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("A rollout needs at least one prompt, each of at least one token.")
+    check_prompts(prompt_ids)
     p = max(len(x) for x in prompt_ids) if width is None else width
     ids = torch.full((len(prompt_ids), p), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompt_ids), p), dtype=torch.long)
