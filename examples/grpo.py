@@ -41,7 +41,9 @@ others wait for it.
 
 Writes, under `<output_dir>/<run_name>/` (`--output_dir`, default `outputs/grpo`; `--run_name`, default the start
 time; an existing run is never overwritten without `--overwrite`): `<regime>/metrics.json` (TRL's log history; TensorBoard or W&B logs too
-with `--report_to`), `summary.json`, `table.md` and `grpo.png` (all regimes overlaid), and prints the table.
+with `--report_to`), `summary.json`, `table.md` and `grpo.png` (all regimes overlaid), and prints the table. With
+`--export_fp4 compressed-tensors`, each FP4 regime's trained policy too (`<regime>/policy`, the NVFP4 checkpoint
+vLLM and SGLang serve; `trace_fp4` writes trace-hf's own format for `trace_hf.export.load_fp4`).
 """
 
 from __future__ import annotations
@@ -114,6 +116,16 @@ class GRPOExampleArguments:
             "With --use_peft this is the full-size model on one GPU (examples/recipes/qwen3_30b_a3b_lora_1gpu.yaml)."
         },
     )
+    export_fp4: str = field(
+        default="none",
+        metadata={
+            "help": "Write each FP4 regime's trained policy to <run>/<regime>/policy: 'compressed-tensors' (NVFP4 "
+            "W4A4, what vLLM and SGLang serve; LoRA merged, input scales calibrated on task text; needs [serve]), "
+            "'trace_fp4' (trace-hf's format, for trace_hf.export.load_fp4) or 'none'. The bf16 regime has no FP4 "
+            "experts and is not exported.",
+            "choices": ["none", "compressed-tensors", "trace_fp4"],
+        },
+    )
     sft_steps: int = field(default=100, metadata={"help": "Warm-up steps of the default tiny model."})
     threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest for the tiny model)."})
 
@@ -164,6 +176,13 @@ def parse_args(argv=None):
             "--freeze_experts keeps no BF16 expert masters, and the naive regime trains exactly those: leave naive "
             "out (--regimes bf16,fp4,trace) or train the experts (no --freeze_experts)."
         )
+    if script.export_fp4 == "compressed-tensors":  # refused now, not after the training it would export
+        from trace_hf.export.compressed import require_compressed_tensors
+
+        try:
+            require_compressed_tensors()
+        except ImportError as e:
+            parser.error(f"--export_fp4 compressed-tensors: {e}")
     # transformers takes one integration per list entry; also accept TRL's comma form "tensorboard,wandb".
     config.report_to = [r.strip() for entry in config.report_to for r in entry.split(",") if r.strip()]
     return script, config, model_args
@@ -414,6 +433,28 @@ def build_trainer(script, args, model_args, regime: str, model_path: str, datase
     return trainer
 
 
+def export_policy(trainer, directory: str, fmt: str, dataset, rows: int = 64) -> None:
+    """`--export_fp4`: the trained policy as a checkpoint to serve or to start again from. compressed-tensors' W4A4
+    scheme needs the experts' input scales, calibrated here on the task's text (prompt and reference answer of the
+    first `rows` examples); the LoRA adapters are merged first (trace_fp4 merges them itself)."""
+    from accelerate.utils import is_peft_model
+
+    from trace_hf.export import export_fp4
+
+    model, tok = trainer.model, trainer.processing_class
+    if fmt == "trace_fp4":
+        export_fp4(model, directory)
+        tok.save_pretrained(directory)
+        return
+    if is_peft_model(model):
+        model = model.merge_and_unload()
+    n = min(rows, len(dataset))
+    texts = [p + target_completion(a) for p, a in zip(dataset["prompt"][:n], dataset["answer"][:n], strict=True)]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    calibration = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    export_fp4(model, directory, format="compressed-tensors", calibration=calibration, tokenizer=tok)
+
+
 def first_of(entry: dict, names) -> float | None:
     return next((entry[k] for k in names if k in entry), None)
 
@@ -565,6 +606,12 @@ def main(argv=None) -> dict:
         regime_dir = os.path.join(run_dir, regime)
         args = regime_config(argv, regime, regime_dir)
         trainer = build_trainer(script, args, model_args, regime, model_path, dataset, attn)
+        export = script.export_fp4 != "none" and regime != "bf16"
+        if export and trainer.is_fsdp_enabled:
+            raise SystemExit(
+                "--export_fp4 under FSDP: the experts are sharded across processes. Save checkpoints "
+                "(--save_strategy steps) and export one with trace_hf.export.export_fp4 in a single process."
+            )
         t = time.time()
         trainer.train()
         history = trainer.state.log_history
@@ -572,6 +619,10 @@ def main(argv=None) -> dict:
         summary = summarize(history, regime)
         summary["train_s"] = time.time() - t
         summaries.append(summary)
+        if export:
+            if state.is_main_process:
+                export_policy(trainer, os.path.join(regime_dir, "policy"), script.export_fp4, dataset)
+            state.wait_for_everyone()
         if state.is_main_process:
             with open(os.path.join(regime_dir, "metrics.json"), "w") as f:
                 json.dump(history, f, indent=1)

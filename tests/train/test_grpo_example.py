@@ -151,6 +151,44 @@ def test_a_checkpoint_the_fp4_regimes_cannot_run_is_refused_before_any_regime(gr
         grpo.main(["--model_name_or_path", bare, "--run_name", "bare"] + base)
 
 
+@pytest.mark.parametrize("fmt", ["trace_fp4", "compressed-tensors"])
+def test_the_exported_policy_computes_as_the_trained_one(grpo, tmp_path, fmt):
+    """--export_fp4 (`export_policy`): the trained policy, LoRA merged, loads back with load_fp4, with its tokenizer,
+    and gives the trained model's logits bit for bit (frozen FP4 experts, bf16 dense weights, in either format)."""
+    from transformers import AutoTokenizer
+
+    from trace_hf.export import load_fp4
+
+    path = T.save_tiny_model(tmp_path / "m", dtype=torch.bfloat16)
+    argv = ["--model_name_or_path", path, "--freeze_experts", "--use_peft", "--lora_target_modules", "q_proj",
+            "v_proj", "--learning_rate", "0.05", "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "3"]  # fmt: skip
+    script, _, model_args = grpo.parse_args(argv + ["--export_fp4", fmt])
+    data = grpo.load_dataset(script.dataset_name, 0)
+    args = grpo.regime_config(argv, "trace", str(tmp_path / "out" / "trace"))
+    trainer = grpo.build_trainer(script, args, model_args, "trace", path, data, None)
+    trainer.train()
+    grpo.export_policy(trainer, str(tmp_path / "policy"), fmt, data)
+    trained = trainer.model.merge_and_unload().eval()
+    policy = load_fp4(str(tmp_path / "policy"), dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[5, 17, 9, 30, 4, 11]])
+    with torch.no_grad():
+        want, got = trained(ids).logits.float(), policy(ids).logits.float()
+    assert torch.equal(got, want), (got - want).abs().max()  # the untrained model is 0.7 away here
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "policy"))("1+2")["input_ids"]
+
+
+def test_export_runs_after_each_fp4_regime_only(grpo, tmp_path):
+    path = T.save_tiny_model(tmp_path / "m")
+    out = grpo.main(
+        ["--model_name_or_path", path, "--regimes", "bf16,trace", "--export_fp4", "trace_fp4", "--output_dir",
+         str(tmp_path / "out"), "--run_name", "r", "--max_steps", "1", "--per_device_train_batch_size", "4",
+         "--num_generations", "4", "--max_completion_length", "2"]
+    )  # fmt: skip
+    assert os.path.exists(os.path.join(out["run_dir"], "trace", "policy", "config.json"))
+    assert not os.path.exists(os.path.join(out["run_dir"], "bf16", "policy"))
+
+
 def test_an_existing_run_is_refused_without_overwrite(grpo, tmp_path):
     run = grpo.prepare_run_dir(str(tmp_path), "r", False, PartialState())
     open(os.path.join(run, "table.md"), "w").close()

@@ -39,7 +39,8 @@ WEIGHTS_FILE = "model.safetensors"
 _PROJS = ("gate_up_proj", "down_proj")
 
 
-def _require_compressed_tensors():
+def require_compressed_tensors():
+    """Raise an ImportError naming the install when compressed-tensors is missing (scripts check it up front)."""
     try:
         import compressed_tensors  # noqa: F401
     except ImportError as e:
@@ -349,7 +350,7 @@ def export_compressed_tensors(
 
     Returns the bytes written for the experts and for the other weights.
     """
-    _require_compressed_tensors()
+    require_compressed_tensors()
     from compressed_tensors.compressors import ModelCompressor
 
     if scheme not in SCHEMES:
@@ -541,7 +542,7 @@ def load_compressed_tensors(directory: str | os.PathLike, quantization_config=No
     (masters set to their dequantized values). Dense Linears the checkpoint holds in NVFP4 too (llm-compressor
     quantizes attention as well) are decompressed to the model dtype with compressed-tensors' own compressor.
     """
-    _require_compressed_tensors()
+    require_compressed_tensors()
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoConfig, AutoModelForCausalLM
