@@ -650,9 +650,10 @@ def main(argv=None) -> dict:
     )
     png = os.path.join(run_dir, "grpo.png")
     plot(histories, png, title)
+    policies = ", <FP4 regime>/policy" if script.export_fp4 != "none" else ""
     print(
         f"\n{text}\n\n{time.time() - t0:.0f}s in all. Written to {run_dir}: table.md, summary.json, grpo.png, "
-        "<regime>/metrics.json"
+        f"<regime>/metrics.json{policies}"
     )
     return {"run_dir": run_dir, "regimes": summaries}
 
