@@ -606,11 +606,10 @@ def main(argv=None) -> dict:
         regime_dir = os.path.join(run_dir, regime)
         args = regime_config(argv, regime, regime_dir)
         trainer = build_trainer(script, args, model_args, regime, model_path, dataset, attn)
-        export = script.export_fp4 != "none" and regime != "bf16"
-        if export and trainer.is_fsdp_enabled:
+        if script.export_fp4 != "none" and trainer.is_fsdp_enabled:  # seen on the first regime, before it trains
             raise SystemExit(
-                "--export_fp4 under FSDP: the experts are sharded across processes. Save checkpoints "
-                "(--save_strategy steps) and export one with trace_hf.export.export_fp4 in a single process."
+                "--export_fp4 under FSDP: each process holds a shard of the experts. Save checkpoints (--save_strategy "
+                "steps) and export one in a single process with trace_hf.export.export_fp4."
             )
         t = time.time()
         trainer.train()
@@ -619,7 +618,7 @@ def main(argv=None) -> dict:
         summary = summarize(history, regime)
         summary["train_s"] = time.time() - t
         summaries.append(summary)
-        if export:
+        if script.export_fp4 != "none" and regime != "bf16":
             if state.is_main_process:
                 export_policy(trainer, os.path.join(regime_dir, "policy"), script.export_fp4, dataset)
             state.wait_for_everyone()
