@@ -47,8 +47,8 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_prompts(prompt_ids: list[list[int]]) -> None:
-    """Every rollout backend's check that there are prompts and that each has a token: a tokenizer that encodes
-    nothing would otherwise surface as a shape error deep in a forward."""
+    """The check that there are prompts and that each has a token, naming the empty rows and the likely cause (a
+    tokenizer that encodes nothing); `generate`'s path calls it through `left_pad`."""
     if not prompt_ids:
         raise ValueError("A rollout needs at least one prompt.")
     empty = [r for r, p in enumerate(prompt_ids) if len(p) == 0]

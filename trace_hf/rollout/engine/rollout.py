@@ -56,7 +56,7 @@ from ...hints import HintRecorder
 from ...quant.experts import fp4_experts
 from ...quant.freshness import no_prefill_refresh
 from ...quant.kv_cache import FP4KVLayer, fp4_cache
-from ..base import RolloutOutput, causal_lm, check_prompts, cut_after_eos, left_pad, to_lists, vocab_size_of
+from ..base import RolloutOutput, causal_lm, cut_after_eos, left_pad, to_lists, vocab_size_of
 from ..generate import check_sampling
 from ..sampling import SamplingSettings
 from .decoder import FastDecoder
@@ -261,7 +261,8 @@ class EngineRollout:
     def _rollout(self, lm, prompt_ids, s: SamplingSettings, record: bool, storage: str) -> RolloutOutput:
         w = self._weights_for(lm)
         dev = w.embed.device
-        check_prompts(prompt_ids)
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("A rollout needs at least one prompt, each of at least one token.")
         # One left-pad width for every wave, so each wave's rows are laid out as in one batch of all of them.
         P = max(len(p) for p in prompt_ids)
         length = cache_length(P + s.max_new_tokens, self.length_bucket if dev.type == "cuda" else 1)
